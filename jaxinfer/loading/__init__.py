@@ -1,0 +1,70 @@
+"""Model loading: one entry point from a model spec to (config, params, tokenizer).
+
+A spec is an alias ("smollm2-135m"), a path to a .gguf file, an HF directory (config.json and
+*.safetensors, sharded index allowed), or an orbax checkpoint directory written by
+`python -m jaxinfer.launch.convert`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional
+
+import jax.numpy as jnp
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.loading.gguf import ModelFileError
+from jaxinfer.loading.hub import is_alias, resolve_alias
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    config: ModelConfig
+    params: object          # the model family's params pytree, on device
+    tokenizer: Optional[object]
+    source: str             # resolved path
+
+
+def load_model(spec: str, dtype=jnp.float32) -> LoadedModel:
+    """Loads a model from a spec. Raises ValueError (ModelFileError) for anything unusable."""
+    from jaxinfer.models import get_model
+
+    if not isinstance(spec, (str, os.PathLike)):
+        raise ValueError(f"model must be an alias or a path, got {type(spec).__name__}")
+    spec = os.fspath(spec)
+    path = os.path.expanduser(spec)
+    if not os.path.exists(path):
+        if is_alias(spec):
+            path = resolve_alias(spec)
+        elif spec.endswith(".gguf") or os.sep in spec or spec.startswith("."):
+            raise ModelFileError(f"model path {spec!r} does not exist")
+        else:
+            from jaxinfer.loading.hub import ALIASES
+            raise ValueError(f"unknown model {spec!r}: not a known alias ({sorted(ALIASES)}) "
+                             "and no such file or directory")
+
+    if os.path.isdir(path):
+        from jaxinfer.loading import checkpoint, safetensors
+
+        if checkpoint.is_checkpoint_dir(path):
+            cfg, params, tokenizer = checkpoint.load_checkpoint(path, dtype=dtype)
+            return LoadedModel(cfg, params, tokenizer, path)
+        if os.path.exists(os.path.join(path, "config.json")):
+            cfg, weights = safetensors.load_hf_dir(path)
+            params = get_model(cfg.architecture).params_from_weights(cfg, weights, dtype)
+            tokenizer = None
+            if os.path.exists(os.path.join(path, "tokenizer.json")):
+                from jaxinfer.loading.tokenizer import Tokenizer
+                tokenizer = Tokenizer.from_hf_dir(path)
+            return LoadedModel(cfg, params, tokenizer, path)
+        raise ModelFileError(
+            f"directory {path!r} is neither an HF model (config.json + *.safetensors) nor a "
+            "jaxinfer checkpoint")
+
+    from jaxinfer.loading.gguf import load_gguf
+    from jaxinfer.loading.tokenizer import Tokenizer
+
+    cfg, weights, meta = load_gguf(path)
+    params = get_model(cfg.architecture).params_from_weights(cfg, weights, dtype)
+    return LoadedModel(cfg, params, Tokenizer.from_gguf_metadata(meta), path)

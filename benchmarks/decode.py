@@ -1,0 +1,91 @@
+"""Batch-1 decode and 512-token prefill throughput against the weight-bandwidth roofline.
+
+    python benchmarks/decode.py [--model smollm2-135m] [--runs 5] [--decode_tokens 128]
+
+Prints, all measured in this one process:
+  * read bandwidth: a jitted jnp.sum over a 1 GiB float32 array (median of runs);
+  * decode tokens/s at batch 1 (ignore_eos, median of runs, tokens after the first);
+  * prefill tokens/s for a 512-token prompt (median of runs);
+  * roofline = bandwidth / weight bytes read per decode token; fraction = decode / roofline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def read_bandwidth(runs: int, gib: float = 1.0) -> float:
+    n = int(gib * (1 << 30) // 4)
+    x = jnp.ones((n,), jnp.float32)
+    f = jax.jit(jnp.sum)
+    f(x).block_until_ready()
+    times = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        f(x).block_until_ready()
+        times.append(time.perf_counter() - t)
+    del x
+    return n * 4 / statistics.median(times)
+
+
+def weight_bytes(params) -> int:
+    # Every weight is read once per decode step; the tied head reads the whole embedding.
+    return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(params))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--decode_tokens", type=int, default=128)
+    ap.add_argument("--prefill_tokens", type=int, default=512)
+    ap.add_argument("--json", action="store_true", help="print one JSON line instead of text")
+    args = ap.parse_args()
+
+    import jaxinfer as ji
+
+    llm = ji.LLM(args.model, max_num_seqs=1, max_seq_len=1024)
+    wbytes = weight_bytes(llm._engine.params)
+    rng = np.random.default_rng(0)
+    prefill_prompt = rng.integers(100, llm.model_config.vocab_size, args.prefill_tokens).tolist()
+    llm.generate([prefill_prompt], ji.SamplingParams(max_tokens=2))  # compile
+    decode_params = ji.SamplingParams(max_tokens=args.decode_tokens, ignore_eos=True)
+    llm.generate("The history of", decode_params)  # compile
+
+    decode_tps, prefill_tps = [], []
+    for _ in range(args.runs):
+        out = llm.generate("The history of", decode_params)[0]
+        decode_tps.append(out.metrics.decode_tokens_per_s)
+        out = llm.generate([prefill_prompt], ji.SamplingParams(max_tokens=1))[0]
+        prefill_tps.append(args.prefill_tokens / out.metrics.ttft_s)
+    bw = read_bandwidth(args.runs)
+    decode = statistics.median(decode_tps)
+    roofline = bw / wbytes
+    result = {
+        "backend": jax.default_backend(), "dtype": llm.dtype,
+        "weight_bytes": wbytes, "read_bandwidth_GBps": bw / 1e9,
+        "decode_tokens_per_s": decode, "decode_runs": decode_tps,
+        "prefill_tokens_per_s": statistics.median(prefill_tps),
+        "roofline_tokens_per_s": roofline, "fraction_of_roofline": decode / roofline,
+    }
+    if args.json:
+        print(json.dumps(result))
+        return
+    print(f"backend {result['backend']}, dtype {result['dtype']}, "
+          f"weights {wbytes / 1e6:.1f} MB read per decode token")
+    print(f"read bandwidth        {bw / 1e9:8.2f} GB/s (jnp.sum over 1 GiB, median of {args.runs})")
+    print(f"decode (batch 1)      {decode:8.2f} tokens/s (median of {args.runs}: "
+          f"{', '.join(f'{x:.1f}' for x in decode_tps)})")
+    print(f"prefill (512 tokens)  {result['prefill_tokens_per_s']:8.1f} tokens/s")
+    print(f"roofline              {roofline:8.2f} tokens/s -> fraction {decode / roofline:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""The one attention entry point of the models.
+
+Shape legend: B batch, T query tokens, S key slots, N query heads, K kv heads, G = N // K,
+H head dim.
+
+Visibility is decided from absolute positions alone: key j is visible to query t iff
+0 <= kpos[j] <= qpos[t] and, with a sliding window w, kpos[j] > qpos[t] - w. Padding queries or
+keys carry position -1 (keys) and are masked out; a padding query's output is discarded by the
+caller. Implementations: "reference" (pure jnp, here). The Pallas kernels plug in behind the same
+function.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+KVSegment = tuple  # (k [B, S, K, H], v [B, S, K, H], k_positions [B, S])
+
+IMPLEMENTATIONS = ("reference",)
+
+
+def attention(q: jax.Array, q_positions: jax.Array, segments: Sequence[KVSegment], *,
+              sliding_window: int | None = None, softcap: float | None = None,
+              sm_scale: float | None = None, implementation: str = "reference") -> jax.Array:
+    """Causal GQA attention of q over the keys of one or more segments.
+
+    q [B, T, N, H]; q_positions [B, T] int32; each segment is (k, v, k_positions) with
+    k, v [B, S_i, K, H] and k_positions [B, S_i] int32 (-1 = empty). Segments let a chunk attend to
+    the cache and to its own keys without first writing into (and possibly wrapping over) a ring.
+    Returns [B, T, N, H] in q.dtype.
+    """
+    if implementation != "reference":
+        raise ValueError(f"unknown attention implementation {implementation!r}; "
+                         f"available: {IMPLEMENTATIONS}")
+    return reference_attention(q, q_positions, segments, sliding_window=sliding_window,
+                               softcap=softcap, sm_scale=sm_scale)
+
+
+def reference_attention(q, q_positions, segments, *, sliding_window=None, softcap=None,
+                        sm_scale=None):
+    B, T, N, H = q.shape
+    K = segments[0][0].shape[2]
+    G = N // K
+    scale = sm_scale if sm_scale is not None else H ** -0.5
+    qg = q.reshape(B, T, K, G, H)
+    qp = q_positions[:, :, None]                                          # [B, T, 1]
+    logits = []
+    for k, _, k_positions in segments:
+        s = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32) * scale
+        if softcap is not None:
+            s = softcap * jnp.tanh(s / softcap)
+        kp = k_positions[:, None, :]                                      # [B, 1, S]
+        visible = (kp >= 0) & (kp <= qp)
+        if sliding_window is not None:
+            visible &= kp > qp - sliding_window
+        logits.append(jnp.where(visible[:, None, None], s, -jnp.inf))
+    logits = jnp.concatenate(logits, axis=-1)                             # [B, K, G, T, S]
+    # A query with no visible key (padding) would give NaN; give it zeros instead.
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(logits - m)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(denom == 0, 1.0, denom)
+    out = 0.0
+    start = 0
+    for _, v, _ in segments:
+        S = v.shape[1]
+        out = out + jnp.einsum("BKGTS,BSKH->BTKGH", p[..., start:start + S].astype(v.dtype), v,
+                               preferred_element_type=jnp.float32)
+        start += S
+    return out.reshape(B, T, N, H).astype(q.dtype)

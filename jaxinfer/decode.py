@@ -1,0 +1,131 @@
+"""Jitted device steps: prefill_chunk and decode_loop.
+
+Shape legend: B batch rows (slots), T prefill chunk length, V vocab, E stop ids per row,
+S decode steps per dispatch.
+
+The device owns DecodeState (the cache, each row's last token, output count and seen-token mask)
+and it is donated through every call. The host owns everything that describes requests and
+passes it as arrays each call (RowParams), so no request property is ever a compile-time
+constant. Static arguments are only shapes: the chunk length, steps per dispatch and kv_view.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.kv_cache import RingKVCache
+from jaxinfer.models import llama
+from jaxinfer.sampling import SamplingArrays, mark_seen, sample
+
+
+@flax.struct.dataclass
+class DecodeState:
+    cache: RingKVCache
+    last_token: jax.Array     # [B] int32: the newest token of each row, not yet in the cache
+    num_generated: jax.Array  # [B] int32: tokens generated so far by the row's request
+    seen: jax.Array           # [B, V] bool: tokens of prompt and output (repetition penalty)
+
+    @classmethod
+    def create(cls, cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.float32):
+        return cls(cache=RingKVCache.create(cfg.num_layers, batch, capacity, cfg.num_kv_heads,
+                                            cfg.head_dim, dtype),
+                   last_token=jnp.zeros((batch,), jnp.int32),
+                   num_generated=jnp.zeros((batch,), jnp.int32),
+                   seen=jnp.zeros((batch, cfg.vocab_size), bool))
+
+
+@flax.struct.dataclass
+class RowParams:
+    """Per-row request parameters, rebuilt by the host for every call."""
+
+    sampling: SamplingArrays
+    max_new: jax.Array    # [B] int32: tokens the row may generate (max_tokens, and max_seq_len)
+    stop_ids: jax.Array   # [B, E] int32: ids that end the row (EOS unless ignore_eos); -1 pads
+    active: jax.Array     # [B] bool: the row is decoding (False: free or still in prefill)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def reset_rows(state: DecodeState, mask: jax.Array) -> DecodeState:
+    """Empties the rows where mask [B] is set, for new requests. K/V data is left in place:
+    slots with position -1 are never attended."""
+    cache = state.cache
+    cache = cache.replace(positions=jnp.where(mask[:, None], -1, cache.positions),
+                          lengths=jnp.where(mask, 0, cache.lengths))
+    return state.replace(cache=cache,
+                         last_token=jnp.where(mask, 0, state.last_token),
+                         num_generated=jnp.where(mask, 0, state.num_generated),
+                         seen=state.seen & ~mask[:, None])
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "kv_view", "attn_impl"), donate_argnums=(1,))
+def prefill_chunk(params, state: DecodeState, tokens: jax.Array, num_new: jax.Array,
+                  completes: jax.Array, rows: RowParams, *, cfg: ModelConfig,
+                  kv_view: int | None = None, attn_impl: str = "reference"):
+    """Feeds up to T prompt tokens per row into the cache.
+
+    tokens [B, T] int32; num_new [B] int32 real tokens per row (0 for rows not prefilling);
+    completes [B] bool: this chunk ends the row's prompt, so its first output token is sampled
+    from the logits at the row's last real position. Returns (state, first_tokens [B] int32),
+    first_tokens meaningful where completes.
+    """
+    B, T = tokens.shape
+    t = jnp.arange(T, dtype=jnp.int32)[None, :]
+    seen = mark_seen(state.seen, tokens, t < num_new[:, None])
+    h, cache = llama.forward(params, cfg, tokens, state.cache, num_new, kv_view=kv_view,
+                             attn_impl=attn_impl)
+    last = jnp.clip(num_new - 1, 0, T - 1)
+    h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]   # [B, D]
+    logits = llama.lm_head(params, h_last)                               # [B, V]
+    first = sample(logits, rows.sampling, seen, jnp.zeros((B,), jnp.int32))
+    seen = mark_seen(seen, first[:, None], completes[:, None])
+    state = DecodeState(cache=cache,
+                        last_token=jnp.where(completes, first, state.last_token),
+                        num_generated=jnp.where(completes, 1, state.num_generated),
+                        seen=seen)
+    return state, first
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "num_steps", "kv_view", "attn_impl"),
+                   donate_argnums=(1,))
+def decode_loop(params, state: DecodeState, rows: RowParams, *, cfg: ModelConfig,
+                num_steps: int, kv_view: int | None = None, attn_impl: str = "reference"):
+    """Runs up to num_steps decode steps in one dispatch (a lax.while_loop).
+
+    Each step feeds every active row's last token, samples the next and records it. A row stops
+    on a stop id or when it has max_new tokens; the loop ends when all rows have stopped or after
+    num_steps. Returns (state, out_tokens [B, S] int32, num_out [B] int32, done [B] bool): row b
+    produced out_tokens[b, :num_out[b]]; done[b] says it stopped (its last token tells why).
+    """
+    B = state.last_token.shape[0]
+    stopped = ~rows.active | (state.num_generated >= rows.max_new)
+    stopped |= jnp.any(state.last_token[:, None] == rows.stop_ids, axis=-1) & rows.active
+    out = jnp.zeros((B, num_steps), jnp.int32)
+
+    def cond(carry):
+        step, _, stopped, _, _ = carry
+        return (step < num_steps) & ~jnp.all(stopped)
+
+    def body(carry):
+        step, state, stopped, out, num_out = carry
+        running = ~stopped
+        h, cache = llama.forward(params, cfg, state.last_token[:, None], state.cache,
+                                 running.astype(jnp.int32), kv_view=kv_view, attn_impl=attn_impl)
+        logits = llama.lm_head(params, h[:, 0])
+        token = sample(logits, rows.sampling, state.seen, state.num_generated)
+        token = jnp.where(running, token, state.last_token)
+        out = out.at[:, step].set(jnp.where(running, token, -1))
+        num_generated = state.num_generated + running
+        seen = mark_seen(state.seen, token[:, None], running[:, None])
+        hit_stop = jnp.any(token[:, None] == rows.stop_ids, axis=-1)
+        stopped = stopped | (running & (hit_stop | (num_generated >= rows.max_new)))
+        state = DecodeState(cache=cache, last_token=token, num_generated=num_generated, seen=seen)
+        return step + 1, state, stopped, out, num_out + running
+
+    carry = (jnp.int32(0), state, stopped, out, jnp.zeros((B,), jnp.int32))
+    _, state, stopped, out, num_out = jax.lax.while_loop(cond, body, carry)
+    return state, out, num_out, stopped

@@ -1,0 +1,292 @@
+"""The host-side engine: requests in slots of a ring-buffer cache, driven step by step.
+
+Host code only: it decides which rows prefill or decode, pads inputs in numpy to bucketed shapes,
+and turns device outputs into RequestOutputs. All device math is in jaxinfer.decode.
+
+A step: (1) admit waiting requests into free slots, (2) if any row is prefilling, run one
+prefill chunk for all of them, (3) run one decode dispatch (several steps in a while_loop) for the
+rows that are decoding. Finished rows free their slot for the next waiting request.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer import decode
+from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.engine.request import RequestMetrics, RequestOutput, SamplingParams
+from jaxinfer.engine.textstream import TextStream
+from jaxinfer.sampling import SamplingArrays
+
+MAX_STOP_IDS = 8
+
+
+def _buckets(limit: int, base: int, factor: int) -> tuple[int, ...]:
+    out, b = [], base
+    while b < limit:
+        out.append(b)
+        b *= factor
+    return tuple(out) + (limit,)
+
+
+def _pick(buckets: tuple[int, ...], n: int) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    return buckets[-1]
+
+
+@dataclasses.dataclass
+class Request:
+    request_id: str
+    prompt: Optional[str]
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    max_new: int
+    stream: TextStream
+    metrics: RequestMetrics
+    slot: Optional[int] = None
+    prefilled: int = 0
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    finish_reason: Optional[str] = None
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(request_id=self.request_id, prompt=self.prompt,
+                             prompt_token_ids=list(self.prompt_ids), text=self.stream.text,
+                             token_ids=list(self.token_ids), finish_reason=self.finish_reason,
+                             metrics=self.metrics)
+
+
+class Engine:
+    """Continuous batching over max_num_seqs slots of a ring-buffer cache."""
+
+    def __init__(self, cfg: ModelConfig, params, tokenizer, engine_cfg: EngineConfig,
+                 capacity: int, dtype):
+        self.cfg = cfg
+        self.params = params
+        self.tokenizer = tokenizer
+        self.ecfg = engine_cfg
+        self.capacity = capacity
+        self.dtype = dtype
+        B = engine_cfg.max_num_seqs
+        self.batch_buckets = _buckets(B, 1, 4)
+        self.chunk_buckets = _buckets(engine_cfg.prefill_chunk, min(16, engine_cfg.prefill_chunk), 8)
+        self.kv_buckets = _buckets(capacity, min(256, capacity), 4)
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.slots: list[Optional[Request]] = []
+        self.state: Optional[decode.DecodeState] = None
+        self.eos_ids = tuple(getattr(tokenizer, "eos_token_ids", None) or
+                             ([cfg.eos_token_id] if cfg.eos_token_id is not None else []))
+        self.stats_counters = collections.Counter()
+        self.start_time = time.perf_counter()
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Optional[Request]:
+        for req in list(self.waiting):
+            if req.request_id == request_id:
+                self.waiting.remove(req)
+                return self._finish(req, "abort")
+        for req in self.slots:
+            if req is not None and req.request_id == request_id:
+                return self._finish(req, "abort")
+        return None
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting) or any(r is not None for r in self.slots)
+
+    def _finish(self, req: Request, reason: str) -> Request:
+        req.finish_reason = reason
+        req.stream.finish()
+        req.metrics.finished_time = time.perf_counter()
+        if req.slot is not None and req.slot < len(self.slots) and self.slots[req.slot] is req:
+            self.slots[req.slot] = None
+        self.stats_counters["finished"] += 1
+        return req
+
+    # ---- device state ------------------------------------------------------------------------
+
+    def _ensure_batch(self) -> None:
+        """Sizes the slot batch for what is running and waiting (bucketed), keeping the state
+        while running rows exist."""
+        running = sum(r is not None for r in self.slots)
+        want = _pick(self.batch_buckets, running + len(self.waiting))
+        if self.state is not None and (want == len(self.slots) or running):
+            return
+        self.state = decode.DecodeState.create(self.cfg, want, self.capacity, self.dtype)
+        self.slots = [None] * want
+
+    def _row_params(self, decoding: np.ndarray) -> decode.RowParams:
+        B = len(self.slots)
+        temp = np.zeros(B, np.float32)
+        top_k = np.zeros(B, np.int32)
+        top_p = np.ones(B, np.float32)
+        min_p = np.zeros(B, np.float32)
+        rep = np.ones(B, np.float32)
+        seed = np.zeros(B, np.uint32)
+        max_new = np.zeros(B, np.int32)
+        stop_ids = np.full((B, MAX_STOP_IDS), -1, np.int32)
+        for b, req in enumerate(self.slots):
+            if req is None:
+                continue
+            p = req.params
+            temp[b], top_k[b], top_p[b], min_p[b] = p.temperature, p.top_k, p.top_p, p.min_p
+            rep[b], seed[b], max_new[b] = p.repetition_penalty, req.seed, req.max_new
+            if not p.ignore_eos:
+                ids = self.eos_ids[:MAX_STOP_IDS]
+                stop_ids[b, :len(ids)] = ids
+        sampling = SamplingArrays(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
+                                  repetition_penalty=rep, seed=seed)
+        return decode.RowParams(sampling=sampling, max_new=max_new, stop_ids=stop_ids,
+                                active=decoding)
+
+    # ---- one scheduling step -----------------------------------------------------------------
+
+    def step(self) -> list[Request]:
+        """Runs one scheduling step; returns the requests that progressed (finished included)."""
+        self._ensure_batch()
+        progressed: dict[str, Request] = {}
+        now = time.perf_counter()
+        admitted = np.zeros(len(self.slots), bool)
+        for b in range(len(self.slots)):
+            if self.slots[b] is None and self.waiting:
+                req = self.waiting.popleft()
+                req.slot = b
+                req.metrics.first_scheduled_time = now
+                self.slots[b] = req
+                admitted[b] = True
+        if admitted.any():
+            self.state = decode.reset_rows(self.state, admitted)
+
+        prefilling = [r for r in self.slots if r is not None and r.prefilled < len(r.prompt_ids)]
+        if prefilling:
+            for req in self._prefill(prefilling):
+                progressed[req.request_id] = req
+        # Rows whose prompt is in the cache decode (their first token came from prefill).
+        decoding = np.array([r is not None and r.prefilled == len(r.prompt_ids)
+                             for r in self.slots])
+        if decoding.any():
+            for req in self._decode(decoding):
+                progressed[req.request_id] = req
+        return list(progressed.values())
+
+    def _prefill(self, prefilling: list[Request]) -> list[Request]:
+        B = len(self.slots)
+        remaining = max(len(r.prompt_ids) - r.prefilled for r in prefilling)
+        T = _pick(self.chunk_buckets, remaining)
+        tokens = np.zeros((B, T), np.int32)
+        num_new = np.zeros(B, np.int32)
+        completes = np.zeros(B, bool)
+        longest = 0
+        for req in prefilling:
+            n = min(T, len(req.prompt_ids) - req.prefilled)
+            tokens[req.slot, :n] = req.prompt_ids[req.prefilled:req.prefilled + n]
+            num_new[req.slot] = n
+            completes[req.slot] = req.prefilled + n == len(req.prompt_ids)
+            longest = max(longest, req.prefilled)
+        kv_view = _pick(self.kv_buckets, longest)
+        self.state, first = decode.prefill_chunk(
+            self.params, self.state, tokens, num_new, completes, self._row_params(completes),
+            cfg=self.cfg, kv_view=kv_view, attn_impl=self.ecfg.attention)
+        self.stats_counters["prompt_tokens"] += int(num_new.sum())
+        for req in prefilling:
+            req.prefilled += int(num_new[req.slot])
+        if not completes.any():
+            return []
+        first = np.asarray(first)
+        done = []
+        for req in prefilling:
+            if completes[req.slot]:
+                self._append(req, [int(first[req.slot])], stopped=False)
+                done.append(req)
+        return done
+
+    def _decode(self, decoding: np.ndarray) -> list[Request]:
+        longest = max(len(r.prompt_ids) + len(r.token_ids)
+                      for r, d in zip(self.slots, decoding) if d)
+        kv_view = _pick(self.kv_buckets, longest + self.ecfg.decode_steps)
+        self.state, out, num_out, done = decode.decode_loop(
+            self.params, self.state, self._row_params(decoding), cfg=self.cfg,
+            num_steps=self.ecfg.decode_steps, kv_view=kv_view, attn_impl=self.ecfg.attention)
+        out, num_out, done = jax.device_get((out, num_out, done))
+        progressed = []
+        for b, req in enumerate(self.slots):
+            if req is None or not decoding[b]:
+                continue
+            self._append(req, out[b, :num_out[b]].tolist(), stopped=bool(done[b]))
+            progressed.append(req)
+        return progressed
+
+    def _append(self, req: Request, new_ids: list[int], stopped: bool) -> None:
+        """Adds tokens the device produced, applying EOS, stop strings and length limits."""
+        now = time.perf_counter()
+        if req.metrics.first_token_time is None and new_ids:
+            req.metrics.first_token_time = now
+        eos = set(self.eos_ids) if not req.params.ignore_eos else set()
+        for tok in new_ids:
+            if tok in eos:
+                self._finish(req, "stop")
+                return
+            req.token_ids.append(tok)
+            req.metrics.generated_tokens += 1
+            req.metrics.token_times.append(now)
+            self.stats_counters["generated_tokens"] += 1
+            if req.stream.add(tok):
+                self._finish(req, "stop")
+                return
+            if len(req.token_ids) >= req.max_new:
+                self._finish(req, "length")
+                return
+        if stopped:  # device stopped the row on a limit it knows (max_new)
+            self._finish(req, "length")
+
+    # ---- warmup and stats --------------------------------------------------------------------
+
+    def warmup(self) -> float:
+        """Compiles every (batch, chunk, kv_view) shape the engine can dispatch."""
+        t0 = time.perf_counter()
+        saved_slots, saved_state = self.slots, self.state
+        for B in self.batch_buckets:
+            self.slots = [None] * B
+            state = decode.DecodeState.create(self.cfg, B, self.capacity, self.dtype)
+            idle = np.zeros(B, bool)
+            rows = self._row_params(idle)
+            state = decode.reset_rows(state, idle)
+            for kv_view in self.kv_buckets:
+                for T in self.chunk_buckets:
+                    state, _ = decode.prefill_chunk(
+                        self.params, state, np.zeros((B, T), np.int32), np.zeros(B, np.int32),
+                        idle, rows, cfg=self.cfg, kv_view=kv_view, attn_impl=self.ecfg.attention)
+                state, *_ = decode.decode_loop(
+                    self.params, state, rows, cfg=self.cfg, num_steps=self.ecfg.decode_steps,
+                    kv_view=kv_view, attn_impl=self.ecfg.attention)
+            jax.block_until_ready(state)
+            del state
+        self.slots, self.state = saved_slots, saved_state
+        return time.perf_counter() - t0
+
+    def stats(self) -> dict:
+        elapsed = time.perf_counter() - self.start_time
+        c = self.stats_counters
+        return {
+            "running": sum(r is not None for r in self.slots),
+            "waiting": len(self.waiting),
+            "num_slots": len(self.slots),
+            "max_num_seqs": self.ecfg.max_num_seqs,
+            "prompt_tokens": c["prompt_tokens"],
+            "generated_tokens": c["generated_tokens"],
+            "finished_requests": c["finished"],
+            "elapsed_s": elapsed,
+            "generation_tokens_per_s": c["generated_tokens"] / elapsed if elapsed > 0 else 0.0,
+        }

@@ -1,0 +1,69 @@
+"""Converts a model (alias, .gguf file or HF directory) to a jaxinfer orbax checkpoint.
+
+    python -m jaxinfer.launch.convert --model smollm2-135m --output /tmp/smollm2 \
+        [--dtype float32|bfloat16] [--overwrite]
+
+The checkpoint restores without the source model or its tokenizer files:
+`jaxinfer.loading.load_model("/tmp/smollm2")`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from absl import app, flags, logging
+
+_MODEL = flags.DEFINE_string("model", None, "Model alias, .gguf path or HF model directory.")
+_OUTPUT = flags.DEFINE_string("output", None, "Checkpoint directory to write.")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
+                           "Dtype the params are stored in.")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False,
+                               "Replace an existing jaxinfer checkpoint at --output.")
+flags.mark_flags_as_required(["model", "output"])
+
+
+def _dir_size(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(root, f))
+               for root, _, files in os.walk(path) for f in files)
+
+
+def convert(model: str, output: str, dtype: str = "float32", overwrite: bool = False) -> dict:
+    """Loads `model` with params cast to `dtype` and saves it as a checkpoint at `output`.
+
+    Returns a summary: output, num_params, bytes (on disk), seconds, has_tokenizer.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from jaxinfer.loading import load_model
+    from jaxinfer.loading.checkpoint import save_checkpoint
+
+    start = time.perf_counter()
+    loaded = load_model(model, dtype=jnp.dtype(dtype))
+    save_checkpoint(output, loaded.config, loaded.params, loaded.tokenizer, overwrite=overwrite)
+    return {
+        "output": os.path.abspath(output),
+        "num_params": sum(int(x.size) for x in jax.tree.leaves(loaded.params)),
+        "bytes": _dir_size(output),
+        "seconds": time.perf_counter() - start,
+        "has_tokenizer": loaded.tokenizer is not None,
+    }
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)  # app.run's INFO default floods with orbax logs
+    try:
+        s = convert(_MODEL.value, _OUTPUT.value, _DTYPE.value, _OVERWRITE.value)
+    except ValueError as e:  # unusable model or output directory: a message, not a traceback
+        raise SystemExit(f"error: {e}") from None
+    print(f"wrote {s['output']}: {s['num_params']:,} params ({_DTYPE.value}), "
+          f"{s['bytes'] / 2**20:.1f} MiB, tokenizer: {'yes' if s['has_tokenizer'] else 'no'}, "
+          f"in {s['seconds']:.1f} s")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,239 @@
+"""The public entry point: `LLM`.
+
+Validates everything a user passes before any device work, loads the model, and drives the host
+engine (jaxinfer.engine.engine) for generate / chat / stream and the request-level API.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import secrets
+import time
+from typing import Iterator, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import EngineConfig, MeshConfig
+from jaxinfer.engine.engine import Engine, Request
+from jaxinfer.engine.request import RequestMetrics, RequestOutput, SamplingParams
+from jaxinfer.engine.textstream import TextStream
+
+Prompt = Union[str, Sequence[int]]
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+_ATTENTION = ("auto", "reference", "pallas")
+
+
+def _default_dtype() -> str:
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+class LLM:
+    """A model ready to generate. See the README for the arguments; each is checked here."""
+
+    def __init__(self, model: str = "smollm2-135m", *, dtype: Optional[str] = None,
+                 max_seq_len: Optional[int] = None, max_num_seqs: int = 16, page_size: int = 16,
+                 num_pages: Optional[int] = None, quantization: Optional[str] = None,
+                 kv_cache_dtype: Optional[str] = None, speculative=None,
+                 mesh: Optional[MeshConfig] = None, attention: str = "auto",
+                 prefill_chunk: int = 128, decode_steps: int = 8):
+        # Features whose implementation has not landed: refuse rather than ignore them.
+        if page_size != 16 or num_pages is not None:
+            raise NotImplementedError("the paged KV cache (page_size, num_pages) is not "
+                                      "implemented yet; leave them at their defaults")
+        if quantization is not None:
+            raise NotImplementedError(f"quantization={quantization!r}: weight quantization is "
+                                      "not implemented yet")
+        if kv_cache_dtype is not None:
+            raise NotImplementedError(f"kv_cache_dtype={kv_cache_dtype!r}: KV-cache "
+                                      "quantization is not implemented yet")
+        if speculative is not None:
+            raise NotImplementedError("speculative decoding is not implemented yet")
+        if mesh is not None and (mesh.data, mesh.tensor, mesh.sequence) != (1, 1, 1):
+            raise NotImplementedError(f"mesh={mesh}: sharding over a mesh is not implemented yet")
+        if attention not in _ATTENTION:
+            raise ValueError(f"attention must be one of {_ATTENTION}, got {attention!r}")
+        if attention == "pallas":
+            raise NotImplementedError("attention='pallas': the Pallas kernels are not "
+                                      "implemented yet")
+        dtype = dtype or _default_dtype()
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        for name, v, lo in (("max_num_seqs", max_num_seqs, 1), ("prefill_chunk", prefill_chunk, 1),
+                            ("decode_steps", decode_steps, 1)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+        if max_seq_len is not None and (isinstance(max_seq_len, bool)
+                                        or not isinstance(max_seq_len, int) or max_seq_len < 2):
+            raise ValueError(f"max_seq_len must be an int >= 2, got {max_seq_len!r}")
+
+        from jaxinfer.loading import load_model
+
+        loaded = load_model(model, dtype=_DTYPES[dtype])
+        cfg = loaded.config
+        limit = cfg.max_position_embeddings
+        if max_seq_len is None:
+            max_seq_len = min(limit, 2048)
+        elif max_seq_len > limit:
+            raise ValueError(f"max_seq_len {max_seq_len} exceeds the model's context length {limit}")
+        self.model_config = cfg
+        self.tokenizer = loaded.tokenizer
+        self.max_seq_len = max_seq_len
+        self.max_num_seqs = max_num_seqs
+        self.dtype = dtype
+        # A sliding-window model keeps only the window in its ring; full attention keeps it all.
+        capacity = max_seq_len if cfg.sliding_window is None else min(max_seq_len,
+                                                                      cfg.sliding_window)
+        self.engine_config = EngineConfig(max_seq_len=max_seq_len, max_num_seqs=max_num_seqs,
+                                          prefill_chunk=prefill_chunk, decode_steps=decode_steps,
+                                          dtype=dtype, attention="reference")
+        self._engine = Engine(cfg, loaded.params, loaded.tokenizer, self.engine_config,
+                              capacity=capacity, dtype=_DTYPES[dtype])
+        self._ids = itertools.count()
+        self._requests: dict[str, Request] = {}
+
+    # ---- validation --------------------------------------------------------------------------
+
+    def _encode(self, prompt: Prompt) -> tuple[Optional[str], list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; pass prompts as lists of token ids")
+            ids = self.tokenizer.encode(prompt)
+            text = prompt
+        else:
+            try:
+                ids = [int(t) for t in prompt]
+            except (TypeError, ValueError):
+                raise ValueError(f"a prompt must be a str or a sequence of token ids, "
+                                 f"got {type(prompt).__name__}") from None
+            if any(not isinstance(t, (int,)) and not hasattr(t, "__index__") for t in prompt):
+                raise ValueError("token ids must be integers")
+            text = None
+        if not ids:
+            raise ValueError("prompt is empty (0 tokens)")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_seq_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_seq_len is {self.max_seq_len} "
+                             "(the prompt must leave room for at least one generated token)")
+        return text, ids
+
+    def _make_request(self, prompt: Prompt, params: SamplingParams,
+                      request_id: Optional[str] = None) -> Request:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
+        if params.logprobs is not None or params.prompt_logprobs is not None:
+            raise NotImplementedError("logprobs and prompt_logprobs are not implemented yet")
+        text, ids = self._encode(prompt)
+        rid = str(next(self._ids)) if request_id is None else str(request_id)
+        if rid in self._requests:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        seed = params.seed if params.seed is not None else secrets.randbits(32)
+        return Request(request_id=rid, prompt=text, prompt_ids=ids, params=params, seed=seed,
+                       max_new=min(params.max_tokens, self.max_seq_len - len(ids)),
+                       stream=TextStream(self.tokenizer, params.stop_strings),
+                       metrics=RequestMetrics(arrival_time=time.perf_counter(),
+                                              prompt_tokens=len(ids)))
+
+    # ---- request-level API -------------------------------------------------------------------
+
+    def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
+                    request_id: Optional[str] = None) -> str:
+        req = self._make_request(prompt, params or SamplingParams(), request_id)
+        self._requests[req.request_id] = req
+        self._engine.add(req)
+        return req.request_id
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduling step: RequestOutputs of the requests that progressed."""
+        outs = []
+        for req in self._engine.step():
+            outs.append(req.output())
+            if req.finish_reason is not None:
+                self._requests.pop(req.request_id, None)
+        return outs
+
+    def abort(self, request_id: str) -> None:
+        req = self._engine.abort(str(request_id))
+        self._requests.pop(str(request_id), None)
+        return None if req is None else None
+
+    def has_unfinished_requests(self) -> bool:
+        return self._engine.has_unfinished()
+
+    # ---- batch API ---------------------------------------------------------------------------
+
+    def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
+                 params: Union[SamplingParams, Sequence[SamplingParams], None] = None
+                 ) -> list[RequestOutput]:
+        """Generates for each prompt (str: encoded as is; list[int]: token ids). Outputs come
+        back in prompt order."""
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                        and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            return []
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        params = list(params)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        # Validate every request before any of them touches the device.
+        reqs = [self._make_request(p, sp) for p, sp in zip(prompts, params)]
+        for req in reqs:
+            self._requests[req.request_id] = req
+            self._engine.add(req)
+        pending = {r.request_id for r in reqs}
+        try:
+            while pending:
+                for out in self.step():
+                    if out.finished:
+                        pending.discard(out.request_id)
+        except BaseException:
+            for rid in pending:
+                self.abort(rid)
+            raise
+        return [r.output() for r in reqs]
+
+    def chat(self, messages, params: Optional[SamplingParams] = None):
+        """One conversation (a list of {"role", "content"} dicts) -> one RequestOutput; a list of
+        conversations -> a list of them."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it cannot chat")
+        single = bool(messages) and isinstance(messages[0], dict)
+        convs = [messages] if single else list(messages)
+        texts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in convs]
+        outs = self.generate(texts, params)
+        return outs[0] if single else outs
+
+    def stream(self, prompt: Prompt, params: Optional[SamplingParams] = None) -> Iterator[str]:
+        """Yields text deltas as they are produced; closing the generator aborts the request."""
+        rid = self.add_request(prompt, params)
+        req = self._requests[rid]
+        try:
+            while req.finish_reason is None:
+                self.step()
+                delta = req.stream.pop_delta()
+                if delta:
+                    yield delta
+            delta = req.stream.pop_delta()
+            if delta:
+                yield delta
+        finally:
+            if req.finish_reason is None:
+                self.abort(rid)
+
+    # ---- engine ------------------------------------------------------------------------------
+
+    def warmup(self) -> float:
+        """Compiles every shape the engine can use; returns the seconds it took."""
+        return self._engine.warmup()
+
+    def stats(self) -> dict:
+        return self._engine.stats()

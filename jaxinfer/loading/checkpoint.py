@@ -1,0 +1,176 @@
+"""jaxinfer checkpoints: a model's params saved with orbax, its config and its tokenizer.
+
+Layout of a checkpoint directory:
+
+    jaxinfer_config.json   {"format_version", "config": ModelConfig fields, "param_dtype"}
+    params/                the params pytree, orbax StandardCheckpointer format
+    tokenizer/             optional: tokenizer.json, tokenizer_config.json, generation_config.json
+
+The config file is written last, so a directory counts as a checkpoint (`is_checkpoint_dir`)
+only once the params are complete. Restoring builds the abstract params tree from the config
+(`jax.eval_shape` of the model's initialiser), so nothing of the source model is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import ModelConfig, RopeScaling
+from jaxinfer.loading.gguf import ModelFileError
+
+FORMAT_VERSION = 1
+CONFIG_FILE = "jaxinfer_config.json"
+PARAMS_DIR = "params"
+TOKENIZER_DIR = "tokenizer"
+
+
+def config_to_json(cfg: ModelConfig) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)  # rope_scaling becomes a nested dict (or None)
+
+
+def config_from_json(d: dict[str, Any], path: str = "") -> ModelConfig:
+    try:
+        d = dict(d)
+        if d.get("rope_scaling") is not None:
+            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+        return ModelConfig(**d)
+    except (TypeError, ValueError) as e:
+        raise ModelFileError(f"{path!r}: invalid model config: {e}") from e
+
+
+def save_tokenizer(tok, directory: str) -> None:
+    """Writes `tok` (jaxinfer.loading.tokenizer.Tokenizer) as HF tokenizer files that
+    `Tokenizer.from_hf_dir` reads back to an equivalent tokenizer."""
+    os.makedirs(directory, exist_ok=True)
+    # The Tokenizer has no writer of its own; its `tokenizers` backend holds the vocabulary,
+    # merges, pre-tokenizer and added tokens, and serialises them as tokenizer.json.
+    tok._tok.save(os.path.join(directory, "tokenizer.json"))
+    text = tok.id_to_token
+    config = {
+        "add_bos_token": bool(tok.add_bos),
+        "add_eos_token": bool(tok.add_eos),
+        "bos_token": text(tok.bos_token_id) if tok.bos_token_id is not None else None,
+        "eos_token": text(tok.eos_token_id) if tok.eos_token_id is not None else None,
+    }
+    if tok.chat_template:
+        config["chat_template"] = tok.chat_template
+    # from_hf_dir takes the end-of-generation ids from generation_config.json.
+    gen = {"bos_token_id": tok.bos_token_id, "eos_token_id": list(tok.eos_token_ids)}
+    for name, obj in (("tokenizer_config.json", config), ("generation_config.json", gen)):
+        with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
+            json.dump(obj, f, ensure_ascii=False, indent=1)
+
+
+def save_checkpoint(path: str, cfg: ModelConfig, params, tokenizer=None, *,
+                    overwrite: bool = False) -> None:
+    """Saves params (any dtype; leaves as stored) and config, and the tokenizer if given.
+
+    Raises ValueError if `path` exists and is not empty, unless overwrite.
+    """
+    import shutil
+
+    import orbax.checkpoint as ocp
+
+    path = os.path.abspath(path)
+    if os.path.exists(path) and os.listdir(path):
+        if not overwrite:
+            raise ValueError(f"output directory {path!r} exists and is not empty")
+        if not is_checkpoint_dir(path):
+            # Refuse to wipe a directory this module did not write.
+            raise ValueError(f"{path!r} is not a jaxinfer checkpoint; not overwriting it")
+        shutil.rmtree(path)
+    os.makedirs(path, exist_ok=True)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(os.path.join(path, PARAMS_DIR), params)
+        ckptr.wait_until_finished()
+    if tokenizer is not None:
+        save_tokenizer(tokenizer, os.path.join(path, TOKENIZER_DIR))
+    dtypes = sorted({str(leaf.dtype) for leaf in jax.tree.leaves(params)})
+    meta = {"format_version": FORMAT_VERSION, "config": config_to_json(cfg),
+            "param_dtype": dtypes[0] if len(dtypes) == 1 else dtypes}
+    tmp = os.path.join(path, CONFIG_FILE + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(meta, f, indent=1)
+    os.replace(tmp, os.path.join(path, CONFIG_FILE))
+
+
+def is_checkpoint_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, CONFIG_FILE))
+
+
+def read_checkpoint_config(path: str) -> ModelConfig:
+    config_path = os.path.join(path, CONFIG_FILE)
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelFileError(f"cannot read checkpoint config {config_path!r}: {e}") from e
+    if not isinstance(meta, dict) or "config" not in meta:
+        raise ModelFileError(f"{config_path!r} is not a jaxinfer checkpoint config")
+    version = meta.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ModelFileError(f"{config_path!r}: unsupported checkpoint format_version "
+                             f"{version!r}; this jaxinfer reads {FORMAT_VERSION}")
+    return config_from_json(meta["config"], config_path)
+
+
+def _leaf_shapes(tree) -> dict[str, tuple[int, ...]]:
+    """Maps "layers/wq" -> shape, for params trees and orbax's metadata tree (nested dicts)."""
+    def name(path):
+        return "/".join(str(getattr(k, "name", getattr(k, "key", k))) for k in path)
+    return {name(p): tuple(leaf.shape) for p, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def load_checkpoint(path: str, dtype=jnp.float32) -> tuple[ModelConfig, Any, Optional[Any]]:
+    """Restores (config, params cast to dtype, Tokenizer or None) from a checkpoint directory.
+
+    Params come back as the model family's pytree (LlamaParams for the llama family) on the
+    default device.
+    """
+    import orbax.checkpoint as ocp
+
+    from jaxinfer.models import get_model
+
+    path = os.path.abspath(path)
+    cfg = read_checkpoint_config(path)
+    params_dir = os.path.join(path, PARAMS_DIR)
+    if not os.path.isdir(params_dir):
+        raise ModelFileError(f"checkpoint {path!r} has no {PARAMS_DIR}/ directory")
+    model = get_model(cfg.architecture)
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    # Orbax casts each stored array to the dtype of its target leaf.
+    abstract = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0), dtype))
+    abstract = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), abstract)
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            stored = _leaf_shapes(ckptr.metadata(params_dir).item_metadata)
+            # Orbax restores only the leaves both trees share: a leaf the config expects but the
+            # checkpoint lacks would come back as None, and an extra stored leaf is dropped.
+            expected = _leaf_shapes(abstract)
+            if stored != expected:
+                diff = sorted(k for k in stored.keys() | expected.keys()
+                              if stored.get(k) != expected.get(k))
+                raise ModelFileError(f"the stored arrays do not match the config at {diff}: "
+                                     f"stored {[stored.get(k) for k in diff]}, config implies "
+                                     f"{[expected.get(k) for k in diff]}")
+            params = ckptr.restore(params_dir, abstract)
+    except Exception as e:  # orbax/tensorstore raise many kinds for damaged or mismatched data
+        raise ModelFileError(
+            f"cannot restore params from {params_dir!r}: {type(e).__name__}: {e}") from e
+
+    tokenizer = None
+    tok_dir = os.path.join(path, TOKENIZER_DIR)
+    if os.path.isdir(tok_dir):
+        from jaxinfer.loading.tokenizer import Tokenizer
+        try:
+            tokenizer = Tokenizer.from_hf_dir(tok_dir)
+        except Exception as e:  # the tokenizers library raises a bare Exception on bad JSON
+            raise ModelFileError(f"cannot read checkpoint tokenizer {tok_dir!r}: {e}") from e
+    return cfg, params, tokenizer

@@ -1,0 +1,286 @@
+"""Reading Hugging Face model directories: config.json plus *.safetensors (sharded or not).
+
+The safetensors container is parsed here directly (8-byte header length, JSON header, raw
+little-endian data) rather than through the `safetensors` package: numpy has no bfloat16, and
+checking every tensor's byte range against the file size turns a truncated download into a clear
+error instead of a crash or silent garbage. Tensors are memory-mapped, then converted to float32.
+
+HF stores linear weights as [out, in]; the returned dict uses the project's naming and layout
+(see `jaxinfer.loading.gguf.load_gguf`): linear weights [in, out]. Unlike GGUF, HF Q/K weights are
+already in the half-rotation RoPE layout, so no permutation is undone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from jaxinfer.config import ModelConfig, RopeScaling
+from jaxinfer.loading.gguf import ModelFileError
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+_DTYPES = {
+    "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+}
+
+# HF per-layer suffix -> (our name, is a linear weight to transpose).
+_LAYER_TENSORS = {
+    "input_layernorm.weight": ("attn_norm", False),
+    "post_attention_layernorm.weight": ("mlp_norm", False),
+    "self_attn.q_proj.weight": ("wq", True),
+    "self_attn.k_proj.weight": ("wk", True),
+    "self_attn.v_proj.weight": ("wv", True),
+    "self_attn.o_proj.weight": ("wo", True),
+    "mlp.gate_proj.weight": ("w_gate", True),
+    "mlp.up_proj.weight": ("w_up", True),
+    "mlp.down_proj.weight": ("w_down", True),
+    "self_attn.q_proj.bias": ("bq", False),
+    "self_attn.k_proj.bias": ("bk", False),
+    "self_attn.v_proj.bias": ("bv", False),
+}
+
+
+def eos_token_ids(hf: dict) -> list[int]:
+    """All end-of-sequence ids of an HF config (its eos_token_id may be an int or a list)."""
+    eos = hf.get("eos_token_id")
+    if eos is None:
+        return []
+    return [int(i) for i in (eos if isinstance(eos, list) else [eos])]
+
+
+def _rope(hf: dict, path: str) -> tuple[float, RopeScaling | None]:
+    # transformers >= 5 nests theta and scaling in rope_parameters; older configs use
+    # rope_theta plus an optional rope_scaling dict (whose kind is "rope_type" or legacy "type").
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type"))
+    if kind in (None, "default"):
+        return theta, None
+    if kind != "llama3":
+        raise ModelFileError(f"{path!r}: unsupported RoPE type {kind!r}; supported: "
+                             "'default', 'llama3'")
+    try:
+        return theta, RopeScaling(
+            factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]))
+    except KeyError as e:
+        raise ModelFileError(f"{path!r}: llama3 RoPE scaling lacks {e.args[0]!r}") from None
+
+
+def _sliding_window(hf: dict, arch: str, num_layers: int, path: str) -> int | None:
+    window = hf.get("sliding_window")
+    if arch == "mistral":
+        return int(window) if window else None
+    if arch != "qwen2" or not hf.get("use_sliding_window") or not window:
+        return None
+    # Qwen2 windows only layers >= max_window_layers; the model runs one window for all layers.
+    types = hf.get("layer_types") or [
+        "sliding_attention" if i >= hf.get("max_window_layers", 0) else "full_attention"
+        for i in range(num_layers)]
+    if all(t == "full_attention" for t in types):
+        return None
+    if all(t == "sliding_attention" for t in types):
+        return int(window)
+    raise ModelFileError(f"{path!r}: mixed sliding/full attention layers ({types}) are not "
+                         "supported")
+
+
+def config_from_hf(hf: dict, path: str = "") -> ModelConfig:
+    """ModelConfig from the dict of an HF config.json (model_type llama, mistral or qwen2)."""
+    arch = hf.get("model_type")
+    if arch not in SUPPORTED_MODEL_TYPES:
+        raise ModelFileError(f"{path!r}: unsupported model_type {arch!r}; supported: "
+                             f"{SUPPORTED_MODEL_TYPES}")
+    if hf.get("quantization_config"):
+        method = hf["quantization_config"].get("quant_method")
+        raise ModelFileError(f"{path!r}: quantized HF checkpoints ({method!r}) are not supported")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ModelFileError(f"{path!r}: unsupported hidden_act {hf['hidden_act']!r}")
+    if hf.get("mlp_bias"):
+        raise ModelFileError(f"{path!r}: mlp_bias=true is not supported")
+
+    def need(key):
+        if hf.get(key) is None:
+            raise ModelFileError(f"{path!r}: config lacks {key!r}")
+        return int(hf[key])
+
+    d_model, num_heads, num_layers = need("hidden_size"), need("num_attention_heads"), \
+        need("num_hidden_layers")
+    theta, scaling = _rope(hf, path)
+    eos = eos_token_ids(hf)
+    try:
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=need("vocab_size"),
+            d_model=d_model,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+            head_dim=int(hf.get("head_dim") or d_model // num_heads),
+            ffn_dim=need("intermediate_size"),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            # The default of LlamaConfig, MistralConfig and Qwen2Config alike.
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=True if arch == "qwen2" else bool(hf.get("attention_bias", False)),
+            sliding_window=_sliding_window(hf, arch, num_layers, path),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=eos[0] if eos else None,
+        )
+    except ValueError as e:  # ModelConfig's own consistency checks
+        raise ModelFileError(f"{path!r}: {e}") from None
+
+
+class _SafetensorsFile:
+    """Header of one .safetensors file, validated against the file size; tensors read lazily."""
+
+    def __init__(self, path: str):
+        self.path = path
+        if not os.path.isfile(path):
+            raise ModelFileError(f"safetensors file {path!r} does not exist")
+        size = os.path.getsize(path)
+        if size < 8:
+            raise ModelFileError(f"safetensors file {path!r} is truncated ({size} bytes)")
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if 8 + n > size:
+                raise ModelFileError(f"safetensors file {path!r} is truncated or corrupt: header "
+                                     f"of {n} bytes, file has {size}")
+            try:
+                header = json.loads(f.read(n))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise ModelFileError(f"safetensors file {path!r} has a corrupt header: {e}") from e
+        if not isinstance(header, dict):
+            raise ModelFileError(f"safetensors file {path!r} has a corrupt header")
+        header.pop("__metadata__", None)
+        self.data_start, self.entries = 8 + n, header
+        for name, e in header.items():
+            try:
+                begin, end = (int(x) for x in e["data_offsets"])
+                dtype, shape = e["dtype"], tuple(int(s) for s in e["shape"])
+            except (KeyError, TypeError, ValueError):
+                raise ModelFileError(
+                    f"safetensors file {path!r}: corrupt header entry for {name!r}") from None
+            if dtype in _DTYPES and end - begin != math.prod(shape) * _DTYPES[dtype].itemsize:
+                raise ModelFileError(f"safetensors file {path!r}: tensor {name!r} has "
+                                     f"{end - begin} bytes for shape {shape} {dtype}")
+            if self.data_start + end > size:
+                raise ModelFileError(
+                    f"safetensors file {path!r} is truncated: tensor {name!r} ends at byte "
+                    f"{self.data_start + end}, file has {size} bytes")
+
+    def read(self, name: str) -> np.ndarray:
+        """The tensor as a float32 array of its stored shape."""
+        e = self.entries[name]
+        dtype = _DTYPES.get(e["dtype"])
+        if dtype is None:
+            raise ModelFileError(f"safetensors file {self.path!r}: tensor {name!r} has "
+                                 f"unsupported dtype {e['dtype']!r}; supported: {list(_DTYPES)}")
+        shape = tuple(e["shape"])
+        begin = e["data_offsets"][0]
+        if math.prod(shape) == 0:
+            return np.zeros(shape, np.float32)
+        arr = np.memmap(self.path, dtype=dtype, mode="r", offset=self.data_start + begin,
+                        shape=shape)
+        return np.asarray(arr, dtype=np.float32)
+
+
+def _read_json(path: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelFileError(f"cannot read {path!r}: {e}") from e
+
+
+def _tensor_files(path: str) -> dict[str, _SafetensorsFile]:
+    """HF tensor name -> the file holding it."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    single = os.path.join(path, "model.safetensors")
+    if os.path.exists(index):
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ModelFileError(f"{index!r} has no weight_map")
+        files = {f: _SafetensorsFile(os.path.join(path, f)) for f in set(weight_map.values())}
+        out = {}
+        for name, fname in weight_map.items():
+            if name not in files[fname].entries:
+                raise ModelFileError(f"{index!r} places tensor {name!r} in {fname!r}, which "
+                                     "does not contain it")
+            out[name] = files[fname]
+        return out
+    if os.path.exists(single):
+        names = ["model.safetensors"]
+    else:
+        names = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+        if not names:
+            raise ModelFileError(f"model directory {path!r} has no *.safetensors files")
+    out = {}
+    for fname in names:
+        st = _SafetensorsFile(os.path.join(path, fname))
+        out.update({name: st for name in st.entries})
+    return out
+
+
+def load_hf_dir(path: str) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """Loads an HF model directory. Returns (config, weights) with weights named as in
+    `load_gguf`: "embed" [V, D], "final_norm" [D], "lm_head" [D, V] unless tied, and
+    "layers.{i}.{name}" with linear weights [in, out], all float32."""
+    if not os.path.isdir(path):
+        raise ModelFileError(f"model directory {path!r} does not exist")
+    config_path = os.path.join(path, "config.json")
+    if not os.path.exists(config_path):
+        raise ModelFileError(f"model directory {path!r} has no config.json")
+    hf = _read_json(config_path)
+    if not isinstance(hf, dict):
+        raise ModelFileError(f"{config_path!r} is not a JSON object")
+    cfg = config_from_hf(hf, config_path)
+    files = _tensor_files(path)
+    q, kv, D, F, V = cfg.q_dim, cfg.kv_dim, cfg.d_model, cfg.ffn_dim, cfg.vocab_size
+    shapes = {  # HF layout, [out, in]
+        "input_layernorm.weight": (D,), "post_attention_layernorm.weight": (D,),
+        "self_attn.q_proj.weight": (q, D), "self_attn.k_proj.weight": (kv, D),
+        "self_attn.v_proj.weight": (kv, D), "self_attn.o_proj.weight": (D, q),
+        "mlp.gate_proj.weight": (F, D), "mlp.up_proj.weight": (F, D),
+        "mlp.down_proj.weight": (D, F), "self_attn.q_proj.bias": (q,),
+        "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
+    }
+
+    def read(name: str, shape: tuple[int, ...], transpose: bool = False) -> np.ndarray:
+        if name not in files:
+            raise ModelFileError(f"model directory {path!r} lacks tensor {name!r}")
+        st = files[name]
+        got = tuple(st.entries[name]["shape"])
+        if got != shape:
+            raise ModelFileError(f"{st.path!r}: tensor {name!r} has shape {got}; config.json "
+                                 f"implies {shape}")
+        arr = st.read(name)
+        return np.ascontiguousarray(arr.T) if transpose else arr
+
+    weights = {"embed": read("model.embed_tokens.weight", (V, D)),
+               "final_norm": read("model.norm.weight", (D,))}
+    if not cfg.tie_word_embeddings:
+        weights["lm_head"] = read("lm_head.weight", (V, D), transpose=True)
+    for i in range(cfg.num_layers):
+        for suffix, (name, transpose) in _LAYER_TENSORS.items():
+            if name.startswith("b") and not cfg.attention_bias:
+                continue
+            weights[f"layers.{i}.{name}"] = read(f"model.layers.{i}.{suffix}", shapes[suffix],
+                                                 transpose)
+        # Llama's attention_bias also gives o_proj a bias, which the model has no slot for.
+        o_bias = f"model.layers.{i}.self_attn.o_proj.bias"
+        if o_bias in files and np.any(read(o_bias, (D,))):
+            raise ModelFileError(f"{files[o_bias].path!r}: a non-zero {o_bias!r} is not supported")
+    return cfg, weights

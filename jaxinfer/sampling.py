@@ -1,0 +1,84 @@
+"""Token sampling over per-row parameter arrays.
+
+Every sampling parameter is a [B] array, so a new temperature or top-p never compiles anything.
+Token i of a request is drawn with the key fold_in(key(seed), i): it depends on the request's
+seed and the token's index alone, so a seeded request gives the same tokens whatever else shares
+the batch, and recomputing a prefix never re-samples it differently.
+
+Order of operations (as HF and vLLM): repetition penalty on raw logits, temperature, top-k,
+top-p over the top-k survivors (renormalised), min-p relative to the most likely token, then a
+Gumbel-max draw. temperature == 0 is greedy (argmax after the repetition penalty).
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+
+@flax.struct.dataclass
+class SamplingArrays:
+    temperature: jax.Array         # [B] float32; 0 = greedy
+    top_k: jax.Array               # [B] int32; 0 = off
+    top_p: jax.Array               # [B] float32 in (0, 1]
+    min_p: jax.Array               # [B] float32 in [0, 1)
+    repetition_penalty: jax.Array  # [B] float32 > 0; 1 = off
+    seed: jax.Array                # [B] uint32
+
+
+def apply_repetition_penalty(logits: jax.Array, seen: jax.Array, penalty: jax.Array) -> jax.Array:
+    """logits [B, V] float32; seen [B, V] bool (token occurred in prompt or output); penalty [B]."""
+    pen = penalty[:, None]
+    penalized = jnp.where(logits > 0, logits / pen, logits * pen)
+    return jnp.where(seen, penalized, logits)
+
+
+def filtered_logits(logits: jax.Array, sp: SamplingArrays) -> jax.Array:
+    """Temperature-scaled logits [B, V] with tokens outside top-k / top-p / min-p at -inf."""
+    B, V = logits.shape
+    temp = jnp.where(sp.temperature > 0, sp.temperature, 1.0)
+    scaled = logits / temp[:, None]
+    order = jnp.argsort(-scaled, axis=-1)                                # [B, V] descending
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    rank = jnp.arange(V, dtype=jnp.int32)[None, :]
+    k = jnp.where(sp.top_k > 0, jnp.minimum(sp.top_k, V), V)[:, None]
+    keep = rank < k
+    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+    # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it is
+    # still below top_p (so the most likely token always stays).
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep &= mass_before < sp.top_p[:, None]
+    keep &= probs >= sp.min_p[:, None] * probs[:, :1]
+    sorted_filtered = jnp.where(keep, sorted_logits, -jnp.inf)
+    # Scatter back to vocabulary order.
+    inv = jnp.argsort(order, axis=-1)
+    return jnp.take_along_axis(sorted_filtered, inv, axis=-1)
+
+
+def sample(logits: jax.Array, sp: SamplingArrays, seen: jax.Array,
+           token_index: jax.Array) -> jax.Array:
+    """Draws one token per row. logits [B, V]; seen [B, V] bool; token_index [B] int32 (index of
+    the token being drawn within its request's output). Returns [B] int32."""
+    logits = apply_repetition_penalty(logits.astype(jnp.float32), seen, sp.repetition_penalty)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def stochastic(logits):
+        masked = filtered_logits(logits, sp)
+        keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(sp.seed, token_index)
+        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(keys)
+        drawn = jnp.argmax(masked + gumbel, axis=-1).astype(jnp.int32)
+        return jnp.where(sp.temperature > 0, drawn, greedy)
+
+    # The sort behind top-k/top-p costs more than a decode step's matmuls on small models; skip
+    # it entirely when every row is greedy.
+    return jax.lax.cond(jnp.any(sp.temperature > 0), stochastic, lambda _: greedy, logits)
+
+
+def mark_seen(seen: jax.Array, tokens: jax.Array, valid: jax.Array) -> jax.Array:
+    """seen [B, V]; tokens [B, T]; valid [B, T] bool -> seen with those tokens set."""
+    B, T = tokens.shape
+    V = seen.shape[-1]
+    rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+    cols = jnp.where(valid, tokens, V)                                   # V: out of range, dropped
+    return seen.at[rows, cols].set(True, mode="drop")
