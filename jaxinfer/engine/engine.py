@@ -169,13 +169,15 @@ class Engine:
         if admitted.any():
             self.state = decode.reset_rows(self.state, admitted)
 
+        # Rows already decoding run this step; rows whose prompt completes now return their
+        # first token from this step and decode from the next, so the first token is seen early.
+        decoding = np.array([r is not None and r.prefilled == len(r.prompt_ids)
+                             for r in self.slots])
         prefilling = [r for r in self.slots if r is not None and r.prefilled < len(r.prompt_ids)]
         if prefilling:
             for req in self._prefill(prefilling):
                 progressed[req.request_id] = req
-        # Rows whose prompt is in the cache decode (their first token came from prefill).
-        decoding = np.array([r is not None and r.prefilled == len(r.prompt_ids)
-                             for r in self.slots])
+        decoding &= np.array([r is not None for r in self.slots])
         if decoding.any():
             for req in self._decode(decoding):
                 progressed[req.request_id] = req
