@@ -48,7 +48,8 @@ def filtered_logits(logits: jax.Array, sp: SamplingArrays) -> jax.Array:
     # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it is
     # still below top_p (so the most likely token always stays).
     mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep &= mass_before < sp.top_p[:, None]
+    # top_p == 1 is "off": float32 cumsum reaches 1.0 before the tail, which must not be cut.
+    keep &= (mass_before < sp.top_p[:, None]) | (sp.top_p[:, None] >= 1.0)
     keep &= probs >= sp.min_p[:, None] * probs[:, :1]
     sorted_filtered = jnp.where(keep, sorted_logits, -jnp.inf)
     # Scatter back to vocabulary order.
