@@ -2,11 +2,13 @@
 
     python benchmarks/decode.py [--model smollm2-135m] [--runs 5] [--decode_tokens 128]
 
-Prints, all measured in this one process:
-  * read bandwidth: a jitted jnp.sum over a 1 GiB float32 array (median of runs);
-  * decode tokens/s at batch 1 (ignore_eos, median of runs, tokens after the first);
-  * prefill tokens/s for a 512-token prompt (median of runs);
-  * roofline = bandwidth / weight bytes read per decode token; fraction = decode / roofline.
+Prints, all measured in this one process, interleaved run by run so that machine noise hits
+them alike:
+  * read bandwidth: a jitted jnp.sum over a 1 GiB float32 array;
+  * decode tokens/s at batch 1 (ignore_eos, tokens after the first);
+  * prefill tokens/s for a 512-token prompt;
+  * roofline = bandwidth / weight bytes read per decode token; fraction = decode / roofline,
+    per run, and the median of those.
 """
 
 from __future__ import annotations
@@ -21,18 +23,19 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def read_bandwidth(runs: int, gib: float = 1.0) -> float:
-    n = int(gib * (1 << 30) // 4)
-    x = jnp.ones((n,), jnp.float32)
-    f = jax.jit(jnp.sum)
-    f(x).block_until_ready()
-    times = []
-    for _ in range(runs):
+class Bandwidth:
+    """Read bandwidth of a jitted jnp.sum over a `gib` GiB float32 array, one sample per call."""
+
+    def __init__(self, gib: float = 1.0):
+        self.n = int(gib * (1 << 30) // 4)
+        self.x = jnp.ones((self.n,), jnp.float32)
+        self.f = jax.jit(jnp.sum)
+        self.f(self.x).block_until_ready()
+
+    def sample(self) -> float:
         t = time.perf_counter()
-        f(x).block_until_ready()
-        times.append(time.perf_counter() - t)
-    del x
-    return n * 4 / statistics.median(times)
+        self.f(self.x).block_until_ready()
+        return self.n * 4 / (time.perf_counter() - t)
 
 
 def weight_bytes(params) -> int:
@@ -59,13 +62,19 @@ def main():
     decode_params = ji.SamplingParams(max_tokens=args.decode_tokens, ignore_eos=True)
     llm.generate("The history of", decode_params)  # compile
 
-    decode_tps, prefill_tps = [], []
+    bandwidth = Bandwidth()
+    decode_tps, prefill_tps, bws = [], [], []
     for _ in range(args.runs):
+        bws.append(bandwidth.sample())
         out = llm.generate("The history of", decode_params)[0]
         decode_tps.append(out.metrics.decode_tokens_per_s)
         out = llm.generate([prefill_prompt], ji.SamplingParams(max_tokens=1))[0]
         prefill_tps.append(args.prefill_tokens / out.metrics.ttft_s)
-    bw = read_bandwidth(args.runs)
+        bws.append(bandwidth.sample())
+    # Each run's fraction uses the bandwidth sampled just before and after it.
+    fractions = [d * wbytes / statistics.mean(bws[2 * i:2 * i + 2])
+                 for i, d in enumerate(decode_tps)]
+    bw = statistics.median(bws)
     decode = statistics.median(decode_tps)
     roofline = bw / wbytes
     result = {
@@ -73,18 +82,22 @@ def main():
         "weight_bytes": wbytes, "read_bandwidth_GBps": bw / 1e9,
         "decode_tokens_per_s": decode, "decode_runs": decode_tps,
         "prefill_tokens_per_s": statistics.median(prefill_tps),
-        "roofline_tokens_per_s": roofline, "fraction_of_roofline": decode / roofline,
+        "roofline_tokens_per_s": roofline,
+        "fraction_of_roofline": statistics.median(fractions), "fraction_runs": fractions,
     }
     if args.json:
         print(json.dumps(result))
         return
     print(f"backend {result['backend']}, dtype {result['dtype']}, "
           f"weights {wbytes / 1e6:.1f} MB read per decode token")
-    print(f"read bandwidth        {bw / 1e9:8.2f} GB/s (jnp.sum over 1 GiB, median of {args.runs})")
+    print(f"read bandwidth        {bw / 1e9:8.2f} GB/s (jnp.sum over 1 GiB, median of "
+          f"{len(bws)})")
     print(f"decode (batch 1)      {decode:8.2f} tokens/s (median of {args.runs}: "
           f"{', '.join(f'{x:.1f}' for x in decode_tps)})")
     print(f"prefill (512 tokens)  {result['prefill_tokens_per_s']:8.1f} tokens/s")
-    print(f"roofline              {roofline:8.2f} tokens/s -> fraction {decode / roofline:.2f}")
+    print(f"roofline              {roofline:8.2f} tokens/s (bandwidth / weight bytes)")
+    print(f"fraction of roofline  {result['fraction_of_roofline']:8.2f} (median of per-run "
+          f"fractions: {', '.join(f'{x:.2f}' for x in fractions)})")
 
 
 if __name__ == "__main__":

@@ -38,8 +38,14 @@ class ModelConfig:
     sliding_window: Optional[int] = None
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[int] = None
+    # Per-frequency divisors [head_dim/2] of the RoPE inverse frequencies: how GGUF files carry
+    # Llama-3 scaling (the `rope_freqs` tensor). A tuple so the config stays hashable.
+    rope_freq_factors: Optional[tuple[float, ...]] = None
 
     def __post_init__(self):
+        if self.rope_freq_factors is not None:  # e.g. a list read back from JSON
+            object.__setattr__(self, "rope_freq_factors",
+                               tuple(float(f) for f in self.rope_freq_factors))
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of "
                              f"num_kv_heads {self.num_kv_heads}")

@@ -34,30 +34,39 @@ class RingKVCache:
     def capacity(self) -> int:
         return self.k.shape[2]
 
-    def view(self, kv_view: int | None):
-        """(k, v, positions) restricted to the first kv_view slots (static), for short contexts.
+    def plan_write(self, num_new: jax.Array, T: int) -> "WritePlan":
+        """Where the first num_new[b] of T new tokens of row b go (positions lengths[b] + t).
 
-        Valid only while no row has wrapped past kv_view, which the caller guarantees by choosing
-        kv_view >= every row's length (or kv_view == capacity).
+        When T exceeds the capacity only the last C tokens of a row are kept, so no two writes of
+        one call land in the same slot. Dropped tokens get slot C, which scatters ignore.
         """
-        if kv_view is None or kv_view >= self.capacity:
-            return self.k, self.v, self.positions
-        return self.k[:, :, :kv_view], self.v[:, :, :kv_view], self.positions[:, :kv_view]
-
-    def write(self, k_new: jax.Array, v_new: jax.Array, num_new: jax.Array) -> "RingKVCache":
-        """Appends per row the first num_new[b] of T new tokens (at positions lengths[b] + t).
-
-        k_new, v_new [L, B, T, K, H]; num_new [B] int32. When T exceeds the capacity only the last
-        C tokens of a row are kept, so no two writes of one call land in the same slot.
-        """
-        L, B, T = k_new.shape[:3]
+        B = self.lengths.shape[0]
         C = self.capacity
         t = jnp.arange(T, dtype=jnp.int32)[None, :]                    # [1, T]
         pos = self.lengths[:, None] + t                                 # [B, T]
         keep = (t < num_new[:, None]) & (t >= num_new[:, None] - C)
-        slot = jnp.where(keep, pos % C, C)                              # C = out of range: dropped
-        rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
-        k = self.k.at[:, rows, slot].set(k_new.astype(self.k.dtype), mode="drop")
-        v = self.v.at[:, rows, slot].set(v_new.astype(self.v.dtype), mode="drop")
-        positions = self.positions.at[rows, slot].set(pos, mode="drop")
-        return RingKVCache(k=k, v=v, positions=positions, lengths=self.lengths + num_new)
+        return WritePlan(rows=jnp.broadcast_to(jnp.arange(B)[:, None], (B, T)),
+                         slots=jnp.where(keep, pos % C, C), positions=pos,
+                         key_positions=jnp.where(t < num_new[:, None], pos, -1))
+
+    def write_positions(self, plan: "WritePlan") -> jax.Array:
+        """positions [B, C] after the planned write."""
+        return self.positions.at[plan.rows, plan.slots].set(plan.positions, mode="drop")
+
+    @staticmethod
+    def write_layer(buf: jax.Array, layer: int, new: jax.Array, plan: "WritePlan") -> jax.Array:
+        """buf [L, B, C, K, H] with layer `layer` updated by new [B, T, K, H] as planned.
+
+        Written inside the layer loop, before the layer reads the cache, so XLA updates the
+        donated buffer in place: reading a layer's old keys after the write was issued made it
+        copy the whole cache every decode step.
+        """
+        return buf.at[layer, plan.rows, plan.slots].set(new.astype(buf.dtype), mode="drop")
+
+
+@flax.struct.dataclass
+class WritePlan:
+    rows: jax.Array           # [B, T] int32 row index of each new token
+    slots: jax.Array          # [B, T] int32 ring slot, C where the token is not written
+    positions: jax.Array      # [B, T] int32 absolute position of each new token
+    key_positions: jax.Array  # [B, T] int32 the same, -1 for padding (invisible as a key)

@@ -197,7 +197,7 @@ class Engine:
             num_new[req.slot] = n
             completes[req.slot] = req.prefilled + n == len(req.prompt_ids)
             longest = max(longest, req.prefilled)
-        kv_view = _pick(self.kv_buckets, longest)
+        kv_view = _pick(self.kv_buckets, longest + T)
         self.state, first = decode.prefill_chunk(
             self.params, self.state, tokens, num_new, completes, self._row_params(completes),
             cfg=self.cfg, kv_view=kv_view, attn_impl=self.ecfg.attention)

@@ -4,6 +4,7 @@ Angles come from absolute token positions, so any cache layout (ring, paged) wor
 """
 
 import math
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -12,9 +13,17 @@ import numpy as np
 from jaxinfer.config import RopeScaling
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> np.ndarray:
-    """Inverse frequencies [H/2] (float32), with Llama-3 frequency-dependent scaling if given."""
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None,
+                  freq_factors: Sequence[float] | None = None) -> np.ndarray:
+    """Inverse frequencies [H/2] (float32).
+
+    `scaling` applies Llama-3 frequency-dependent scaling from its parameters (HF configs);
+    `freq_factors` [H/2] divides each inverse frequency by its factor (GGUF's `rope_freqs` tensor,
+    which is how llama.cpp stores the same scaling). At most one of the two may be given.
+    """
     inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    if scaling is not None and freq_factors is not None:
+        raise ValueError("give RoPE scaling either as parameters or as frequency factors, not both")
     if scaling is not None:
         # Llama 3.1: long wavelengths are divided by `factor`, short ones kept, and the band in
         # between interpolated smoothly, so the context stretches without hurting local order.
@@ -27,6 +36,14 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = Non
         mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
         blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
         inv_freq = np.where(mid, blended, scaled)
+    if freq_factors is not None:
+        factors = np.asarray(freq_factors, dtype=np.float64)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"RoPE frequency factors have shape {factors.shape}; head_dim "
+                             f"{head_dim} needs {inv_freq.shape}")
+        if not np.all(np.isfinite(factors) & (factors > 0)):
+            raise ValueError("RoPE frequency factors must be finite and positive")
+        inv_freq = inv_freq / factors
     return inv_freq.astype(np.float32)
 
 

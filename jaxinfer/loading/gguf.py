@@ -69,6 +69,8 @@ def read_metadata(path: str) -> dict[str, Any]:
 
 
 def config_from_metadata(meta: dict[str, Any], path: str = "<gguf>") -> ModelConfig:
+    """ModelConfig from GGUF metadata. Llama-3 RoPE scaling is not metadata but the
+    `rope_freqs.weight` tensor; `load_gguf` adds it as `rope_freq_factors`."""
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelFileError(
@@ -85,34 +87,52 @@ def config_from_metadata(meta: dict[str, Any], path: str = "<gguf>") -> ModelCon
     num_heads = int(get("attention.head_count"))
     d_model = int(get("embedding_length"))
     head_dim = int(get("attention.key_length", d_model // num_heads, required=False))
+    value_dim = int(get("attention.value_length", head_dim, required=False))
+    if value_dim != head_dim:
+        raise ModelFileError(f"{path!r}: {arch}.attention.value_length {value_dim} differs from "
+                             f"the key length {head_dim}, which is not supported")
+    rope_dim = int(get("rope.dimension_count", head_dim, required=False))
+    if rope_dim != head_dim:
+        raise ModelFileError(f"{path!r}: {arch}.rope.dimension_count {rope_dim} differs from the "
+                             f"head dim {head_dim}; partial rotary embeddings are not supported")
     vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
     if not vocab:
         raise ModelFileError(f"GGUF metadata of {path!r} gives no vocabulary size")
-    scaling = None
-    if meta.get(f"{arch}.rope.scaling.type") == "llama3" or f"{arch}.rope.scaling.factor" in meta:
-        raise ModelFileError(
-            f"{path!r}: RoPE scaling in GGUF metadata is not supported; llama3 scaling comes "
-            "from a rope_freqs tensor, which this loader does not read")
+    # llama.cpp writes linear/yarn/longrope scaling as metadata (and old files a bare
+    # `rope.scale_linear` factor); Llama-3 scaling comes as the rope_freqs tensor instead.
+    scaling_type = get("rope.scaling.type", "none", required=False)
+    if scaling_type != "none":
+        raise ModelFileError(f"{path!r}: unsupported RoPE scaling type {scaling_type!r} "
+                             f"({arch}.rope.scaling.type); supported: 'none' and Llama-3 "
+                             "scaling given by a rope_freqs tensor")
+    for key in ("rope.scaling.factor", "rope.scale_linear"):
+        factor = get(key, 0.0, required=False)
+        if float(factor) not in (0.0, 1.0):
+            raise ModelFileError(f"{path!r}: unsupported RoPE scaling factor {factor!r} "
+                                 f"({arch}.{key})")
     window = get("attention.sliding_window", 0, required=False) or None
-    return ModelConfig(
-        architecture=arch,
-        vocab_size=int(vocab),
-        d_model=d_model,
-        num_layers=int(get("block_count")),
-        num_heads=num_heads,
-        num_kv_heads=int(get("attention.head_count_kv", num_heads, required=False)),
-        head_dim=head_dim,
-        ffn_dim=int(get("feed_forward_length")),
-        rope_theta=float(get("rope.freq_base", 10000.0, required=False)),
-        rope_scaling=scaling,
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5, required=False)),
-        max_position_embeddings=int(get("context_length", 2048, required=False)),
-        tie_word_embeddings=True,  # corrected by load_weights when output.weight exists
-        attention_bias=(arch == "qwen2"),
-        sliding_window=int(window) if window else None,
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
-    )
+    try:
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=int(vocab),
+            d_model=d_model,
+            num_layers=int(get("block_count")),
+            num_heads=num_heads,
+            num_kv_heads=int(get("attention.head_count_kv", num_heads, required=False)),
+            head_dim=head_dim,
+            ffn_dim=int(get("feed_forward_length")),
+            rope_theta=float(get("rope.freq_base", 10000.0, required=False)),
+            rope_scaling=None,
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5, required=False)),
+            max_position_embeddings=int(get("context_length", 2048, required=False)),
+            tie_word_embeddings=True,  # corrected by load_gguf when output.weight exists
+            attention_bias=(arch == "qwen2"),  # corrected by load_gguf from the tensors present
+            sliding_window=int(window) if window else None,
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        )
+    except ValueError as e:  # ModelConfig's own consistency checks
+        raise ModelFileError(f"{path!r}: {e}") from None
 
 
 def _unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -127,20 +147,19 @@ def _unpermute_qk_bias(b: np.ndarray, n_heads: int) -> np.ndarray:
     return b.reshape(n_heads, hd // 2, 2).swapaxes(1, 2).reshape(-1)
 
 
+def _logical_shape(t) -> tuple[int, ...]:
+    """Shape outermost first: the reverse of ggml's [ne0, ne1, ...]."""
+    return tuple(int(x) for x in reversed(t.shape.tolist()))
+
+
 def _dequantize(t) -> np.ndarray:
     import gguf
 
-    # Logical shape, outermost first: reverse of ggml's [ne0, ne1, ...].
-    shape = tuple(int(x) for x in reversed(t.shape.tolist()))
-    if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
-                         gguf.GGMLQuantizationType.BF16):
-        arr = gguf.quants.dequantize(t.data, t.tensor_type)
-    else:
-        arr = gguf.quants.dequantize(t.data, t.tensor_type)
-    return np.asarray(arr, dtype=np.float32).reshape(shape)
+    arr = gguf.quants.dequantize(t.data, t.tensor_type)
+    return np.asarray(arr, dtype=np.float32).reshape(_logical_shape(t))
 
 
-# Per-layer GGUF tensor names -> (our name, transpose to [in, out]).
+# Per-layer GGUF tensor names -> our names.
 _LAYER_TENSORS = {
     "attn_norm.weight": "attn_norm",
     "ffn_norm.weight": "mlp_norm",
@@ -151,10 +170,10 @@ _LAYER_TENSORS = {
     "ffn_gate.weight": "w_gate",
     "ffn_up.weight": "w_up",
     "ffn_down.weight": "w_down",
-    "attn_q.bias": "bq",
-    "attn_k.bias": "bk",
-    "attn_v.bias": "bv",
 }
+_BIASES = {"attn_q.bias": "bq", "attn_k.bias": "bk", "attn_v.bias": "bv"}
+# Biases the model has no slot for: accepted only when all zero.
+_UNSUPPORTED_BIASES = ("attn_output.bias", "ffn_gate.bias", "ffn_up.bias", "ffn_down.bias")
 
 
 def load_gguf(path: str) -> tuple[ModelConfig, dict[str, np.ndarray], dict[str, Any]]:
@@ -162,7 +181,9 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, np.ndarray], dict[str, 
 
     Returns (config, weights, metadata). weights uses the names of `jaxinfer.models.llama`:
     "embed" [V, D], "final_norm" [D], optional "lm_head" [D, V], and per layer i
-    "layers.{i}.{name}" with linear weights as [in, out] float32 arrays.
+    "layers.{i}.{name}" with linear weights as [in, out] float32 arrays. Every tensor's shape is
+    checked against the metadata before it is read. A `rope_freqs.weight` tensor (Llama-3 RoPE
+    scaling as llama.cpp stores it) becomes `config.rope_freq_factors`.
     """
     reader = _open_reader(path)
     meta = {name: _field_value(field) for name, field in reader.fields.items()
@@ -170,26 +191,63 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, np.ndarray], dict[str, 
     cfg = config_from_metadata(meta, path)
     tensors = {t.name: t for t in reader.tensors}
     permuted = cfg.architecture in ("llama", "mistral")  # convert_hf_to_gguf permutes these only
+    arch = cfg.architecture
+    H = cfg.head_dim
+    dims = {"V": cfg.vocab_size, "D": cfg.d_model, "F": cfg.ffn_dim, "Q": cfg.q_dim,
+            "KV": cfg.kv_dim, "H/2": H // 2}
+    dim_sources = {  # the metadata that fixes each dimension, for error messages
+        "V": f"{arch}.vocab_size={dims['V']}", "D": f"{arch}.embedding_length={dims['D']}",
+        "F": f"{arch}.feed_forward_length={dims['F']}",
+        "Q": f"{arch}.attention.head_count={cfg.num_heads} x head dim {H}",
+        "KV": f"{arch}.attention.head_count_kv={cfg.num_kv_heads} x head dim {H}",
+        "H/2": f"head dim {H} / 2",
+    }
+    layer_shapes = {  # logical shapes, [out, in] for linear weights
+        "attn_norm.weight": ("D",), "ffn_norm.weight": ("D",),
+        "attn_q.weight": ("Q", "D"), "attn_k.weight": ("KV", "D"), "attn_v.weight": ("KV", "D"),
+        "attn_output.weight": ("D", "Q"), "ffn_gate.weight": ("F", "D"),
+        "ffn_up.weight": ("F", "D"), "ffn_down.weight": ("D", "F"), "attn_q.bias": ("Q",),
+        "attn_k.bias": ("KV",), "attn_v.bias": ("KV",), "attn_output.bias": ("D",),
+        "ffn_gate.bias": ("F",), "ffn_up.bias": ("F",), "ffn_down.bias": ("D",),
+    }
 
-    def need(name):
+    def read(name: str, symbols: tuple[str, ...]) -> np.ndarray:
         if name not in tensors:
             raise ModelFileError(f"model file {path!r} lacks tensor {name!r}")
+        got, shape = _logical_shape(tensors[name]), tuple(dims[s] for s in symbols)
+        if got != shape:
+            why = ", ".join(dim_sources[s] for s in dict.fromkeys(symbols))
+            raise ModelFileError(f"model file {path!r}: tensor {name!r} has shape {got}; the "
+                                 f"metadata implies {shape} ({why})")
         return _dequantize(tensors[name])
 
     weights: dict[str, np.ndarray] = {}
-    weights["embed"] = need("token_embd.weight")
-    weights["final_norm"] = need("output_norm.weight")
+    weights["embed"] = read("token_embd.weight", ("V", "D"))
+    weights["final_norm"] = read("output_norm.weight", ("D",))
     if "output.weight" in tensors:
-        weights["lm_head"] = need("output.weight").T
-        cfg = cfg.replace(tie_word_embeddings=False)
+        weights["lm_head"] = np.ascontiguousarray(read("output.weight", ("V", "D")).T)
+    cfg = cfg.replace(tie_word_embeddings="output.weight" not in tensors)
+
+    if "rope_freqs.weight" in tensors:
+        factors = read("rope_freqs.weight", ("H/2",))
+        if not np.all(np.isfinite(factors) & (factors > 0)):
+            raise ModelFileError(f"model file {path!r}: tensor 'rope_freqs.weight' has "
+                                 f"non-positive or non-finite factors {factors.tolist()}")
+        if np.any(factors != 1.0):
+            cfg = cfg.replace(rope_freq_factors=tuple(float(f) for f in factors))
+
+    # Qwen2 always has q/k/v biases; llama-family files may carry them (attention_bias).
+    has_bias = cfg.architecture == "qwen2" or any(
+        f"blk.{i}.{b}" in tensors for i in range(cfg.num_layers) for b in _BIASES)
+    cfg = cfg.replace(attention_bias=has_bias)
     for i in range(cfg.num_layers):
-        for gname, name in _LAYER_TENSORS.items():
+        for gname, name in (_LAYER_TENSORS | (_BIASES if has_bias else {})).items():
             full = f"blk.{i}.{gname}"
-            if full not in tensors:
-                if name.startswith("b"):
-                    continue
-                raise ModelFileError(f"model file {path!r} lacks tensor {full!r}")
-            w = _dequantize(tensors[full])
+            if name.startswith("b") and full not in tensors and cfg.architecture != "qwen2":
+                # llama.cpp treats each llama bias as optional: an absent one is zero.
+                w = np.zeros([dims[d] for d in layer_shapes[gname]], np.float32)
+            else:
+                w = read(full, layer_shapes[gname])
             if permuted and name in ("wq", "wk"):
                 w = _unpermute_qk(w, cfg.num_heads if name == "wq" else cfg.num_kv_heads)
             if permuted and name in ("bq", "bk"):
@@ -197,11 +255,8 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, np.ndarray], dict[str, 
             if w.ndim == 2:
                 w = np.ascontiguousarray(w.T)  # [out, in] -> [in, out]
             weights[f"layers.{i}.{name}"] = w
-    if any(k.endswith(".bq") for k in weights):
-        cfg = cfg.replace(attention_bias=True)
-    expected = (cfg.vocab_size, cfg.d_model)
-    if weights["embed"].shape != expected:
-        raise ModelFileError(
-            f"model file {path!r}: token_embd has shape {weights['embed'].shape}, "
-            f"metadata implies {expected}")
+        for gname in _UNSUPPORTED_BIASES:
+            full = f"blk.{i}.{gname}"
+            if full in tensors and np.any(read(full, layer_shapes[gname])):
+                raise ModelFileError(f"model file {path!r}: a non-zero {full!r} is not supported")
     return cfg, weights, meta

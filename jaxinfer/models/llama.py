@@ -145,19 +145,25 @@ def forward(params: LlamaParams, cfg: ModelConfig, tokens: jax.Array, cache: Rin
 
     tokens [B, T] int32, of which the first num_new[b] of row b are real (the rest padding);
     they sit at absolute positions cache.lengths[b] + t. kv_view (static) limits attention to
-    the first kv_view cache slots (see RingKVCache.view). Returns the final-normed hidden states
-    [B, T, D] and the cache with lengths advanced by num_new.
+    the first kv_view cache slots; the caller guarantees that every slot a row uses, the new
+    tokens' included, lies below it (or passes None / the capacity). Returns the final-normed
+    hidden states [B, T, D] and the cache with lengths advanced by num_new.
     """
     B, T = tokens.shape
     N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    t = jnp.arange(T, dtype=jnp.int32)[None, :]
-    positions = cache.lengths[:, None] + t                              # [B, T]
-    new_kpos = jnp.where(t < num_new[:, None], positions, -1)          # padding keys: invisible
-    cos, sin = rope_angles(positions, rope_inv_freq(H, cfg.rope_theta, cfg.rope_scaling))
-    k_cache, v_cache, cache_kpos = cache.view(kv_view)
+    S = cache.capacity if kv_view is None else min(kv_view, cache.capacity)
+    plan = cache.plan_write(num_new, T)
+    inv_freq = rope_inv_freq(H, cfg.rope_theta, cfg.rope_scaling, cfg.rope_freq_factors)
+    cos, sin = rope_angles(plan.positions, inv_freq)
+    # Write each layer's new K/V before attending (one in-place update of the donated cache),
+    # unless a sliding-window ring could overwrite keys that earlier tokens of this chunk still
+    # need: then the chunk attends to the old cache and to itself, and is written afterwards.
+    write_first = T == 1 or cfg.sliding_window is None
+    kpos = cache.write_positions(plan) if write_first else cache.positions
+    k_all, v_all = cache.k, cache.v
+    k_new, v_new = [], []
 
     h = embed(params, tokens)
-    k_new, v_new = [], []
     for i, lp in enumerate(params.layers):
         with jax.named_scope(f"layer_{i}"):
             with jax.named_scope("attention"):
@@ -167,14 +173,25 @@ def forward(params: LlamaParams, cfg: ModelConfig, tokens: jax.Array, cache: Rin
                 v = linear(x, lp.wv, lp.bv).reshape(B, T, K, H)
                 q = apply_rope(q, cos, sin)
                 k = apply_rope(k, cos, sin)
-                segments = [(k_cache[i], v_cache[i], cache_kpos), (k, v, new_kpos)]
-                o = attention(q, positions, segments,
-                              sliding_window=cfg.sliding_window, implementation=attn_impl)
+                if write_first:
+                    k_all = cache.write_layer(k_all, i, k, plan)
+                    v_all = cache.write_layer(v_all, i, v, plan)
+                    segments = [(k_all[i, :, :S], v_all[i, :, :S], kpos[:, :S])]
+                else:
+                    segments = [(k_all[i, :, :S], v_all[i, :, :S], kpos[:, :S]),
+                                (k, v, plan.key_positions)]
+                    k_new.append(k)
+                    v_new.append(v)
+                o = attention(q, plan.positions, segments, sliding_window=cfg.sliding_window,
+                              implementation=attn_impl)
                 h = h + linear(o.reshape(B, T, N * H), lp.wo)
             with jax.named_scope("mlp"):
                 x = rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps)
                 h = h + swiglu_mlp(x, lp.w_gate, lp.w_up, lp.w_down)
-        k_new.append(k)
-        v_new.append(v)
-    cache = cache.write(jnp.stack(k_new), jnp.stack(v_new), num_new)
+    if not write_first:
+        for i, (k, v) in enumerate(zip(k_new, v_new)):
+            k_all = cache.write_layer(k_all, i, k, plan)
+            v_all = cache.write_layer(v_all, i, v, plan)
+        kpos = cache.write_positions(plan)
+    cache = RingKVCache(k=k_all, v=v_all, positions=kpos, lengths=cache.lengths + num_new)
     return rms_norm(h, params.final_norm, cfg.rms_norm_eps), cache
