@@ -7,7 +7,6 @@ engine (jaxinfer.engine.engine) for generate / chat / stream and the request-lev
 from __future__ import annotations
 
 import itertools
-import math
 import secrets
 import time
 from typing import Iterator, Optional, Sequence, Union

@@ -28,11 +28,8 @@ def _params(cfg, seed=0):
 
 
 def _full_logits(cfg, params, tokens):
-    """One forward over the whole sequence in a cache big enough for it."""
-    cache = RingKVCache.create(cfg.num_layers, 1, len(tokens), cfg.num_kv_heads, cfg.head_dim)
-    h, _ = forward(params, cfg, jnp.asarray([tokens], jnp.int32), cache,
-                         jnp.asarray([len(tokens)], jnp.int32))
-    return np.asarray(llama.lm_head(params, h))[0]
+    """One forward over the whole sequence from an empty cache."""
+    return np.asarray(llama.sequence_logits(params, cfg, jnp.asarray([tokens], jnp.int32)))[0]
 
 
 def _chunked_logits(cfg, params, tokens, chunk, capacity, pad_to=None):

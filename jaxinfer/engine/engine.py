@@ -16,7 +16,6 @@ import time
 from typing import Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import decode

@@ -12,6 +12,7 @@ SmolLM2's matmuls alone).
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import flax.struct
@@ -195,3 +196,14 @@ def forward(params: LlamaParams, cfg: ModelConfig, tokens: jax.Array, cache: Rin
         kpos = cache.write_positions(plan)
     cache = RingKVCache(k=k_all, v=v_all, positions=kpos, lengths=cache.lengths + num_new)
     return rms_norm(h, params.final_norm, cfg.rms_norm_eps), cache
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def sequence_logits(params: LlamaParams, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """Logits [B, T, V] (float32) of full sequences tokens [B, T] from an empty cache: the
+    scoring forward (evaluation, perplexity, tests)."""
+    B, T = tokens.shape
+    cache = RingKVCache.create(cfg.num_layers, B, T, cfg.num_kv_heads, cfg.head_dim,
+                               params.embed.dtype)
+    h, _ = forward(params, cfg, tokens, cache, jnp.full((B,), T, jnp.int32))
+    return lm_head(params, h)

@@ -12,7 +12,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.kv_cache import RingKVCache
 from jaxinfer.loading import load_model
 from jaxinfer.loading.checkpoint import (CONFIG_FILE, PARAMS_DIR, is_checkpoint_dir,
                                          load_checkpoint, save_checkpoint)
@@ -27,11 +26,7 @@ TINY = os.path.join(DATA, "tiny_models")
 
 def logits_of(cfg, params, ids):
     """Logits [1, T, V] of one forward of ids (list of T ints) from an empty cache."""
-    T = len(ids)
-    cache = RingKVCache.create(cfg.num_layers, 1, T, cfg.num_kv_heads, cfg.head_dim)
-    run = jax.jit(lambda p, t, c: llama.lm_head(
-        p, llama.forward(p, cfg, t, c, jnp.array([T], jnp.int32))[0]))
-    return np.asarray(run(params, jnp.asarray([ids], jnp.int32), cache))
+    return np.asarray(llama.sequence_logits(params, cfg, jnp.asarray([ids], jnp.int32)))
 
 
 def assert_bitwise_equal(a, b):

@@ -15,14 +15,12 @@ import math
 import os
 
 import gguf
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import safetensors.numpy
 
 from jaxinfer.config import RopeScaling
-from jaxinfer.kv_cache import RingKVCache
 from jaxinfer.layers.rope import rope_inv_freq
 from jaxinfer.loading.gguf import load_gguf
 from jaxinfer.models import llama
@@ -167,15 +165,7 @@ def convert(name: str, path: str, qtype=F32, *, sliding_window: bool = True,
 def model_logits(cfg, weights, input_ids):
     """Logits [1, T, V] of one forward over all T tokens from an empty cache."""
     params = llama.params_from_weights(cfg, weights, jnp.float32)
-    T = input_ids.shape[1]
-    cache = RingKVCache.create(cfg.num_layers, 1, T, cfg.num_kv_heads, cfg.head_dim)
-
-    @jax.jit
-    def run(params, tokens, cache):
-        h, _ = llama.forward(params, cfg, tokens, cache, jnp.array([T], jnp.int32))
-        return llama.lm_head(params, h)
-
-    return np.asarray(run(params, jnp.asarray(input_ids), cache))
+    return np.asarray(llama.sequence_logits(params, cfg, jnp.asarray(input_ids)))
 
 
 def golden(name):

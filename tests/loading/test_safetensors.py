@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -17,7 +16,6 @@ import pytest
 import safetensors.numpy
 
 from jaxinfer.config import RopeScaling
-from jaxinfer.kv_cache import RingKVCache
 from jaxinfer.loading.safetensors import config_from_hf, eos_token_ids, load_hf_dir
 from jaxinfer.models import llama
 
@@ -28,15 +26,7 @@ ATOL = 1e-4
 
 def hf_logits(cfg, params, input_ids):
     """Logits [1, T, V] of one forward over all T tokens from an empty cache."""
-    T = input_ids.shape[1]
-    cache = RingKVCache.create(cfg.num_layers, 1, T, cfg.num_kv_heads, cfg.head_dim)
-
-    @jax.jit
-    def run(params, tokens, cache):
-        h, _ = llama.forward(params, cfg, tokens, cache, jnp.array([T], jnp.int32))
-        return llama.lm_head(params, h)
-
-    return np.asarray(run(params, jnp.asarray(input_ids), cache))
+    return np.asarray(llama.sequence_logits(params, cfg, jnp.asarray(input_ids)))
 
 
 @pytest.fixture(scope="module")

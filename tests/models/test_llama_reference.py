@@ -15,7 +15,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.kv_cache import RingKVCache
 from jaxinfer.loading.gguf import load_gguf
 from jaxinfer.models import llama
 
@@ -75,11 +74,8 @@ def model(smollm2_gguf):
     return cfg, llama.params_from_weights(cfg, weights)
 
 
-def _logits(cfg, params, tokens, capacity=256):
-    cache = RingKVCache.create(cfg.num_layers, 1, capacity, cfg.num_kv_heads, cfg.head_dim)
-    toks = jnp.asarray([tokens], jnp.int32)
-    h, _ = llama.forward(params, cfg, toks, cache, jnp.asarray([len(tokens)], jnp.int32))
-    return np.asarray(llama.lm_head(params, h))[0]
+def _logits(cfg, params, tokens):
+    return np.asarray(llama.sequence_logits(params, cfg, jnp.asarray([tokens], jnp.int32)))[0]
 
 
 def test_logits_match_numpy_reference(model, smollm2_gguf):
