@@ -1,5 +1,7 @@
+import logging
 import os
 
+import jax
 import pytest
 
 
@@ -14,3 +16,74 @@ def smollm2_gguf() -> str:
 @pytest.fixture(scope="session")
 def data_dir() -> str:
     return os.path.join(os.path.dirname(__file__), "data")
+
+
+class CompileRecorder:
+    """Records compilations and traces, through two channels: jax's log_compiles records
+    ("Finished tracing ...", "Compiling ...", "Finished XLA compilation ...") on the "jax"
+    loggers, and jax.monitoring's trace/compile duration events."""
+
+    EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
+              "/jax/core/compile/backend_compile_duration")
+
+    def __init__(self):
+        self.logs, self.events = [], []
+        rec = self
+
+        class Handler(logging.Handler):
+            def emit(self, record):
+                msg = record.getMessage()
+                if msg.startswith(("Compiling", "Finished tracing", "Finished XLA compilation")):
+                    rec.logs.append(msg[:200])
+
+        self.handler = Handler(level=logging.DEBUG)
+
+    def _on_event(self, name, duration, **kwargs):
+        if name in self.EVENTS:
+            self.events.append(name)
+
+    def __enter__(self):
+        self.logger = logging.getLogger("jax")
+        self.old_level, self.old_flag = self.logger.level, jax.config.jax_log_compiles
+        jax.config.update("jax_log_compiles", True)
+        self.logger.setLevel(logging.WARNING)   # log_compiles records are WARNINGs
+        self.logger.addHandler(self.handler)
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+        return self
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_duration_listener(self._on_event)
+        self.logger.removeHandler(self.handler)
+        self.logger.setLevel(self.old_level)
+        jax.config.update("jax_log_compiles", self.old_flag)
+
+    def clear(self):
+        self.logs.clear()
+        self.events.clear()
+
+    def armed(self):
+        """Enters, proves the recorder sees a fresh compile on both channels, then clears."""
+        self.__enter__()
+        jax.jit(lambda a: a * 3 + 1)(jax.numpy.ones((3, 5, 7)))
+        assert self.logs and self.events, "compile recorder is not receiving events"
+        self.clear()
+        return self
+
+
+@pytest.fixture
+def compile_recorder():
+    """A context manager factory: `with compile_recorder() as rec:` records every trace and
+    compile inside the block (rec.logs, rec.events); it is checked to be live on entry."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def recording():
+        rec = CompileRecorder()
+        rec.armed()
+        try:
+            yield rec
+        finally:
+            rec.__exit__(None, None, None)
+
+    return recording
+

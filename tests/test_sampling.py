@@ -8,7 +8,6 @@
 - new sampling values never compile anything.
 """
 
-import logging
 
 import jax
 import jax.numpy as jnp
@@ -335,51 +334,7 @@ def test_llm_seeded_request_is_independent_of_the_batch(llm):
     assert other_seed != alone
 
 
-class _CompileRecorder:
-    """Records compilations and traces, through two channels: jax's log_compiles records
-    ("Finished tracing ...", "Compiling ...", "Finished XLA compilation ...") on the "jax"
-    loggers, and jax.monitoring's trace/compile duration events."""
-
-    EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
-              "/jax/core/compile/backend_compile_duration")
-
-    def __init__(self):
-        self.logs, self.events = [], []
-        rec = self
-
-        class Handler(logging.Handler):
-            def emit(self, record):
-                msg = record.getMessage()
-                if msg.startswith(("Compiling", "Finished tracing", "Finished XLA compilation")):
-                    rec.logs.append(msg[:200])
-
-        self.handler = Handler(level=logging.DEBUG)
-
-    def _on_event(self, name, duration, **kwargs):
-        if name in self.EVENTS:
-            self.events.append(name)
-
-    def __enter__(self):
-        self.logger = logging.getLogger("jax")
-        self.old_level, self.old_flag = self.logger.level, jax.config.jax_log_compiles
-        jax.config.update("jax_log_compiles", True)
-        self.logger.setLevel(logging.WARNING)   # log_compiles records are WARNINGs
-        self.logger.addHandler(self.handler)
-        jax.monitoring.register_event_duration_secs_listener(self._on_event)
-        return self
-
-    def __exit__(self, *exc):
-        jax.monitoring.unregister_event_duration_listener(self._on_event)
-        self.logger.removeHandler(self.handler)
-        self.logger.setLevel(self.old_level)
-        jax.config.update("jax_log_compiles", self.old_flag)
-
-    def clear(self):
-        self.logs.clear()
-        self.events.clear()
-
-
-def test_new_sampling_values_do_not_compile(llm):
+def test_new_sampling_values_do_not_compile(llm, compile_recorder):
     variants = [
         ji.SamplingParams(max_tokens=12),
         ji.SamplingParams(temperature=0.7, seed=1, max_tokens=12),
@@ -392,11 +347,7 @@ def test_new_sampling_values_do_not_compile(llm):
                           repetition_penalty=1.1, seed=2**32 - 1, max_tokens=12),
     ]
     llm.generate(PROMPT, ji.SamplingParams(temperature=0.5, seed=0, max_tokens=12))  # warm
-    with _CompileRecorder() as rec:
-        # The recorder is live: a new function is seen on both channels.
-        jax.jit(lambda a: a * 3 + 1)(jnp.ones((3, 5, 7)))
-        assert rec.logs and rec.events
-        rec.clear()
+    with compile_recorder() as rec:
         outs = [llm.generate(PROMPT, sp)[0] for sp in variants]
         assert rec.logs == [] and rec.events == [], (rec.logs, rec.events)
     assert all(len(o.token_ids) > 0 for o in outs)
