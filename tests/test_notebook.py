@@ -55,6 +55,7 @@ def test_quickstart_runs(tmp_path, monkeypatch):
     assert not [o for o in outputs if o.output_type == "error"]
     text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
     assert "'The capital of France is' -> ' Paris" in text  # greedy generation
+    assert "The capital of France is Paris" in text  # greedy chat
     assert "tokens; TTFT" in text  # the latency cell's summary
     assert any("image/png" in o.get("data", {}) for o in outputs
                if o.output_type in ("display_data", "execute_result"))

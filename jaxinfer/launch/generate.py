@@ -166,7 +166,8 @@ def report(prompts: list[str], outputs, wall_s: float) -> str:
     ttfts = [o.metrics.ttft_s for o in outputs if o.metrics.ttft_s is not None]
     itls = [o.metrics.itl_s for o in outputs if o.metrics.itl_s is not None]
     mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
-    lines.append(f"aggregate: {len(outputs)} requests, {total} tokens in {wall_s:.2f} s "
+    lines.append(f"aggregate: {len(outputs)} request{'s' * (len(outputs) != 1)}, {total} tokens in "
+                 f"{wall_s:.2f} s "
                  f"({total / wall_s if wall_s > 0 else 0.0:.1f} tok/s), "
                  f"mean TTFT {_ms(mean(ttfts))} ms, mean ITL {_ms(mean(itls))} ms")
     return "\n".join(lines)

@@ -1,0 +1,104 @@
+"""`python -m jaxinfer.launch.generate` end to end, on the real SmolLM2-135M model.
+
+Each launch loads the model (~10 s on CPU), so the checks are grouped into few launches. Runs use a
+working directory outside the repository to show that presets resolve from anywhere.
+"""
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+import jaxinfer as ji
+
+PROMPTS = ["The capital of France is", "1, 2, 3,"]
+CHAT_PROMPT = "What is 2+2?"
+ROW = re.compile(r"^\s*(\d+)\s+(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(\w+)$", re.M)
+AGGREGATE = re.compile(r"^aggregate: (\d+) requests?, (\d+) tokens in [\d.]+ s \([\d.]+ tok/s\), "
+                       r"mean TTFT [\d.]+ ms, mean ITL [\d.]+ ms$", re.M)
+
+
+def launch(cwd, *args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "jaxinfer.launch.generate", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def rows(stdout):
+    return [(int(m[1]), int(m[2]), int(m[3]), m[7]) for m in ROW.finditer(stdout)]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The library's greedy outputs for PROMPTS, batched together like the script batches them."""
+    llm = ji.LLM("smollm2-135m")
+    outs = llm.generate(PROMPTS, ji.SamplingParams(max_tokens=8))
+    return outs, len(llm.tokenizer.encode(CHAT_PROMPT))
+
+
+def test_generate_greedy_matches_library(tmp_path, reference):
+    outs, _ = reference
+    prompts_file = tmp_path / "prompts.txt"
+    prompts_file.write_text(f"\n{PROMPTS[1]}\n\n")  # blank lines are skipped
+    r = launch(tmp_path, "--prompt", PROMPTS[0], "--prompts_file", str(prompts_file),
+               "--max_tokens", "8")
+    assert r.returncode == 0, r.stderr
+    assert outs[0].text.startswith(" Paris")
+    for i, (prompt, out) in enumerate(zip(PROMPTS, outs)):  # default flags = greedy SamplingParams
+        assert f"=== [{i}] {prompt}\n{out.text}\n\n" in r.stdout
+    assert rows(r.stdout) == [(i, o.metrics.prompt_tokens, 8, "length") for i, o in enumerate(outs)]
+    assert AGGREGATE.search(r.stdout)[1:3] == ("2", "16")
+    assert "loaded smollm2-135m" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_preset_and_flag_override(tmp_path, reference):
+    _, raw_prompt_tokens = reference
+    # smollm2-chat: chat mode, max_tokens 128, temperature 0.7. The flags override the last two.
+    r = launch(tmp_path, "--config", "smollm2-chat", "--prompt", CHAT_PROMPT,
+               "--max_tokens", "5", "--temperature", "0")
+    assert r.returncode == 0, r.stderr
+    ((_, prompt_tokens, generated, finish),) = rows(r.stdout)
+    assert prompt_tokens > raw_prompt_tokens + 5  # the preset's chat=true applied the template
+    assert (generated, finish) == (5, "length")
+    assert "max_seq_len 2048" in r.stderr
+
+
+def test_flag_defaults_are_sampling_params_defaults(tmp_path):
+    r = launch(tmp_path, "--helpfull", timeout=120)  # absl prints the help and exits 1
+    helptext = r.stdout + r.stderr
+    for f in dataclasses.fields(ji.SamplingParams):
+        if f.default is None:  # seed, stop, logprobs: no default shown (and no logprobs flag)
+            continue
+        m = re.search(rf"--(?:\[no\])?{f.name}: [^\n]*\n\s+\(default: '([^']*)'\)", helptext)
+        assert m, (f.name, helptext)
+        assert m[1] == (str(f.default).lower() if isinstance(f.default, bool) else str(f.default))
+
+
+@pytest.mark.parametrize("args, message", [
+    ((), "no prompt given"),
+    (("--prompt", "hi", "--config", "no-such-preset"), "unknown preset 'no-such-preset'"),
+    (("--prompt", "hi", "--temperature", "-1"), "temperature must be >= 0"),
+    (("--prompt", "hi", "--config", "{bad_preset}"), "unknown sampling keys ['temprature']"),
+])
+def test_errors_exit_1_with_one_line(tmp_path, args, message):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"sampling": {"temprature": 0.5}}))
+    r = launch(tmp_path, *[a.format(bad_preset=bad) for a in args], timeout=120)
+    assert r.returncode == 1
+    assert r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.stderr
+
+
+def test_configs_are_well_formed():
+    configs = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))), "configs")
+    for name in ("smollm2-cpu", "smollm2-chat"):
+        with open(os.path.join(configs, name + ".json")) as f:
+            preset = json.load(f)
+        assert set(preset) <= {"model", "sampling", "chat"}
+        ji.SamplingParams(**preset.get("sampling", {}))
+        assert preset["model"]["model"] == "smollm2-135m"
