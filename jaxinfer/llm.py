@@ -24,6 +24,26 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.floa
 _ATTENTION = ("auto", "reference", "pallas")
 
 
+def enable_compilation_cache() -> Optional[str]:
+    """Turns on JAX's persistent compilation cache under the jaxinfer cache directory, so a second
+    process reuses the first one's compiled programs. Leaves an explicitly configured cache
+    alone; JAXINFER_COMPILATION_CACHE=0 turns it off, any other value is the directory to use."""
+    import os
+
+    from jaxinfer.loading.hub import cache_dir
+
+    setting = os.environ.get("JAXINFER_COMPILATION_CACHE")
+    if setting == "0":
+        return None
+    if jax.config.jax_compilation_cache_dir:
+        return jax.config.jax_compilation_cache_dir
+    path = setting or os.path.join(cache_dir(), "xla")
+    jax.config.update("jax_compilation_cache_dir", path)
+    # Cache everything that took noticeable time to compile, not only the slowest programs.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+    return path
+
+
 def _default_dtype() -> str:
     return "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
@@ -69,6 +89,7 @@ class LLM:
 
         from jaxinfer.loading import load_model
 
+        enable_compilation_cache()
         loaded = load_model(model, dtype=_DTYPES[dtype])
         cfg = loaded.config
         limit = cfg.max_position_embeddings
