@@ -1,4 +1,4 @@
-"""Runs notebooks/quickstart.ipynb top to bottom, from a working directory outside the repository."""
+"""Runs notebooks/quickstart.ipynb top to bottom from a working directory outside the repository."""
 
 import json
 import os
@@ -35,9 +35,8 @@ def _kernel_name(tmp_path, monkeypatch) -> str:
     (spec_dir / "kernel.json").write_text(json.dumps({
         "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
         "display_name": "jaxinfer test", "language": "python"}))
-    monkeypatch.setenv("JUPYTER_PATH", os.pathsep.join(
-        [str(tmp_path / "jupyter")] + [p for p in os.environ.get("JUPYTER_PATH", "").split(os.pathsep)
-                                       if p]))
+    previous = [p for p in os.environ.get("JUPYTER_PATH", "").split(os.pathsep) if p]
+    monkeypatch.setenv("JUPYTER_PATH", os.pathsep.join([str(tmp_path / "jupyter")] + previous))
     return "jaxinfer-test"
 
 

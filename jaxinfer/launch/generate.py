@@ -93,7 +93,8 @@ def resolve_preset_path(name_or_path: str) -> str:
 
 
 def load_preset(name_or_path: str) -> dict:
-    """Reads and checks a preset: {"model": {...}, "sampling": {...}, "chat": bool}, all optional."""
+    """Reads and checks a preset: {"model": {...}, "sampling": {...}, "chat": bool}, each
+    section optional."""
     path = resolve_preset_path(name_or_path)
     try:
         with open(path, encoding="utf-8") as f:
