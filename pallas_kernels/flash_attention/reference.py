@@ -1,0 +1,114 @@
+"""Pure-jnp reference for flash attention, and the input checks shared with the kernel.
+
+Shape legend: B batch, T queries, S keys, N query heads, K kv heads, G = N // K, H head dim.
+
+Key j is visible to query t of row b iff
+    j < kv_lengths[b]
+    and (not causal or j <= q_offset[b] + t)
+    and (sliding_window is None or j > q_offset[b] + t - sliding_window).
+The window bound applies whether or not the attention is causal. Logits are
+softcap * tanh(sm_scale * q.k / softcap) (softcap before masking). A query that sees no key gets a
+zero output row.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _as_array(x):
+    return x if hasattr(x, "shape") and hasattr(x, "dtype") else np.asarray(x)
+
+
+def check_inputs(q, k, v, q_offset, kv_lengths, sliding_window, softcap, sm_scale):
+    """Validates shapes, dtypes and static options; raises ValueError. Works on arrays and tracers
+    alike (only .shape and .dtype are read), so it costs no device work."""
+    q, k, v = _as_array(q), _as_array(k), _as_array(v)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(f"{name} must have rank 4 ([B, T, N, H] / [B, S, K, H]); "
+                             f"got shape {tuple(x.shape)}")
+        if jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
+            raise ValueError(f"{name} dtype must be float32, bfloat16 or float16; got {x.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v dtypes must match; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    B, T, N, H = q.shape
+    Bk, S, K, Hk = k.shape
+    if Bk != B:
+        raise ValueError(f"batch of q ({B}) and k/v ({Bk}) differ")
+    if Hk != H:
+        raise ValueError(f"head dim of q ({H}) and k/v ({Hk}) differ")
+    if H not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head dim {H} is not supported; supported: {SUPPORTED_HEAD_DIMS}")
+    if K == 0 or N % K != 0:
+        raise ValueError(f"query heads ({N}) must be a multiple of kv heads ({K})")
+    for name, x in (("q_offset", q_offset), ("kv_lengths", kv_lengths)):
+        if x is None:
+            continue
+        x = _as_array(x)
+        if x.ndim != 1 or x.shape[0] != B:
+            raise ValueError(f"{name} must have shape [B] = [{B}]; got {tuple(x.shape)}")
+        if jnp.dtype(x.dtype) != jnp.dtype(jnp.int32):
+            raise ValueError(f"{name} dtype must be int32; got {x.dtype}")
+    if sliding_window is not None and (isinstance(sliding_window, bool)
+                                       or not isinstance(sliding_window, (int, np.integer))
+                                       or sliding_window < 1):
+        raise ValueError(f"sliding_window must be a positive int or None; got {sliding_window!r}")
+    if softcap is not None and not (isinstance(softcap, (int, float, np.number))
+                                    and math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be a positive float or None; got {softcap!r}")
+    if sm_scale is not None and not (isinstance(sm_scale, (int, float, np.number))
+                                     and math.isfinite(sm_scale)):
+        raise ValueError(f"sm_scale must be a finite float or None; got {sm_scale!r}")
+    return B, T, N, H, S, K
+
+
+def flash_attention_reference(q, k, v, *, causal=True, q_offset=None, kv_lengths=None,
+                              sliding_window=None, softcap=None, sm_scale=None):
+    """Dense attention with the same contract as `flash_attention`, computed in float32.
+
+    q [B, T, N, H]; k, v [B, S, K, H]; q_offset, kv_lengths [B] int32 or None.
+    Returns [B, T, N, H] in q.dtype.
+    """
+    B, T, N, H, S, K = check_inputs(q, k, v, q_offset, kv_lengths, sliding_window, softcap,
+                                    sm_scale)
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    if S == 0:
+        return jnp.zeros(q.shape, q.dtype)
+    G = N // K
+    scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(H)
+    hi = jax.lax.Precision.HIGHEST
+    q_offset = (jnp.zeros((B,), jnp.int32) if q_offset is None else jnp.asarray(q_offset))
+    kv_lengths = (jnp.full((B,), S, jnp.int32) if kv_lengths is None
+                  else jnp.asarray(kv_lengths))
+
+    qg = q.astype(jnp.float32).reshape(B, T, K, G, H)
+    s = jnp.einsum("btkgh,bskh->bkgts", qg, k.astype(jnp.float32), precision=hi) * scale
+    if softcap is not None:
+        s = softcap * jnp.tanh(s / softcap)
+
+    qpos = q_offset[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]       # [B, T]
+    kpos = jnp.arange(S, dtype=jnp.int32)[None, None, :]                      # [1, 1, S]
+    visible = kpos < kv_lengths[:, None, None]                                # [B, 1, S]
+    if causal:
+        visible = visible & (kpos <= qpos[:, :, None])                        # [B, T, S]
+    if sliding_window is not None:
+        visible = visible & (kpos > qpos[:, :, None] - sliding_window)
+    s = jnp.where(visible[:, None, None], s, -jnp.inf)                        # [B, K, G, T, S]
+
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)                 # rows that see no key
+    p = jnp.exp(s - m)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(denom == 0, 1.0, denom)
+    out = jnp.einsum("bkgts,bskh->btkgh", p, v.astype(jnp.float32), precision=hi)
+    return out.reshape(B, T, N, H).astype(q.dtype)

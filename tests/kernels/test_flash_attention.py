@@ -1,0 +1,364 @@
+"""Flash-attention kernel vs its pure-jnp reference vs an independent float64 numpy attention.
+
+TestFlashAttentionKernel runs twice: in Pallas interpret mode on CPU (default suite, small shapes)
+and compiled through Triton on GPU (marked gpu, larger shapes). Every case checks
+kernel == reference within the dtype tolerance below and reference == numpy float64.
+
+Tolerances (max abs error, plus the same relative term):
+  float32  1e-5     bfloat16  2e-2     float16  2e-3
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.flash_attention import (BLOCK_SIZES, default_block_sizes, flash_attention,
+                                            flash_attention_reference)
+
+ON_GPU = jax.default_backend() == "gpu"
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2, jnp.float16: 2e-3}
+
+reference = jax.jit(flash_attention_reference,
+                    static_argnames=("causal", "sliding_window", "softcap", "sm_scale"))
+
+
+def naive_attention(q, k, v, *, causal=True, q_offset=None, kv_lengths=None, sliding_window=None,
+                    softcap=None, sm_scale=None):
+    """Row by row, head by head, in float64."""
+    q, k, v = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v))
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    G = N // K
+    scale = H ** -0.5 if sm_scale is None else sm_scale
+    q_offset = np.zeros(B, np.int64) if q_offset is None else np.asarray(q_offset, np.int64)
+    kv_lengths = np.full(B, S, np.int64) if kv_lengths is None else np.asarray(kv_lengths)
+    out = np.zeros((B, T, N, H))
+    for b in range(B):
+        for t in range(T):
+            pos = q_offset[b] + t
+            keys = [j for j in range(S)
+                    if j < kv_lengths[b]
+                    and (not causal or j <= pos)
+                    and (sliding_window is None or j > pos - sliding_window)]
+            if not keys:
+                continue
+            for n in range(N):
+                logits = k[b, keys, n // G] @ q[b, t, n] * scale
+                if softcap is not None:
+                    logits = softcap * np.tanh(logits / softcap)
+                w = np.exp(logits - logits.max())
+                out[b, t, n] = (w / w.sum()) @ v[b, keys, n // G]
+    return out
+
+
+def make_qkv(seed, B, T, S, N, K, H, dtype, spread=1.0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, T, N, H)) * spread
+    k = rng.standard_normal((B, S, K, H)) * spread
+    v = rng.standard_normal((B, S, K, H))
+    return tuple(jnp.asarray(x, jnp.float32).astype(dtype) for x in (q, k, v))
+
+
+def i32(x):
+    return None if x is None else jnp.asarray(x, jnp.int32)
+
+
+def assert_close(actual, expected, dtype, what):
+    tol = TOL[dtype]
+    actual = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
+    expected = np.asarray(jnp.asarray(expected, jnp.float32), np.float64)
+    assert np.isfinite(actual).all(), f"{what}: non-finite values"
+    np.testing.assert_allclose(actual, expected, atol=tol, rtol=tol, err_msg=what)
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    interpret: bool
+    blocks: tuple          # (block_q, block_k) settings swept
+    L: int                 # a typical sequence length (not a block multiple)
+
+
+INTERPRET = Mode(interpret=True, blocks=((16, 16), (32, 16)), L=37)
+COMPILED = Mode(interpret=False, blocks=((64, 64), (32, 128)), L=301)
+MODES = [
+    pytest.param(INTERPRET, id="interpret"),
+    pytest.param(COMPILED, id="compiled",
+                 marks=[pytest.mark.gpu,
+                        pytest.mark.skipif(not ON_GPU, reason="needs a GPU backend")]),
+]
+BLOCK_INDEX = [0, 1]   # which of Mode.blocks a test uses
+
+
+def check(mode, *, B=2, T, S, N=4, K=2, H=64, dtype=jnp.float32, blocks=None, seed=0,
+          spread=1.0, **kw):
+    """Kernel vs reference (dtype tolerance), reference vs numpy float64; returns the kernel
+    output."""
+    q, k, v = make_qkv(seed, B, T, S, N, K, H, dtype, spread)
+    kw = {name: (i32(x) if name in ("q_offset", "kv_lengths") else x) for name, x in kw.items()}
+    bq, bk = blocks if blocks is not None else (None, None)
+    out = flash_attention(q, k, v, interpret=mode.interpret, block_q=bq, block_k=bk, **kw)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    ref = reference(q, k, v, **kw)
+    assert_close(out, ref, dtype, "kernel vs reference")
+    assert_close(ref, naive_attention(q, k, v, **kw), dtype, "reference vs numpy float64")
+    return out
+
+
+@pytest.mark.parametrize("mode", MODES)
+class TestFlashAttentionKernel:
+
+    @pytest.mark.parametrize("bi,causal", [(0, True), (0, False), (1, True)])
+    @pytest.mark.parametrize("length", ["1", "block-1", "block", "block+1", "2*block+5"])
+    def test_block_boundaries(self, mode, bi, causal, length):
+        bq, bk = mode.blocks[bi]
+        T = eval(length, {"block": bq})
+        S = eval(length, {"block": bk})
+        # causal: the chunk sits at the end of the keys (q_offset = S - T, may be negative)
+        check(mode, T=T, S=S, causal=causal, blocks=(bq, bk), q_offset=[S - T, max(S - T, 0)])
+
+    # every dtype meets every head ratio (1, 3, 8) and both head dims
+    @pytest.mark.parametrize("dtype,N,K,H", [
+        (jnp.float32, 4, 4, 64), (jnp.float32, 6, 2, 128), (jnp.float32, 8, 1, 64),
+        (jnp.bfloat16, 4, 4, 128), (jnp.bfloat16, 6, 2, 64), (jnp.bfloat16, 8, 1, 128)])
+    def test_dtypes_heads(self, mode, dtype, N, K, H):
+        L = mode.L
+        check(mode, T=L, S=L + 5, N=N, K=K, H=H, dtype=dtype, q_offset=[5, 0],
+              kv_lengths=[L + 5, L - 3], blocks=mode.blocks[0])
+
+    @pytest.mark.parametrize("H,dtype", [(32, jnp.float32), (256, jnp.float32),
+                                         (256, jnp.bfloat16), (64, jnp.float16)])
+    def test_other_head_dims_and_float16(self, mode, H, dtype):
+        L = mode.L
+        check(mode, T=L, S=L, N=2, K=1, H=H, dtype=dtype, kv_lengths=[L, L // 2])
+
+    def test_default_block_sizes(self, mode):
+        L = mode.L
+        check(mode, T=L, S=2 * L, q_offset=[L, L // 2], kv_lengths=[2 * L, L + L // 2 + 1])
+
+    @pytest.mark.parametrize("bi", BLOCK_INDEX)
+    def test_chunk_at_end_of_prefix(self, mode, bi):
+        # S = q_offset + T: the chunk attends to the whole cached prefix and causally to itself.
+        T, P = mode.L, mode.L + 3
+        check(mode, T=T, S=P + T, q_offset=[P, P], blocks=mode.blocks[bi])
+
+    @pytest.mark.parametrize("bi", BLOCK_INDEX)
+    @pytest.mark.parametrize("causal", [True, False])
+    def test_chunk_inside_longer_cache(self, mode, bi, causal):
+        # S > q_offset + T: rows at different offsets, keys past each row's length are ignored.
+        T = mode.L // 2
+        S = 2 * mode.L + 3
+        offsets = [3, S - T - 1]
+        check(mode, T=T, S=S, causal=causal, q_offset=offsets,
+              kv_lengths=[o + T for o in offsets], blocks=mode.blocks[bi])
+
+    @pytest.mark.parametrize("lengths", ["0,S", "S-1,1", "bk,bk+1"])
+    @pytest.mark.parametrize("causal", [True, False])
+    def test_ragged_kv_lengths(self, mode, lengths, causal):
+        bq, bk = mode.blocks[0]
+        S = mode.L + 11
+        kv = [eval(x, {"S": S, "bk": bk}) for x in lengths.split(",")]
+        out = check(mode, T=mode.L, S=S, causal=causal, q_offset=[S - mode.L] * 2,
+                    kv_lengths=kv, blocks=(bq, bk))
+        if kv[0] == 0:
+            assert not np.asarray(out[0], np.float32).any(), "a row with no keys must be zero"
+
+    @pytest.mark.parametrize("bi,window,causal", [
+        (0, w, c) for w in ("small", "large", "whole") for c in (True, False)]
+        + [(1, "small", True), (1, "large", True)])
+    def test_sliding_window(self, mode, bi, window, causal):
+        bq, bk = mode.blocks[bi]
+        T, P = mode.L, mode.L + 2
+        w = {"small": bk // 2 - 1, "large": bk + 7, "whole": 4 * (P + T)}[window]
+        check(mode, T=T, S=P + T + 4, causal=causal, sliding_window=w, q_offset=[P, P // 3],
+              kv_lengths=[P + T, P + T + 4], blocks=(bq, bk))
+
+    @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+    def test_softcap_and_scale(self, mode, dtype):
+        L = mode.L
+        check(mode, T=L, S=L + 9, dtype=dtype, spread=3.0, softcap=5.0, q_offset=[9, 0],
+              blocks=mode.blocks[1])
+        check(mode, T=L, S=L, dtype=dtype, spread=2.0, softcap=2.0, sm_scale=0.05,
+              sliding_window=mode.blocks[1][1] + 1, blocks=mode.blocks[1])
+
+    def test_rows_that_see_no_key_are_zero(self, mode):
+        bq, bk = mode.blocks[0]
+        T = bq + 3
+        # row 0: negative offset, so its first queries precede every key; row 1: no keys at all.
+        q_offset, kv_lengths = [-5, 0], [T, 0]
+        out = np.asarray(check(mode, T=T, S=T, q_offset=q_offset, kv_lengths=kv_lengths,
+                               blocks=(bq, bk)))
+        ref = np.asarray(reference(*make_qkv(0, 2, T, T, 4, 2, 64, jnp.float32),
+                                   q_offset=i32(q_offset), kv_lengths=i32(kv_lengths)))
+        for o in (out, ref):
+            assert not o[0, :5].any() and o[0, 5:].all() and not o[1].any()
+
+    @pytest.mark.parametrize("bi", BLOCK_INDEX)
+    def test_key_blocks_outside_the_visible_range_are_not_read(self, mode, bi):
+        # NaNs in a masked-but-loaded block would leak through p @ v (0 * NaN); the kernel must
+        # skip, not mask, key blocks past the causal frontier, past kv_length and before the
+        # window.
+        bq, bk = mode.blocks[bi]
+        T, S, w = bq + 3, 6 * bk, bk - 3
+        q_offset = np.array([3 * bk + 5, 2 * bk, bk], np.int32)
+        kv_lengths = np.array([S, 2 * bk + 7, 0], np.int32)
+        q, k, v = make_qkv(1, 3, T, S, 4, 2, 64, jnp.float32)
+        expected = reference(q, k, v, q_offset=i32(q_offset), kv_lengths=i32(kv_lengths),
+                             sliding_window=w)
+        poison = np.zeros((3, S), bool)
+        for b in range(3):
+            lo = max(0, int(q_offset[b]) - w + 1) // bk * bk
+            hi = -(-min(int(kv_lengths[b]), int(q_offset[b]) + T) // bk) * bk
+            poison[b, :lo] = poison[b, hi:] = True
+        assert poison.any(axis=1).all()
+        mask = jnp.asarray(poison)[:, :, None, None]
+        k, v = jnp.where(mask, jnp.nan, k), jnp.where(mask, jnp.nan, v)
+        out = flash_attention(q, k, v, q_offset=i32(q_offset), kv_lengths=i32(kv_lengths),
+                              sliding_window=w, interpret=mode.interpret, block_q=bq, block_k=bk)
+        assert_close(out, expected, jnp.float32, "kernel with poisoned skipped blocks")
+
+    def test_lengths_are_traced_not_static(self, mode, compile_recorder):
+        T, S = mode.L, 2 * mode.L
+        q, k, v = make_qkv(2, 2, T, S, 4, 2, 64, jnp.float32)
+        f = functools.partial(flash_attention, interpret=mode.interpret, sliding_window=T)
+        f(q, k, v, q_offset=i32([0, 1]), kv_lengths=i32([S, 1])).block_until_ready()
+        with compile_recorder() as rec:
+            for off, kv in (([T, 3], [S, T + 1]), ([S - T, 0], [S - 1, 0])):
+                off, kv = i32(off), i32(kv)
+                ref = reference(q, k, v, q_offset=off, kv_lengths=kv, sliding_window=T)
+                rec.clear()   # the reference may compile; the kernel must not
+                out = f(q, k, v, q_offset=off, kv_lengths=kv).block_until_ready()
+                assert not rec.logs and not rec.events, rec.logs
+                assert_close(out, ref, jnp.float32, f"q_offset={off} kv_lengths={kv}")
+
+    def test_inside_an_outer_jit(self, mode):
+        T, S = mode.L, mode.L + 4
+        q, k, v = make_qkv(3, 1, T, S, 2, 1, 32, jnp.float32)
+
+        @jax.jit
+        def g(q, k, v, off):
+            return flash_attention(q, k, v, q_offset=off, softcap=3.0, interpret=mode.interpret)
+
+        assert_close(g(q, k, v, i32([4])), reference(q, k, v, q_offset=i32([4]), softcap=3.0),
+                     jnp.float32, "under jit")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("N,K,H", [(8, 1, 128), (6, 3, 64)])
+def test_interpret_longer_sequences(N, K, H):
+    T, S = 384, 512
+    check(INTERPRET, B=2, T=T, S=S, N=N, K=K, H=H, q_offset=[S - T, 17],
+          kv_lengths=[S, 17 + T], sliding_window=100, blocks=(32, 64))
+
+
+@pytest.mark.parametrize("dtype,H,kw", [
+    (jnp.float32, 64, dict(sliding_window=100, softcap=30.0)),
+    (jnp.bfloat16, 256, dict(causal=False)),
+])
+def test_lowers_through_triton(dtype, H, kw):
+    """The kernel body lowers through Pallas' Triton path to one Triton custom call (checked
+    without a GPU by lowering for the cuda platform)."""
+    q = jax.ShapeDtypeStruct((2, 300, 8, H), dtype)
+    kv = jax.ShapeDtypeStruct((2, 700, 2, H), dtype)
+    lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
+    f = jax.jit(lambda q, k, v, o, n: flash_attention(q, k, v, q_offset=o, kv_lengths=n, **kw))
+    try:
+        text = f.trace(q, kv, kv, lengths, lengths).lower(lowering_platforms=("cuda",)).as_text()
+    except Exception as e:  # a jaxlib built without the CUDA/Triton lowering
+        if ON_GPU:
+            raise
+        pytest.skip(f"cannot lower for cuda here: {type(e).__name__}: {e}")
+    assert text.count("__gpu$xla.gpu.triton") == 1
+
+
+class TestReferenceVsNumpy:
+    """The reference against the float64 numpy attention on its own (fast, no kernel)."""
+
+    @pytest.mark.parametrize("causal", [True, False])
+    @pytest.mark.parametrize("window", [None, 1, 6])
+    @pytest.mark.parametrize("softcap", [None, 1.5])
+    def test_masks(self, causal, window, softcap):
+        B, T, S, N, K, H = 2, 9, 21, 6, 3, 32
+        q, k, v = make_qkv(4, B, T, S, N, K, H, jnp.float32, spread=2.0)
+        kw = dict(causal=causal, sliding_window=window, softcap=softcap,
+                  q_offset=i32([12, -3]), kv_lengths=i32([21, 10]))
+        assert_close(reference(q, k, v, **kw), naive_attention(q, k, v, **kw), jnp.float32,
+                     str(kw))
+
+    def test_defaults_and_empty(self):
+        q, k, v = make_qkv(5, 1, 5, 5, 8, 1, 256, jnp.float32)
+        assert_close(reference(q, k, v, sm_scale=0.3), naive_attention(q, k, v, sm_scale=0.3),
+                     jnp.float32, "defaults")
+        for shape_q, shape_kv in (((1, 0, 2, 32), (1, 4, 1, 32)), ((1, 3, 2, 32), (1, 0, 1, 32))):
+            q = jnp.ones(shape_q)
+            kv = jnp.ones(shape_kv)
+            for fn in (flash_attention_reference,
+                       functools.partial(flash_attention, interpret=True)):
+                out = fn(q, kv, kv)
+                assert out.shape == shape_q and not np.asarray(out).any()
+
+
+class TestValidation:
+    q = jnp.zeros((1, 4, 4, 64), jnp.float32)
+    kv = jnp.zeros((1, 6, 2, 64), jnp.float32)
+
+    @pytest.mark.parametrize("fn", ["kernel", "reference"])
+    @pytest.mark.parametrize("case", [
+        "rank_q", "rank_k", "dtype_int", "dtype_f64", "dtype_mismatch", "heads", "head_dim_48",
+        "kv_shape", "batch", "q_offset_dtype", "kv_lengths_dtype", "kv_lengths_shape", "window",
+        "softcap",
+    ])
+    def test_invalid_inputs_raise(self, fn, case):
+        q, k, v, kw = self.q, self.kv, self.kv, {}
+        if case == "rank_q":
+            q = q[0]
+        elif case == "rank_k":
+            k = k[..., None]
+        elif case == "dtype_int":
+            q, k, v = (x.astype(jnp.int32) for x in (q, k, v))
+        elif case == "dtype_f64":
+            q, k, v = (np.zeros(x.shape, np.float64) for x in (q, k, v))
+        elif case == "dtype_mismatch":
+            k = k.astype(jnp.bfloat16)
+        elif case == "heads":
+            q = jnp.zeros((1, 4, 3, 64), jnp.float32)
+        elif case == "head_dim_48":
+            q, k, v = (jnp.zeros(x.shape[:3] + (48,), jnp.float32) for x in (q, k, v))
+        elif case == "kv_shape":
+            v = jnp.zeros((1, 5, 2, 64), jnp.float32)
+        elif case == "batch":
+            q = jnp.zeros((2, 4, 4, 64), jnp.float32)
+        elif case == "q_offset_dtype":
+            kw["q_offset"] = np.zeros((1,), np.int64)
+        elif case == "kv_lengths_dtype":
+            kw["kv_lengths"] = jnp.zeros((1,), jnp.float32)
+        elif case == "kv_lengths_shape":
+            kw["kv_lengths"] = jnp.zeros((1, 1), jnp.int32)
+        elif case == "window":
+            kw["sliding_window"] = 0
+        elif case == "softcap":
+            kw["softcap"] = -1.0
+        f = (functools.partial(flash_attention, interpret=True) if fn == "kernel"
+             else flash_attention_reference)
+        with pytest.raises(ValueError):
+            f(q, k, v, **kw)
+
+    def test_bad_block_size_raises(self):
+        with pytest.raises(ValueError):
+            flash_attention(self.q, self.kv, self.kv, interpret=True, block_q=0)
+
+
+def test_block_size_table():
+    assert {"cpu", "gpu"} <= set(BLOCK_SIZES)
+    small = default_block_sizes("gpu", 128, 5, 3000)
+    assert (small.block_q, small.block_k) == (16, BLOCK_SIZES["gpu"]["default"].block_k)
+    big = default_block_sizes("gpu", 256, 4096, 4096)
+    assert (big.block_q, big.block_k) == (BLOCK_SIZES["gpu"][256].block_q,
+                                         BLOCK_SIZES["gpu"][256].block_k)
+    assert default_block_sizes("tpu", 64, 1000, 1000) == default_block_sizes("cpu", 64, 1000,
+                                                                                1000)
