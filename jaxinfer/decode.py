@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache import RingKVCache
 from jaxinfer.models import llama
-from jaxinfer.sampling import SamplingArrays, mark_seen, sample
+from jaxinfer.sampling import SamplingArrays, mark_seen, maybe_top_logprobs, no_logprobs, sample
 
 
 @flax.struct.dataclass
@@ -47,6 +47,8 @@ class RowParams:
     max_new: jax.Array    # [B] int32: tokens the row may generate (max_tokens, and max_seq_len)
     stop_ids: jax.Array   # [B, E] int32: ids that end the row (EOS unless ignore_eos); -1 pads
     active: jax.Array     # [B] bool: the row is decoding (False: free or still in prefill)
+    logprobs: jax.Array   # [B] bool: return top log-probabilities of generated tokens
+    prompt_logprobs: jax.Array  # [B] bool: return them for prompt tokens
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -64,14 +66,17 @@ def reset_rows(state: DecodeState, mask: jax.Array) -> DecodeState:
 
 @functools.partial(jax.jit, static_argnames=("cfg", "kv_view", "attn_impl"), donate_argnums=(1,))
 def prefill_chunk(params, state: DecodeState, tokens: jax.Array, num_new: jax.Array,
-                  completes: jax.Array, rows: RowParams, *, cfg: ModelConfig,
-                  kv_view: int | None = None, attn_impl: str = "reference"):
+                  completes: jax.Array, next_tokens: jax.Array, rows: RowParams, *,
+                  cfg: ModelConfig, kv_view: int | None = None, attn_impl: str = "reference"):
     """Feeds up to T prompt tokens per row into the cache.
 
     tokens [B, T] int32; num_new [B] int32 real tokens per row (0 for rows not prefilling);
     completes [B] bool: this chunk ends the row's prompt, so its first output token is sampled
-    from the logits at the row's last real position. Returns (state, first_tokens [B] int32),
-    first_tokens meaningful where completes.
+    from the logits at the row's last real position. next_tokens [B, T] int32: the prompt token
+    after each position (-1 past the prompt), scored when a row wants prompt_logprobs.
+    Returns (state, first_tokens [B] int32, first_logprobs, prompt_logprobs): first_tokens
+    meaningful where completes; the logprobs as (ids, values, chosen) of top_logprobs, for the
+    first token ([B, ...]) and for every next prompt token ([B, T, ...]).
     """
     B, T = tokens.shape
     t = jnp.arange(T, dtype=jnp.int32)[None, :]
@@ -82,12 +87,16 @@ def prefill_chunk(params, state: DecodeState, tokens: jax.Array, num_new: jax.Ar
     h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]   # [B, D]
     logits = llama.lm_head(params, h_last)                               # [B, V]
     first = sample(logits, rows.sampling, seen, jnp.zeros((B,), jnp.int32))
+    first_logprobs = maybe_top_logprobs(rows.logprobs & completes, lambda x: x, logits, first)
+    # Scoring every prompt position needs the head over all T tokens: only when asked.
+    prompt_logprobs = maybe_top_logprobs(rows.prompt_logprobs & (num_new > 0),
+                                         lambda x: llama.lm_head(params, x), h, next_tokens)
     seen = mark_seen(seen, first[:, None], completes[:, None])
     state = DecodeState(cache=cache,
                         last_token=jnp.where(completes, first, state.last_token),
                         num_generated=jnp.where(completes, 1, state.num_generated),
                         seen=seen)
-    return state, first
+    return state, first, first_logprobs, prompt_logprobs
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "num_steps", "kv_view", "attn_impl"),
@@ -98,20 +107,23 @@ def decode_loop(params, state: DecodeState, rows: RowParams, *, cfg: ModelConfig
 
     Each step feeds every active row's last token, samples the next and records it. A row stops
     on a stop id or when it has max_new tokens; the loop ends when all rows have stopped or after
-    num_steps. Returns (state, out_tokens [B, S] int32, num_out [B] int32, done [B] bool): row b
-    produced out_tokens[b, :num_out[b]]; done[b] says it stopped (its last token tells why).
+    num_steps. Returns (state, out_tokens [B, S] int32, num_out [B] int32, done [B] bool,
+    logprobs): row b produced out_tokens[b, :num_out[b]]; done[b] says it stopped (its last token
+    tells why); logprobs = (ids [B, S, k], values [B, S, k], chosen [B, S]) of top_logprobs,
+    filled for rows with rows.logprobs.
     """
     B = state.last_token.shape[0]
     stopped = ~rows.active | (state.num_generated >= rows.max_new)
     stopped |= jnp.any(state.last_token[:, None] == rows.stop_ids, axis=-1) & rows.active
     out = jnp.zeros((B, num_steps), jnp.int32)
+    lp_out = no_logprobs((B, num_steps))
 
     def cond(carry):
-        step, _, stopped, _, _ = carry
+        step, _, stopped, _, _, _ = carry
         return (step < num_steps) & ~jnp.all(stopped)
 
     def body(carry):
-        step, state, stopped, out, num_out = carry
+        step, state, stopped, out, num_out, lp_out = carry
         running = ~stopped
         h, cache = llama.forward(params, cfg, state.last_token[:, None], state.cache,
                                  running.astype(jnp.int32), kv_view=kv_view, attn_impl=attn_impl)
@@ -119,13 +131,15 @@ def decode_loop(params, state: DecodeState, rows: RowParams, *, cfg: ModelConfig
         token = sample(logits, rows.sampling, state.seen, state.num_generated)
         token = jnp.where(running, token, state.last_token)
         out = out.at[:, step].set(jnp.where(running, token, -1))
+        lp = maybe_top_logprobs(rows.logprobs & running, lambda x: x, logits, token)
+        lp_out = jax.tree.map(lambda buf, x: buf.at[:, step].set(x), lp_out, lp)
         num_generated = state.num_generated + running
         seen = mark_seen(state.seen, token[:, None], running[:, None])
         hit_stop = jnp.any(token[:, None] == rows.stop_ids, axis=-1)
         stopped = stopped | (running & (hit_stop | (num_generated >= rows.max_new)))
         state = DecodeState(cache=cache, last_token=token, num_generated=num_generated, seen=seen)
-        return step + 1, state, stopped, out, num_out + running
+        return step + 1, state, stopped, out, num_out + running, lp_out
 
-    carry = (jnp.int32(0), state, stopped, out, jnp.zeros((B,), jnp.int32))
-    _, state, stopped, out, num_out = jax.lax.while_loop(cond, body, carry)
-    return state, out, num_out, stopped
+    carry = (jnp.int32(0), state, stopped, out, jnp.zeros((B,), jnp.int32), lp_out)
+    _, state, stopped, out, num_out, lp_out = jax.lax.while_loop(cond, body, carry)
+    return state, out, num_out, stopped, lp_out

@@ -18,6 +18,7 @@ from jaxinfer.config import EngineConfig, MeshConfig
 from jaxinfer.engine.engine import Engine, Request
 from jaxinfer.engine.request import RequestMetrics, RequestOutput, SamplingParams
 from jaxinfer.engine.textstream import TextStream
+from jaxinfer.sampling import MAX_LOGPROBS
 
 Prompt = Union[str, Sequence[int]]
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -152,8 +153,10 @@ class LLM:
                       request_id: Optional[str] = None) -> Request:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
-        if params.logprobs is not None or params.prompt_logprobs is not None:
-            raise NotImplementedError("logprobs and prompt_logprobs are not implemented yet")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > MAX_LOGPROBS:
+                raise ValueError(f"{name}={k} exceeds the limit of {MAX_LOGPROBS}")
         text, ids = self._encode(prompt)
         rid = str(next(self._ids)) if request_id is None else str(request_id)
         if rid in self._requests:

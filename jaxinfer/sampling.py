@@ -83,3 +83,29 @@ def mark_seen(seen: jax.Array, tokens: jax.Array, valid: jax.Array) -> jax.Array
     rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
     cols = jnp.where(valid, tokens, V)                                   # V: out of range, dropped
     return seen.at[rows, cols].set(True, mode="drop")
+
+
+MAX_LOGPROBS = 20  # top-k log-probabilities returned per token (a static output width)
+
+
+def top_logprobs(logits: jax.Array, chosen: jax.Array):
+    """Log-probabilities of the model's distribution (raw logits, before any sampling
+    transform). logits [..., V]; chosen [...] int32 (-1 = none). Returns (ids [..., k] int32,
+    values [..., k] float32, chosen_logprob [...] float32) with k = MAX_LOGPROBS."""
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    vals, ids = jax.lax.top_k(lp, MAX_LOGPROBS)
+    pick = jnp.take_along_axis(lp, jnp.maximum(chosen, 0)[..., None], axis=-1)[..., 0]
+    return ids.astype(jnp.int32), vals, pick
+
+
+def no_logprobs(shape: tuple[int, ...]):
+    """What top_logprobs returns, zero-filled, for when no row asked (same shapes and dtypes)."""
+    return (jnp.zeros(shape + (MAX_LOGPROBS,), jnp.int32),
+            jnp.zeros(shape + (MAX_LOGPROBS,), jnp.float32), jnp.zeros(shape, jnp.float32))
+
+
+def maybe_top_logprobs(want: jax.Array, logits_fn, operand, chosen: jax.Array):
+    """top_logprobs(logits_fn(operand), chosen) if any of want [B] is set, else zeros; the
+    head and the top-k over the vocabulary only run when asked (lax.cond)."""
+    return jax.lax.cond(jnp.any(want), lambda x: top_logprobs(logits_fn(x), chosen),
+                        lambda x: no_logprobs(chosen.shape), operand)

@@ -95,7 +95,8 @@ def _rows(B, max_new, temperature=0.0, seed=0, stop=-1):
                         min_p=np.zeros(B, np.float32), repetition_penalty=np.ones(B, np.float32),
                         seed=np.full(B, seed, np.uint32))
     return decode.RowParams(sampling=sp, max_new=np.full(B, max_new, np.int32),
-                            stop_ids=np.full((B, 2), stop, np.int32), active=np.ones(B, bool))
+                            stop_ids=np.full((B, 2), stop, np.int32), active=np.ones(B, bool),
+                            logprobs=np.zeros(B, bool), prompt_logprobs=np.zeros(B, bool))
 
 
 def test_decode_loop_matches_stepwise_greedy():
@@ -104,10 +105,11 @@ def test_decode_loop_matches_stepwise_greedy():
     prompt = np.random.default_rng(3).integers(0, TINY.vocab_size, 11).tolist()
     state = decode.DecodeState.create(TINY, 1, 64)
     rows = _rows(1, max_new=9)
-    state, first = decode.prefill_chunk(params, state, np.asarray([prompt + [0] * 5], np.int32),
-                                        np.asarray([11], np.int32), np.asarray([True]), rows,
-                                        cfg=TINY)
-    state, out, num_out, done = decode.decode_loop(params, state, rows, cfg=TINY, num_steps=16)
+    state, first, *_ = decode.prefill_chunk(
+        params, state, np.asarray([prompt + [0] * 5], np.int32), np.asarray([11], np.int32),
+        np.asarray([True]), np.full((1, 16), -1, np.int32), rows, cfg=TINY)
+    state, out, num_out, done, _ = decode.decode_loop(params, state, rows, cfg=TINY,
+                                                      num_steps=16)
     got = [int(first[0])] + np.asarray(out)[0, :int(num_out[0])].tolist()
     assert len(got) == 9 and bool(done[0])
     seq = list(prompt)
@@ -123,9 +125,11 @@ def test_decode_loop_stops_rows_independently():
     prompts = np.random.default_rng(4).integers(0, TINY.vocab_size, (B, 5)).astype(np.int32)
     rows = _rows(B, max_new=6)
     rows = rows.replace(max_new=np.asarray([2, 6, 4], np.int32))
-    state, _ = decode.prefill_chunk(params, state, prompts, np.full(B, 5, np.int32),
-                                    np.ones(B, bool), rows, cfg=TINY)
-    state, out, num_out, done = decode.decode_loop(params, state, rows, cfg=TINY, num_steps=8)
+    state, *_ = decode.prefill_chunk(params, state, prompts, np.full(B, 5, np.int32),
+                                     np.ones(B, bool), np.full((B, 5), -1, np.int32), rows,
+                                     cfg=TINY)
+    state, out, num_out, done, _ = decode.decode_loop(params, state, rows, cfg=TINY,
+                                                      num_steps=8)
     assert np.asarray(num_out).tolist() == [1, 5, 3]  # the first token came from prefill
     assert np.asarray(done).all()
     assert np.asarray(state.cache.lengths).tolist() == [5 + 1, 5 + 5, 5 + 3]

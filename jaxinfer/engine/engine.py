@@ -56,12 +56,30 @@ class Request:
     prefilled: int = 0
     token_ids: list[int] = dataclasses.field(default_factory=list)
     finish_reason: Optional[str] = None
+    logprobs: Optional[list] = None         # per generated token {token_id: logprob}
+    prompt_logprobs: Optional[list] = None  # per prompt token (the first is None)
+
+    def __post_init__(self):
+        if self.params.logprobs is not None:
+            self.logprobs = []
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
 
     def output(self) -> RequestOutput:
         return RequestOutput(request_id=self.request_id, prompt=self.prompt,
                              prompt_token_ids=list(self.prompt_ids), text=self.stream.text,
                              token_ids=list(self.token_ids), finish_reason=self.finish_reason,
-                             metrics=self.metrics)
+                             metrics=self.metrics,
+                             logprobs=None if self.logprobs is None else list(self.logprobs),
+                             prompt_logprobs=None if self.prompt_logprobs is None
+                             else list(self.prompt_logprobs))
+
+
+def _logprob_dict(k: int, ids, values, token: int, chosen: float) -> dict[int, float]:
+    """The top k entries plus the token itself, as vLLM reports them."""
+    out = {int(i): float(v) for i, v in zip(ids[:k], values[:k])}
+    out[int(token)] = float(chosen)
+    return out
 
 
 class Engine:
@@ -136,19 +154,23 @@ class Engine:
         seed = np.zeros(B, np.uint32)
         max_new = np.zeros(B, np.int32)
         stop_ids = np.full((B, MAX_STOP_IDS), -1, np.int32)
+        want_lp = np.zeros(B, bool)
+        want_prompt_lp = np.zeros(B, bool)
         for b, req in enumerate(self.slots):
             if req is None:
                 continue
             p = req.params
             temp[b], top_k[b], top_p[b], min_p[b] = p.temperature, p.top_k, p.top_p, p.min_p
             rep[b], seed[b], max_new[b] = p.repetition_penalty, req.seed, req.max_new
+            want_lp[b] = p.logprobs is not None
+            want_prompt_lp[b] = p.prompt_logprobs is not None
             if not p.ignore_eos:
                 ids = self.eos_ids[:MAX_STOP_IDS]
                 stop_ids[b, :len(ids)] = ids
         sampling = SamplingArrays(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
                                   repetition_penalty=rep, seed=seed)
         return decode.RowParams(sampling=sampling, max_new=max_new, stop_ids=stop_ids,
-                                active=decoding)
+                                active=decoding, logprobs=want_lp, prompt_logprobs=want_prompt_lp)
 
     # ---- one scheduling step -----------------------------------------------------------------
 
@@ -187,29 +209,47 @@ class Engine:
         remaining = max(len(r.prompt_ids) - r.prefilled for r in prefilling)
         T = _pick(self.chunk_buckets, remaining)
         tokens = np.zeros((B, T), np.int32)
+        next_tokens = np.full((B, T), -1, np.int32)
         num_new = np.zeros(B, np.int32)
         completes = np.zeros(B, bool)
         longest = 0
         for req in prefilling:
-            n = min(T, len(req.prompt_ids) - req.prefilled)
-            tokens[req.slot, :n] = req.prompt_ids[req.prefilled:req.prefilled + n]
+            start, n = req.prefilled, min(T, len(req.prompt_ids) - req.prefilled)
+            tokens[req.slot, :n] = req.prompt_ids[start:start + n]
+            following = req.prompt_ids[start + 1:start + n + 1]
+            next_tokens[req.slot, :len(following)] = following
             num_new[req.slot] = n
-            completes[req.slot] = req.prefilled + n == len(req.prompt_ids)
-            longest = max(longest, req.prefilled)
+            completes[req.slot] = start + n == len(req.prompt_ids)
+            longest = max(longest, start)
         kv_view = _pick(self.kv_buckets, longest + T)
-        self.state, first = decode.prefill_chunk(
-            self.params, self.state, tokens, num_new, completes, self._row_params(completes),
+        rows = self._row_params(completes)
+        self.state, first, first_lp, prompt_lp = decode.prefill_chunk(
+            self.params, self.state, tokens, num_new, completes, next_tokens, rows,
             cfg=self.cfg, kv_view=kv_view, attn_impl=self.ecfg.attention)
         self.stats_counters["prompt_tokens"] += int(num_new.sum())
+        if any(r.prompt_logprobs is not None for r in prefilling):
+            ids, vals, chosen = jax.device_get(prompt_lp)
+            for req in prefilling:
+                if req.prompt_logprobs is None:
+                    continue
+                b, k = req.slot, req.params.prompt_logprobs
+                for t in range(int(num_new[b])):
+                    if next_tokens[b, t] >= 0:
+                        req.prompt_logprobs.append(
+                            _logprob_dict(k, ids[b, t], vals[b, t], next_tokens[b, t],
+                                          chosen[b, t]))
         for req in prefilling:
             req.prefilled += int(num_new[req.slot])
         if not completes.any():
             return []
         first = np.asarray(first)
+        first_lp = jax.device_get(first_lp) if rows.logprobs.any() else None
         done = []
         for req in prefilling:
             if completes[req.slot]:
-                self._append(req, [int(first[req.slot])], stopped=False)
+                b = req.slot
+                lps = None if first_lp is None else [tuple(x[b] for x in first_lp)]
+                self._append(req, [int(first[b])], stopped=False, lps=lps)
                 done.append(req)
         return done
 
@@ -217,29 +257,37 @@ class Engine:
         longest = max(len(r.prompt_ids) + len(r.token_ids)
                       for r, d in zip(self.slots, decoding) if d)
         kv_view = _pick(self.kv_buckets, longest + self.ecfg.decode_steps)
-        self.state, out, num_out, done = decode.decode_loop(
-            self.params, self.state, self._row_params(decoding), cfg=self.cfg,
+        rows = self._row_params(decoding)
+        self.state, out, num_out, done, lp = decode.decode_loop(
+            self.params, self.state, rows, cfg=self.cfg,
             num_steps=self.ecfg.decode_steps, kv_view=kv_view, attn_impl=self.ecfg.attention)
         out, num_out, done = jax.device_get((out, num_out, done))
+        lp = jax.device_get(lp) if (rows.logprobs & decoding).any() else None
         progressed = []
         for b, req in enumerate(self.slots):
             if req is None or not decoding[b]:
                 continue
-            self._append(req, out[b, :num_out[b]].tolist(), stopped=bool(done[b]))
+            n = int(num_out[b])
+            lps = None if lp is None else [tuple(x[b, i] for x in lp) for i in range(n)]
+            self._append(req, out[b, :n].tolist(), stopped=bool(done[b]), lps=lps)
             progressed.append(req)
         return progressed
 
-    def _append(self, req: Request, new_ids: list[int], stopped: bool) -> None:
-        """Adds tokens the device produced, applying EOS, stop strings and length limits."""
+    def _append(self, req: Request, new_ids: list[int], stopped: bool, lps=None) -> None:
+        """Adds tokens the device produced, applying EOS, stop strings and length limits.
+        lps: per token (top ids, top values, chosen logprob) when the request wants logprobs."""
         now = time.perf_counter()
         if req.metrics.first_token_time is None and new_ids:
             req.metrics.first_token_time = now
         eos = set(self.eos_ids) if not req.params.ignore_eos else set()
-        for tok in new_ids:
+        for i, tok in enumerate(new_ids):
             if tok in eos:
                 self._finish(req, "stop")
                 return
             req.token_ids.append(tok)
+            if req.logprobs is not None and lps is not None:
+                req.logprobs.append(_logprob_dict(req.params.logprobs, *lps[i][:2], tok,
+                                                  lps[i][2]))
             req.metrics.generated_tokens += 1
             req.metrics.token_times.append(now)
             self.stats_counters["generated_tokens"] += 1
@@ -266,9 +314,10 @@ class Engine:
             state = decode.reset_rows(state, idle)
             for kv_view in self.kv_buckets:
                 for T in self.chunk_buckets:
-                    state, _ = decode.prefill_chunk(
+                    state, *_ = decode.prefill_chunk(
                         self.params, state, np.zeros((B, T), np.int32), np.zeros(B, np.int32),
-                        idle, rows, cfg=self.cfg, kv_view=kv_view, attn_impl=self.ecfg.attention)
+                        idle, np.full((B, T), -1, np.int32), rows, cfg=self.cfg,
+                        kv_view=kv_view, attn_impl=self.ecfg.attention)
                 state, *_ = decode.decode_loop(
                     self.params, state, rows, cfg=self.cfg, num_steps=self.ecfg.decode_steps,
                     kv_view=kv_view, attn_impl=self.ecfg.attention)

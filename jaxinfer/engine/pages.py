@@ -1,0 +1,245 @@
+"""Host-side page allocator for a paged KV cache: reference counts and prefix caching.
+
+The KV cache is a pool of `num_pages` pages of `page_size` token slots each. A sequence owns a
+block table (page ids, one per `page_size` tokens). Full pages whose KV has been computed are
+registered in a prefix cache under a chained hash of their contents, so a later sequence with
+the same prefix shares them instead of recomputing.
+
+Page states (each page is in exactly one): *fresh* (free, never cached or its cache entry
+dropped), *cached* (free, refcount 0, still in the prefix cache, evictable in LRU order) and
+*used* (refcount >= 1). Page 0 is reserved as `null_page`: it is never handed out, so fixed-shape
+block tables can be padded with it and padded writes never land in a live page.
+
+No copy-on-write is needed: only registered pages are shared, a page is registered only once it
+is full and computed, and a sequence only writes at positions past its last token, i.e. into its
+own unshared, unregistered last page(s). `append` asserts this.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+from typing import Sequence
+
+import numpy as np
+
+_ROOT_HASH = b""  # parent of a sequence's first page
+
+
+def page_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
+    """Chained hash of one full page: sha256(parent hash || token ids as int64).
+
+    Chaining makes a page's key depend on the whole prefix before it, so two pages are shared
+    only when every earlier token matches too. A cryptographic hash (not Python's `hash`) keeps
+    collisions, which would silently serve another prompt's KV, out of reach.
+    """
+    return hashlib.sha256(parent + np.asarray(token_ids, dtype=np.int64).tobytes()).digest()
+
+
+class OutOfPages(RuntimeError):
+    """Not enough free pages; the allocator state is unchanged. `needed`/`free` are in pages."""
+
+    def __init__(self, what: str, needed: int, free: int):
+        super().__init__(f"{what}: needs {needed} free KV pages, only {free} free")
+        self.needed, self.free = needed, free
+
+
+@dataclasses.dataclass
+class _Seq:
+    tokens: list[int]  # every known token id of the sequence
+    pages: list[int]  # block table; may run ahead of the tokens (see ensure_capacity)
+    hashes: list[bytes]  # chained hash of each full, computed page, in order
+    num_computed: int  # tokens whose KV is written (watermark for registering pages)
+
+
+class PageAllocator:
+    """Allocates KV pages to sequences, with optional prefix caching.
+
+    num_pages: pages in the pool, including the reserved `null_page` (so num_pages - 1 are
+    usable). page_size: token slots per page. Token counts are in tokens, page counts in pages.
+    """
+
+    null_page = 0
+
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
+        if num_pages < 2 or page_size < 1:
+            raise ValueError(f"need num_pages >= 2 and page_size >= 1, "
+                             f"got {num_pages} and {page_size}")
+        self.num_pages, self.page_size = num_pages, page_size
+        self.num_usable_pages = num_pages - 1
+        self.enable_prefix_caching = enable_prefix_caching
+        self._refcount = [0] * num_pages
+        self._fresh = collections.deque(range(1, num_pages))
+        self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU first
+        self._hash_to_page: dict[bytes, int] = {}
+        self._page_to_hash: dict[int, bytes] = {}
+        self._seqs: dict[object, _Seq] = {}
+        self._queries = self._hits = self._evictions = 0
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def num_free_pages(self) -> int:
+        """Pages an allocation may take: fresh plus cached-but-evictable."""
+        return len(self._fresh) + len(self._evictable)
+
+    def pages_for(self, num_tokens: int) -> int:
+        """Pages needed to hold num_tokens tokens: ceil(num_tokens / page_size)."""
+        return -(-num_tokens // self.page_size)
+
+    def can_allocate(self, num_tokens: int) -> bool:
+        """Whether a new sequence of num_tokens tokens fits, assuming no prefix-cache hit."""
+        return self.pages_for(num_tokens) <= self.num_free_pages
+
+    def block_table(self, seq_id) -> list[int]:
+        """Page ids of the sequence, in token order (pad with `null_page` for fixed shapes)."""
+        return list(self._seqs[seq_id].pages)
+
+    def num_tokens(self, seq_id) -> int:
+        return len(self._seqs[seq_id].tokens)
+
+    def num_computed(self, seq_id) -> int:
+        return self._seqs[seq_id].num_computed
+
+    def refcount(self, page: int) -> int:
+        return self._refcount[page]
+
+    def cached_pages(self) -> dict[bytes, int]:
+        """Prefix cache contents: chained page hash -> page id (in use or evictable)."""
+        return dict(self._hash_to_page)
+
+    def __contains__(self, seq_id) -> bool:
+        return seq_id in self._seqs
+
+    def stats(self) -> dict:
+        """Pool usage in pages (free includes cached) and prefix-cache traffic in tokens."""
+        free = self.num_free_pages
+        return dict(
+            num_pages=self.num_pages, usable=self.num_usable_pages, free=free,
+            used=self.num_usable_pages - free, cached=len(self._evictable),
+            evictions=self._evictions, prefix_cache_queries=self._queries,
+            prefix_cache_hits=self._hits,
+            hit_rate=self._hits / self._queries if self._queries else 0.0)
+
+    # ---- mutation ------------------------------------------------------------------------
+    def allocate(self, seq_id, token_ids: Sequence[int]) -> int:
+        """Admit a sequence with its prompt; return how many prompt tokens are already cached.
+
+        The result is a multiple of page_size and < len(token_ids): the last prompt token is
+        always left to compute so the model yields its logits. Pages for the rest of the prompt
+        are taken from the pool. Raises OutOfPages (state unchanged) if they do not fit.
+        """
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} is already allocated")
+        tokens = [int(t) for t in token_ids]
+        if not tokens:
+            raise ValueError("cannot allocate an empty prompt")
+        ps = self.page_size
+        hits: list[int] = []
+        hashes: list[bytes] = []
+        if self.enable_prefix_caching:
+            parent = _ROOT_HASH
+            for i in range((len(tokens) - 1) // ps):  # never the page holding the last token
+                h = page_hash(parent, tokens[i * ps:(i + 1) * ps])
+                page = self._hash_to_page.get(h)
+                if page is None:
+                    break  # chained: nothing after a miss can hit
+                hits.append(page)
+                hashes.append(h)
+                parent = h
+        needed = self.pages_for(len(tokens)) - len(hits)
+        # Revived hits leave the evictable pool, so they cannot also pay for the fresh pages.
+        free = self.num_free_pages - sum(self._refcount[p] == 0 for p in hits)
+        if needed > free:
+            raise OutOfPages(f"allocating {len(tokens)} tokens for {seq_id!r}", needed, free)
+        for page in hits:
+            if self._refcount[page] == 0:
+                del self._evictable[page]
+            self._refcount[page] += 1
+        pages = hits + self._take(needed)
+        num_cached = len(hits) * ps
+        if self.enable_prefix_caching:
+            self._queries += len(tokens)
+            self._hits += num_cached
+        self._seqs[seq_id] = _Seq(tokens, pages, hashes, num_cached)
+        return num_cached
+
+    def ensure_capacity(self, seq_id, num_tokens: int) -> None:
+        """Grow the block table to hold num_tokens tokens in total (e.g. multi-step decode
+        lookahead); tokens are not recorded. Raises OutOfPages (state unchanged)."""
+        seq = self._seqs[seq_id]
+        needed = self.pages_for(num_tokens) - len(seq.pages)
+        if needed > self.num_free_pages:
+            raise OutOfPages(f"growing {seq_id!r} to {num_tokens} tokens", needed,
+                             self.num_free_pages)
+        if needed > 0:
+            seq.pages += self._take(needed)
+
+    def append(self, seq_id, token_ids: Sequence[int]) -> None:
+        """Record new tokens of the sequence (e.g. sampled ones), taking pages as needed.
+        Raises OutOfPages (state unchanged). Their KV counts once `mark_computed` says so."""
+        seq = self._seqs[seq_id]
+        new = [int(t) for t in token_ids]
+        self.ensure_capacity(seq_id, len(seq.tokens) + len(new))
+        if new:
+            ps = self.page_size
+            for i in range(len(seq.tokens) // ps, (len(seq.tokens) + len(new) - 1) // ps + 1):
+                page = seq.pages[i]  # no copy-on-write: the pages written are ours alone
+                assert self._refcount[page] == 1 and page not in self._page_to_hash, page
+            seq.tokens += new
+
+    def mark_computed(self, seq_id, num_computed: int) -> None:
+        """Declare that the KV of the first num_computed tokens is written; full pages within
+        them are registered in the prefix cache under their chained hash.
+
+        Registration waits for this (not for a page merely filling with known tokens) so that
+        another sequence can never hit a page whose KV a pending prefill chunk has not written.
+        """
+        seq = self._seqs[seq_id]
+        if not seq.num_computed <= num_computed <= len(seq.tokens):
+            raise ValueError(f"{seq_id!r}: num_computed {num_computed} outside "
+                             f"[{seq.num_computed}, {len(seq.tokens)}]")
+        seq.num_computed = num_computed
+        if not self.enable_prefix_caching:
+            return
+        ps = self.page_size
+        for i in range(len(seq.hashes), num_computed // ps):
+            parent = seq.hashes[-1] if seq.hashes else _ROOT_HASH
+            h = page_hash(parent, seq.tokens[i * ps:(i + 1) * ps])
+            seq.hashes.append(h)
+            page = seq.pages[i]
+            # Same contents computed twice concurrently: keep the first copy cached; this page
+            # stays unregistered and goes back to the fresh pool when freed.
+            if h not in self._hash_to_page and page not in self._page_to_hash:
+                self._hash_to_page[h] = page
+                self._page_to_hash[page] = h
+
+    def free(self, seq_id) -> None:
+        """Release a finished, aborted or preempted sequence. Its registered pages stay cached
+        (evictable) so re-admitting the same tokens hits them until they are evicted."""
+        seq = self._seqs.pop(seq_id)
+        # Reversed: a sequence's tail pages become least recently used, so they are evicted
+        # before its head pages, which more prompts share and whose loss orphans the tail.
+        for page in reversed(seq.pages):
+            assert self._refcount[page] > 0, f"page {page} double-freed"
+            self._refcount[page] -= 1
+            if self._refcount[page] == 0:
+                if page in self._page_to_hash:
+                    self._evictable[page] = None
+                else:
+                    self._fresh.append(page)
+
+    def _take(self, n: int) -> list[int]:
+        """Take n free pages (caller checked they exist): fresh ones first, then evict cached
+        ones in LRU order, dropping their prefix-cache entries."""
+        out = []
+        for _ in range(n):
+            if self._fresh:
+                page = self._fresh.popleft()
+            else:
+                page, _ = self._evictable.popitem(last=False)
+                del self._hash_to_page[self._page_to_hash.pop(page)]
+                self._evictions += 1
+            self._refcount[page] = 1
+            out.append(page)
+        return out
