@@ -4,68 +4,34 @@ GGUF stores a 2-D weight of logical shape [out, in] with `shape == [in, out]` (g
 the data laid out row-major as [out, in]. Llama-family Q and K projections are stored permuted
 for interleaved ("GPT-J style") RoPE; `_unpermute_qk` restores the half-rotation layout that the
 model uses (the layout of HF checkpoints).
+
+The file is parsed by `jaxinfer.loading.gguf_file` (memory-mapped, zero-copy tensor data). F32,
+F16, Q8_0, Q4_0 and Q4_1 are dequantized here with vectorised numpy, bit for bit as
+`gguf.quants.dequantize`, which decodes every other type.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.loading.gguf_file import (GGMLType, GGUFFile, ModelFileError, TensorInfo,
+                                        ggml_type_name)
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 
 
-class ModelFileError(ValueError):
-    """A model file is missing, empty, truncated, corrupt or of an unsupported kind."""
-
-
-def _open_reader(path: str):
-    import gguf
-
-    if not os.path.exists(path):
-        raise ModelFileError(f"model file {path!r} does not exist")
-    size = os.path.getsize(path)
-    if size == 0:
-        raise ModelFileError(f"model file {path!r} is empty (0 bytes)")
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != b"GGUF":
-        raise ModelFileError(
-            f"model file {path!r} is not a GGUF file (magic {magic!r}, expected b'GGUF')")
-    try:
-        reader = gguf.GGUFReader(path, "r")
-    except Exception as e:  # gguf raises assorted errors on damaged files
-        raise ModelFileError(f"model file {path!r} is truncated or corrupt: {e}") from e
-    # A truncated file can still parse its header; check that every tensor lies inside the file.
-    for t in reader.tensors:
-        end = int(t.data_offset) + int(t.n_bytes)
-        if end > size:
-            raise ModelFileError(
-                f"model file {path!r} is truncated: tensor {t.name!r} ends at byte {end}, "
-                f"file has {size} bytes")
-    return reader
-
-
-def _field_value(field) -> Any:
-    import gguf
-
-    types = field.types
-    if types and types[0] == gguf.GGUFValueType.ARRAY:
-        if len(types) > 1 and types[1] == gguf.GGUFValueType.STRING:
-            return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
-        return [field.parts[i].tolist()[0] for i in field.data]
-    value = field.contents()
-    return value
+def _open(path: str) -> GGUFFile:
+    """Parses a GGUF file; ModelFileError when it is missing, empty, not GGUF, truncated or
+    corrupt."""
+    return GGUFFile(path)
 
 
 def read_metadata(path: str) -> dict[str, Any]:
     """All key/value metadata of a GGUF file as plain Python values (str, int, float, bool, list)."""
-    reader = _open_reader(path)
-    return {name: _field_value(field) for name, field in reader.fields.items()
-            if not name.startswith("GGUF.")}
+    return dict(_open(path).metadata)
 
 
 def config_from_metadata(meta: dict[str, Any], path: str = "<gguf>") -> ModelConfig:
@@ -136,10 +102,10 @@ def config_from_metadata(meta: dict[str, Any], path: str = "<gguf>") -> ModelCon
 
 
 def _unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
-    # w: [n_heads * hd, D] stored interleaved (pairs) per head -> half-rotation layout.
-    out_dim, d = w.shape
+    # w: [D, n_heads * hd] ([in, out]), columns interleaved (pairs) per head -> half-rotation.
+    d, out_dim = w.shape
     hd = out_dim // n_heads
-    return w.reshape(n_heads, hd // 2, 2, d).swapaxes(1, 2).reshape(out_dim, d)
+    return w.reshape(d, n_heads, hd // 2, 2).swapaxes(2, 3).reshape(d, out_dim)
 
 
 def _unpermute_qk_bias(b: np.ndarray, n_heads: int) -> np.ndarray:
@@ -147,16 +113,130 @@ def _unpermute_qk_bias(b: np.ndarray, n_heads: int) -> np.ndarray:
     return b.reshape(n_heads, hd // 2, 2).swapaxes(1, 2).reshape(-1)
 
 
-def _logical_shape(t) -> tuple[int, ...]:
-    """Shape outermost first: the reverse of ggml's [ne0, ne1, ...]."""
-    return tuple(int(x) for x in reversed(t.shape.tolist()))
+# Block layouts (ggml's block_q8_0, block_q4_0, block_q4_1): 32 values per block, an f16 scale d
+# (and for Q4_1 an f16 minimum m). Q8_0 holds 32 int8 q: x = d * q. Q4_0/Q4_1 hold 16 bytes of
+# nibbles, the low nibbles being values 0-15 and the high nibbles values 16-31:
+# x = d * (q - 8) for Q4_0, x = d * q + m for Q4_1.
+_Q8_0 = np.dtype([("d", "<f2"), ("qs", "i1", (32,))])
+_Q4_0 = np.dtype([("d", "<f2"), ("qs", "u1", (16,))])
+_Q4_1 = np.dtype([("d", "<f2"), ("m", "<f2"), ("qs", "u1", (16,))])
+_CHUNK = 8192  # blocks per step (1 MiB of float32 output): each step's data stay in cache
 
 
-def _dequantize(t) -> np.ndarray:
+def _dequantize_q8_0(raw: np.ndarray) -> np.ndarray:
+    blocks = raw.view(_Q8_0)
+    d = blocks["d"].astype(np.float32)[:, None]
+    qs = blocks["qs"]
+    out = np.empty((len(blocks), 32), np.float32)
+    for s in range(0, len(blocks), _CHUNK):
+        o = out[s:s + _CHUNK]
+        o[...] = qs[s:s + _CHUNK]
+        o *= d[s:s + _CHUNK]
+    return out.reshape(-1)
+
+
+def _dequantize_q4(raw: np.ndarray, with_min: bool) -> np.ndarray:
+    blocks = raw.view(_Q4_1 if with_min else _Q4_0)
+    d = blocks["d"].astype(np.float32)[:, None]
+    m = blocks["m"].astype(np.float32)[:, None] if with_min else None
+    qs = blocks["qs"]
+    out = np.empty((len(blocks), 32), np.float32)
+    for s in range(0, len(blocks), _CHUNK):
+        o, q = out[s:s + _CHUNK], qs[s:s + _CHUNK]
+        np.bitwise_and(q, 0x0F, out=o[:, :16], casting="unsafe")
+        np.right_shift(q, 4, out=o[:, 16:], casting="unsafe")
+        if with_min:  # d * q + m, rounded after each step like ggml's and gguf-py's code
+            o *= d[s:s + _CHUNK]
+            o += m[s:s + _CHUNK]
+        else:
+            o -= 8.0
+            o *= d[s:s + _CHUNK]
+    return out.reshape(-1)
+
+
+_FAST_DEQUANT = {
+    GGMLType.F32: lambda raw: raw.view("<f4").copy(),
+    GGMLType.F16: lambda raw: raw.view("<f2").astype(np.float32),
+    GGMLType.Q8_0: _dequantize_q8_0,
+    GGMLType.Q4_0: lambda raw: _dequantize_q4(raw, with_min=False),
+    GGMLType.Q4_1: lambda raw: _dequantize_q4(raw, with_min=True),
+}
+
+
+def dequantize(data: np.ndarray, type_id: int) -> np.ndarray:
+    """Float32 values of one tensor's little-endian data of ggml type `type_id`, flat.
+
+    `data`: the tensor's bytes (uint8, any shape, C-contiguous). F32, F16, Q8_0, Q4_0 and Q4_1
+    are decoded here with vectorised numpy, bit for bit as `gguf.quants.dequantize`; other types
+    go to `gguf.quants.dequantize` itself.
+    """
+    raw = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1)
+    fast = _FAST_DEQUANT.get(type_id)
+    if fast is not None:
+        return fast(raw)
     import gguf
 
-    arr = gguf.quants.dequantize(t.data, t.tensor_type)
-    return np.asarray(arr, dtype=np.float32).reshape(_logical_shape(t))
+    return np.asarray(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(type_id)),
+                      dtype=np.float32).reshape(-1)
+
+
+def _dequantize_transposed_blocks(raw: np.ndarray, type_id: int, out_dim: int,
+                                  in_dim: int) -> np.ndarray:
+    """Q8_0/Q4_0/Q4_1 data of a [out_dim, in_dim] matrix as its float32 transpose [in, out].
+
+    Moves the quantized bytes (1 or 1/2 byte per value) rather than the floats (4 bytes): a slab
+    of block columns at a time is transposed and then decoded straight into the output rows."""
+    q8, with_min = type_id == GGMLType.Q8_0, type_id == GGMLType.Q4_1
+    nb = in_dim // 32
+    blocks = raw.view(_Q8_0 if q8 else _Q4_1 if with_min else _Q4_0).reshape(out_dim, nb)
+    d = blocks["d"].T.astype(np.float32)[:, None, :]  # [nb, 1, out]
+    m = blocks["m"].T.astype(np.float32)[:, None, :] if with_min else None
+    qs = blocks["qs"]  # [out, nb, 32 or 16]
+    out = np.empty((nb, 32, out_dim), np.float32)  # = [in, out]
+    step = max(1, _CHUNK // max(out_dim, 1))
+    for s in range(0, nb, step):
+        o, q = out[s:s + step], np.ascontiguousarray(qs[:, s:s + step].transpose(1, 2, 0))
+        if q8:
+            o[...] = q
+        else:
+            np.bitwise_and(q, 0x0F, out=o[:, :16], casting="unsafe")
+            np.right_shift(q, 4, out=o[:, 16:], casting="unsafe")
+            if not with_min:
+                o -= 8.0
+        o *= d[s:s + step]
+        if with_min:
+            o += m[s:s + step]
+    return out.reshape(in_dim, out_dim)
+
+
+def dequantize_transposed(data: np.ndarray, type_id: int, shape: tuple[int, int]) -> np.ndarray:
+    """The transpose [in, out] (C-contiguous float32) of a matrix of logical shape
+    shape = (out, in) stored as `data` (little-endian ggml type `type_id`); equal to
+    `dequantize(data, type_id).reshape(shape).T`, but Q8_0/Q4_0/Q4_1 skip the float transpose."""
+    out_dim, in_dim = shape
+    raw = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1)
+    if type_id in (GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1) and in_dim % 32 == 0:
+        return _dequantize_transposed_blocks(raw, type_id, out_dim, in_dim)
+    return np.ascontiguousarray(dequantize(raw, type_id).reshape(shape).T)
+
+
+def _dequantize(gf: GGUFFile, t: TensorInfo, transposed: bool = False) -> np.ndarray:
+    """A tensor as a float32 array of its logical shape (outermost first), or for a matrix
+    [out, in] with transposed=True its transpose [in, out]."""
+    if gf.byte_order != "<":
+        if t.type not in (GGMLType.F32, GGMLType.F16):
+            raise ModelFileError(f"model file {gf.path!r}: tensor {t.name!r} is "
+                                 f"{ggml_type_name(t.type)} in a big-endian file, which is not "
+                                 "supported (only F32 and F16 are)")
+        w = gf.tensor_array(t.name).astype(np.float32)
+        return np.ascontiguousarray(w.T) if transposed else w
+    try:
+        if transposed:
+            return dequantize_transposed(gf.tensor_bytes(t.name), t.type, t.shape)
+        return dequantize(gf.tensor_bytes(t.name), t.type).reshape(t.shape)
+    except (NotImplementedError, ValueError) as e:  # a type gguf-py cannot decode
+        raise ModelFileError(f"model file {gf.path!r}: tensor {t.name!r} has type "
+                             f"{ggml_type_name(t.type)}, which cannot be dequantized: {e}") from e
 
 
 # Per-layer GGUF tensor names -> our names.
@@ -185,11 +265,10 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, np.ndarray], dict[str, 
     checked against the metadata before it is read. A `rope_freqs.weight` tensor (Llama-3 RoPE
     scaling as llama.cpp stores it) becomes `config.rope_freq_factors`.
     """
-    reader = _open_reader(path)
-    meta = {name: _field_value(field) for name, field in reader.fields.items()
-            if not name.startswith("GGUF.")}
+    gf = _open(path)
+    meta = dict(gf.metadata)
     cfg = config_from_metadata(meta, path)
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = gf.tensors
     permuted = cfg.architecture in ("llama", "mistral")  # convert_hf_to_gguf permutes these only
     arch = cfg.architecture
     H = cfg.head_dim
@@ -211,21 +290,21 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, np.ndarray], dict[str, 
         "ffn_gate.bias": ("F",), "ffn_up.bias": ("F",), "ffn_down.bias": ("D",),
     }
 
-    def read(name: str, symbols: tuple[str, ...]) -> np.ndarray:
+    def read(name: str, symbols: tuple[str, ...], transposed: bool = False) -> np.ndarray:
         if name not in tensors:
             raise ModelFileError(f"model file {path!r} lacks tensor {name!r}")
-        got, shape = _logical_shape(tensors[name]), tuple(dims[s] for s in symbols)
+        got, shape = tensors[name].shape, tuple(dims[s] for s in symbols)
         if got != shape:
             why = ", ".join(dim_sources[s] for s in dict.fromkeys(symbols))
             raise ModelFileError(f"model file {path!r}: tensor {name!r} has shape {got}; the "
                                  f"metadata implies {shape} ({why})")
-        return _dequantize(tensors[name])
+        return _dequantize(gf, tensors[name], transposed)
 
     weights: dict[str, np.ndarray] = {}
     weights["embed"] = read("token_embd.weight", ("V", "D"))
     weights["final_norm"] = read("output_norm.weight", ("D",))
     if "output.weight" in tensors:
-        weights["lm_head"] = np.ascontiguousarray(read("output.weight", ("V", "D")).T)
+        weights["lm_head"] = read("output.weight", ("V", "D"), transposed=True)
     cfg = cfg.replace(tie_word_embeddings="output.weight" not in tensors)
 
     if "rope_freqs.weight" in tensors:
@@ -246,14 +325,12 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, np.ndarray], dict[str, 
             if name.startswith("b") and full not in tensors and cfg.architecture != "qwen2":
                 # llama.cpp treats each llama bias as optional: an absent one is zero.
                 w = np.zeros([dims[d] for d in layer_shapes[gname]], np.float32)
-            else:
-                w = read(full, layer_shapes[gname])
+            else:  # linear weights come transposed: [out, in] -> [in, out]
+                w = read(full, layer_shapes[gname], transposed=len(layer_shapes[gname]) == 2)
             if permuted and name in ("wq", "wk"):
                 w = _unpermute_qk(w, cfg.num_heads if name == "wq" else cfg.num_kv_heads)
             if permuted and name in ("bq", "bk"):
                 w = _unpermute_qk_bias(w, cfg.num_heads if name == "bq" else cfg.num_kv_heads)
-            if w.ndim == 2:
-                w = np.ascontiguousarray(w.T)  # [out, in] -> [in, out]
             weights[f"layers.{i}.{name}"] = w
         for gname in _UNSUPPORTED_BIASES:
             full = f"blk.{i}.{gname}"
