@@ -28,13 +28,13 @@ import jax.numpy as jnp
 KVSegment = tuple  # (k [B, S, K, H], v [B, S, K, H], k_positions [B, S])
 
 IMPLEMENTATIONS = ("reference", "flash", "paged", "pallas")
-_PAGE = 16  # page size when a contiguous cache row is viewed as pages for the paged kernel
 
 
 def attention(q: jax.Array, q_positions: jax.Array, segments: Sequence[KVSegment], *,
               sliding_window: int | None = None, softcap: float | None = None,
               sm_scale: float | None = None, implementation: str = "reference",
-              lengths: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+              lengths: tuple[jax.Array, jax.Array] | None = None,
+              pages: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> jax.Array:
     """Causal GQA attention of q over the keys of one or more segments.
 
     q [B, T, N, H]; q_positions [B, T] int32; each segment is (k, v, k_positions) with
@@ -42,7 +42,8 @@ def attention(q: jax.Array, q_positions: jax.Array, segments: Sequence[KVSegment
     the cache and to its own keys without first writing into (and possibly wrapping over) a ring.
     lengths = (q_offset [B], kv_lengths [B]) says that there is one segment whose slot j holds
     position j, with q[:, 0] at q_offset and kv_lengths valid keys: the layout the kernels take.
-    Returns [B, T, N, H] in q.dtype.
+    pages = (k_pages [P, Z, K, H], v_pages, block_tables [B, M]) is the same keys as a page pool,
+    for the paged kernel (single-token decode). Returns [B, T, N, H] in q.dtype.
     """
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"unknown attention implementation {implementation!r}; "
@@ -53,19 +54,15 @@ def attention(q: jax.Array, q_positions: jax.Array, segments: Sequence[KVSegment
     k, v, _ = segments[0]
     q_offset, kv_lengths = lengths
     interpret = jax.default_backend() == "cpu"
-    B, T, N, H = q.shape
-    S = k.shape[1]
+    T = q.shape[1]
     use_paged = implementation == "paged" or (implementation == "pallas" and T == 1)
-    if use_paged and T == 1 and S % _PAGE == 0:
+    if use_paged and T == 1 and pages is not None:
         from pallas_kernels import paged_attention
 
-        # Row b of the cache is pages b*S/P .. (b+1)*S/P - 1 of a pool: a free reshape.
-        pages_per_row = S // _PAGE
-        pool_shape = (B * pages_per_row, _PAGE) + k.shape[2:]
-        block_tables = jnp.arange(B * pages_per_row, dtype=jnp.int32).reshape(B, pages_per_row)
-        out = paged_attention(q[:, 0], k.reshape(pool_shape), v.reshape(pool_shape), kv_lengths,
-                              block_tables, sliding_window=sliding_window, softcap=softcap,
-                              sm_scale=sm_scale, interpret=interpret)
+        k_pages, v_pages, block_tables = pages
+        out = paged_attention(q[:, 0], k_pages, v_pages, kv_lengths, block_tables,
+                              sliding_window=sliding_window, softcap=softcap, sm_scale=sm_scale,
+                              interpret=interpret)
         return out[:, None]
     from pallas_kernels import flash_attention
 
@@ -101,8 +98,10 @@ def reference_attention(q, q_positions, segments, *, sliding_window=None, softca
     p = p / jnp.where(denom == 0, 1.0, denom)
     out = 0.0
     start = 0
-    for _, v, _ in segments:
+    for _, v, k_positions in segments:
         S = v.shape[1]
+        # Empty slots may hold anything (a fresh page is not zeroed): 0 * NaN would leak.
+        v = jnp.where((k_positions >= 0)[:, :, None, None], v, jnp.zeros((), v.dtype))
         out = out + jnp.einsum("BKGTS,BSKH->BTKGH", p[..., start:start + S].astype(v.dtype), v,
                                preferred_element_type=jnp.float32)
         start += S

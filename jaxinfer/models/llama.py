@@ -22,7 +22,9 @@ import numpy as np
 
 from jaxinfer.attention import attention
 from jaxinfer.config import ModelConfig
-from jaxinfer.kv_cache import RingKVCache
+from jaxinfer.kv_cache import PagedKVCache, RingKVCache
+
+KVCache = RingKVCache | PagedKVCache
 from jaxinfer.layers import apply_rope, linear, rms_norm, rope_angles, rope_inv_freq, swiglu_mlp
 
 
@@ -139,15 +141,17 @@ def lm_head(params: LlamaParams, h: jax.Array) -> jax.Array:
     return jnp.einsum("...D,DV->...V", h, params.lm_head, preferred_element_type=jnp.float32)
 
 
-def forward(params: LlamaParams, cfg: ModelConfig, tokens: jax.Array, cache: RingKVCache,
+def forward(params: LlamaParams, cfg: ModelConfig, tokens: jax.Array, cache: KVCache,
             num_new: jax.Array, *, kv_view: int | None = None,
-            attn_impl: str = "reference") -> tuple[jax.Array, RingKVCache]:
+            attn_impl: str = "reference") -> tuple[jax.Array, KVCache]:
     """Runs T new tokens per row through the model and appends their K/V to the cache.
 
     tokens [B, T] int32, of which the first num_new[b] of row b are real (the rest padding);
     they sit at absolute positions cache.lengths[b] + t. kv_view (static) limits attention to
-    the first kv_view cache slots; the caller guarantees that every slot a row uses, the new
-    tokens' included, lies below it (or passes None / the capacity). Returns the final-normed
+    the first kv_view cache slots (positions, for a paged cache: a multiple of its page size);
+    the caller guarantees that every slot a row uses, the new tokens' included, lies below it
+    (or passes None / the capacity). The cache is a RingKVCache or a PagedKVCache. Returns the
+    final-normed
     hidden states [B, T, D] and the cache with lengths advanced by num_new.
     """
     B, T = tokens.shape
@@ -159,11 +163,12 @@ def forward(params: LlamaParams, cfg: ModelConfig, tokens: jax.Array, cache: Rin
     # Write each layer's new K/V before attending (one in-place update of the donated cache),
     # unless a sliding-window ring could overwrite keys that earlier tokens of this chunk still
     # need: then the chunk attends to the old cache and to itself, and is written afterwards.
-    write_first = T == 1 or cfg.sliding_window is None
+    wraps = isinstance(cache, RingKVCache) and cfg.sliding_window is not None
+    write_first = T == 1 or not wraps
     kpos = cache.write_positions(plan) if write_first else cache.positions
-    # Full attention never wraps (the engine sizes the ring to max_seq_len), so slot j holds
-    # position j and the kernels can read the cache directly.
-    lengths = (cache.lengths, cache.lengths + num_new) if cfg.sliding_window is None else None
+    # Unless a ring wraps (the engine sizes full-attention rings to max_seq_len), row slot j
+    # holds position j and the kernels can read the cache directly.
+    lengths = None if wraps else (cache.lengths, cache.lengths + num_new)
     k_all, v_all = cache.k, cache.v
     k_new, v_new = [], []
 
@@ -177,17 +182,20 @@ def forward(params: LlamaParams, cfg: ModelConfig, tokens: jax.Array, cache: Rin
                 v = linear(x, lp.wv, lp.bv).reshape(B, T, K, H)
                 q = apply_rope(q, cos, sin)
                 k = apply_rope(k, cos, sin)
+                pages = None
                 if write_first:
                     k_all = cache.write_layer(k_all, i, k, plan)
                     v_all = cache.write_layer(v_all, i, v, plan)
-                    segments = [(k_all[i, :, :S], v_all[i, :, :S], kpos[:, :S])]
+                    segments = [cache.layer_keys(k_all, v_all, i, S, kpos)]
+                    if attn_impl != "reference" and lengths is not None:
+                        pages = cache.kernel_pages(k_all, v_all, i, S)
                 else:
                     segments = [(k_all[i, :, :S], v_all[i, :, :S], kpos[:, :S]),
                                 (k, v, plan.key_positions)]
                     k_new.append(k)
                     v_new.append(v)
                 o = attention(q, plan.positions, segments, sliding_window=cfg.sliding_window,
-                              implementation=attn_impl, lengths=lengths)
+                              implementation=attn_impl, lengths=lengths, pages=pages)
                 h = h + linear(o.reshape(B, T, N * H), lp.wo)
             with jax.named_scope("mlp"):
                 x = rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps)
@@ -197,7 +205,7 @@ def forward(params: LlamaParams, cfg: ModelConfig, tokens: jax.Array, cache: Rin
             k_all = cache.write_layer(k_all, i, k, plan)
             v_all = cache.write_layer(v_all, i, v, plan)
         kpos = cache.write_positions(plan)
-    cache = RingKVCache(k=k_all, v=v_all, positions=kpos, lengths=cache.lengths + num_new)
+    cache = cache.advance(k_all, v_all, kpos, num_new)
     return rms_norm(h, params.final_norm, cfg.rms_norm_eps), cache
 
 

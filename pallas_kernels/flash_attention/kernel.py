@@ -98,6 +98,10 @@ def _flash_kernel(q_offset_ref, kv_lengths_ref, q_ref, k_ref, v_ref, o_ref, *, b
         p = jnp.exp(s - m_new[:, None])
         l = l * alpha + jnp.sum(p, axis=1)
         v = v_ref[pl.ds(start, block_k), :]
+        if masked:
+            # Keys past kv_length may hold anything (a fresh cache page): p = 0 there, but
+            # 0 * NaN would still leak into the output.
+            v = jnp.where((cols < length)[:, None], v, jnp.zeros((), v.dtype))
         pv = lax.dot_general(p.astype(v.dtype), v, _DIMS_PV, precision=precision,
                              preferred_element_type=jnp.float32)
         return m_new, l, acc * alpha[:, None] + pv

@@ -362,3 +362,23 @@ def test_block_size_table():
                                          BLOCK_SIZES["gpu"][256].block_k)
     assert default_block_sizes("tpu", 64, 1000, 1000) == default_block_sizes("cpu", 64, 1000,
                                                                                 1000)
+
+
+def test_keys_past_kv_length_may_hold_nan():
+    """Slots at or past kv_lengths are ignored even when they hold NaN (a fresh cache page)."""
+    rng = np.random.default_rng(11)
+    B, T, S, N, K, H = 2, 5, 37, 4, 2, 64
+    q = jnp.asarray(rng.standard_normal((B, T, N, H), np.float32))
+    k = rng.standard_normal((B, S, K, H)).astype(np.float32)
+    v = rng.standard_normal((B, S, K, H)).astype(np.float32)
+    lengths = np.array([20, 33], np.int32)
+    for b, n in enumerate(lengths):
+        k[b, n:] = np.nan
+        v[b, n:] = np.nan
+    kw = dict(q_offset=jnp.asarray(lengths - T), kv_lengths=jnp.asarray(lengths))
+    out = flash_attention(q, jnp.asarray(k), jnp.asarray(v), interpret=True, block_q=16,
+                          block_k=16, **kw)
+    clean = [jnp.asarray(np.nan_to_num(x)) for x in (k, v)]
+    want = flash_attention_reference(q, *clean, **kw)
+    assert np.isfinite(np.asarray(out)).all()
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-5, rtol=0)
