@@ -68,7 +68,9 @@ def main():
         bws.append(bandwidth.sample())
         out = llm.generate("The history of", decode_params)[0]
         decode_tps.append(out.metrics.decode_tokens_per_s)
-        out = llm.generate([prefill_prompt], ji.SamplingParams(max_tokens=1))[0]
+        # A new prompt each run: a repeated one would be served from the prefix cache.
+        prompt = rng.integers(100, llm.model_config.vocab_size, args.prefill_tokens).tolist()
+        out = llm.generate([prompt], ji.SamplingParams(max_tokens=1))[0]
         prefill_tps.append(args.prefill_tokens / out.metrics.ttft_s)
         bws.append(bandwidth.sample())
     # Each run's fraction uses the bandwidth sampled just before and after it.

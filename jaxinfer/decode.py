@@ -31,9 +31,13 @@ class DecodeState:
     seen: jax.Array           # [B, V] bool: tokens of prompt and output (repetition penalty)
 
     @classmethod
-    def create(cls, cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.float32):
-        return cls(cache=RingKVCache.create(cfg.num_layers, batch, capacity, cfg.num_kv_heads,
-                                            cfg.head_dim, dtype),
+    def create(cls, cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.float32,
+               cache=None):
+        """A ring cache of `capacity` slots per row, or the given cache (e.g. a paged one)."""
+        if cache is None:
+            cache = RingKVCache.create(cfg.num_layers, batch, capacity, cfg.num_kv_heads,
+                                       cfg.head_dim, dtype)
+        return cls(cache=cache,
                    last_token=jnp.zeros((batch,), jnp.int32),
                    num_generated=jnp.zeros((batch,), jnp.int32),
                    seen=jnp.zeros((batch, cfg.vocab_size), bool))
@@ -47,21 +51,31 @@ class RowParams:
     max_new: jax.Array    # [B] int32: tokens the row may generate (max_tokens, and max_seq_len)
     stop_ids: jax.Array   # [B, E] int32: ids that end the row (EOS unless ignore_eos); -1 pads
     active: jax.Array     # [B] bool: the row is decoding (False: free or still in prefill)
+    start_index: jax.Array  # [B] int32: tokens the request generated before this prefill
+    #                         (re-prefilled after a preemption; its next token has this index)
     logprobs: jax.Array   # [B] bool: return top log-probabilities of generated tokens
     prompt_logprobs: jax.Array  # [B] bool: return them for prompt tokens
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
-def reset_rows(state: DecodeState, mask: jax.Array) -> DecodeState:
-    """Empties the rows where mask [B] is set, for new requests. K/V data is left in place:
-    slots with position -1 are never attended."""
-    cache = state.cache
-    cache = cache.replace(positions=jnp.where(mask[:, None], -1, cache.positions),
-                          lengths=jnp.where(mask, 0, cache.lengths))
+def reset_rows(state: DecodeState, mask: jax.Array, start: jax.Array,
+               block_tables: jax.Array | None = None) -> DecodeState:
+    """Empties the rows where mask [B] is set, for new requests starting at position start [B]
+    (non-zero only for prefix-cache hits in a paged cache). K/V data is left in place: slots
+    past a row's length are never attended. block_tables [B, M]: a paged cache's new tables."""
+    cache = state.cache.reset_rows(mask, start)
+    if block_tables is not None:
+        cache = cache.replace(block_tables=block_tables)
     return state.replace(cache=cache,
                          last_token=jnp.where(mask, 0, state.last_token),
                          num_generated=jnp.where(mask, 0, state.num_generated),
                          seen=state.seen & ~mask[:, None])
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def set_block_tables(state: DecodeState, block_tables: jax.Array) -> DecodeState:
+    """A paged cache's block tables [B, M] after the host grew or freed rows' pages."""
+    return state.replace(cache=state.cache.replace(block_tables=block_tables))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "kv_view", "attn_impl"), donate_argnums=(1,))
@@ -86,7 +100,7 @@ def prefill_chunk(params, state: DecodeState, tokens: jax.Array, num_new: jax.Ar
     last = jnp.clip(num_new - 1, 0, T - 1)
     h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]   # [B, D]
     logits = llama.lm_head(params, h_last)                               # [B, V]
-    first = sample(logits, rows.sampling, seen, jnp.zeros((B,), jnp.int32))
+    first = sample(logits, rows.sampling, seen, rows.start_index)
     first_logprobs = maybe_top_logprobs(rows.logprobs & completes, lambda x: x, logits, first)
     # Scoring every prompt position needs the head over all T tokens: only when asked.
     prompt_logprobs = maybe_top_logprobs(rows.prompt_logprobs & (num_new > 0),
@@ -94,7 +108,8 @@ def prefill_chunk(params, state: DecodeState, tokens: jax.Array, num_new: jax.Ar
     seen = mark_seen(seen, first[:, None], completes[:, None])
     state = DecodeState(cache=cache,
                         last_token=jnp.where(completes, first, state.last_token),
-                        num_generated=jnp.where(completes, 1, state.num_generated),
+                        num_generated=jnp.where(completes, rows.start_index + 1,
+                                                state.num_generated),
                         seen=seen)
     return state, first, first_logprobs, prompt_logprobs
 

@@ -8,7 +8,8 @@ attention masks are built from those positions rather than slot indices. That is
 sliding-window layer keep capacity == window and wrap: stale slots simply fall outside the window.
 
 PagedKVCache is a pool of fixed-size pages shared by all rows: row b's position p lives in page
-block_tables[b, p // page_size] at offset p % page_size (P pages, page size Z). Pages are handed
+block_tables[b, p // page_size] at offset p % page_size (P pages, page size Z), i.e. at flat
+pool slot block_tables[b, p // Z] * Z + p % Z. Pages are handed
 out by the host (jaxinfer.engine.pages); page 0 is the null page that padding writes go to.
 
 Both implement the protocol the model uses: plan_write -> write_layer (per layer, in place) ->
@@ -79,6 +80,12 @@ class RingKVCache:
     def advance(self, k_all, v_all, kpos, num_new) -> "RingKVCache":
         return RingKVCache(k=k_all, v=v_all, positions=kpos, lengths=self.lengths + num_new)
 
+    def reset_rows(self, mask: jax.Array, start: jax.Array) -> "RingKVCache":
+        """Empties rows where mask [B] is set (a ring row always restarts at position 0)."""
+        del start
+        return self.replace(positions=jnp.where(mask[:, None], -1, self.positions),
+                            lengths=jnp.where(mask, 0, self.lengths))
+
     @staticmethod
     def write_layer(buf: jax.Array, layer: int, new: jax.Array, plan: "WritePlan") -> jax.Array:
         """buf [L, B, C, K, H] with layer `layer` updated by new [B, T, K, H] as planned.
@@ -100,23 +107,27 @@ class WritePlan:
 
 @flax.struct.dataclass
 class PagedKVCache:
-    k: jax.Array             # [L, P, Z, K, H]
-    v: jax.Array             # [L, P, Z, K, H]
+    # The pool is stored with pages flattened, [L, P * Z, K, H]: a view as [L, P, Z, K, H] is
+    # free, but reshaping around each layer's in-place write made XLA copy the whole pool
+    # inside the decode loop.
+    k: jax.Array             # [L, P * Z, K, H]
+    v: jax.Array             # [L, P * Z, K, H]
     block_tables: jax.Array  # [B, M] int32: row b's pages in order; unused entries = 0 (null)
     lengths: jax.Array       # [B] int32: tokens written so far
+    page_size: int = flax.struct.field(pytree_node=False, default=16)
 
     @classmethod
     def create(cls, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
                head_dim: int, block_tables: jax.Array, dtype=jnp.float32) -> "PagedKVCache":
-        shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+        shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
         block_tables = jnp.asarray(block_tables, jnp.int32)
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                    block_tables=block_tables,
-                   lengths=jnp.zeros((block_tables.shape[0],), jnp.int32))
+                   lengths=jnp.zeros((block_tables.shape[0],), jnp.int32), page_size=page_size)
 
     @property
-    def page_size(self) -> int:
-        return self.k.shape[2]
+    def num_pages(self) -> int:
+        return self.k.shape[1] // self.page_size
 
     @property
     def capacity(self) -> int:
@@ -127,15 +138,15 @@ class PagedKVCache:
         """Token t of row b (t < num_new[b]) goes to flat slot page * Z + offset of the pool;
         padding goes to P * Z, past the pool, which scatters drop."""
         B = self.lengths.shape[0]
-        Z, P = self.page_size, self.k.shape[1]
+        Z = self.page_size
         t = jnp.arange(T, dtype=jnp.int32)[None, :]
         pos = self.lengths[:, None] + t                                 # [B, T]
         real = t < num_new[:, None]
         page_idx = jnp.clip(pos // Z, 0, self.block_tables.shape[1] - 1)
         page = jnp.take_along_axis(self.block_tables, page_idx, axis=1)
         return WritePlan(rows=jnp.broadcast_to(jnp.arange(B)[:, None], (B, T)),
-                         slots=jnp.where(real, page * Z + pos % Z, P * Z), positions=pos,
-                         key_positions=jnp.where(real, pos, -1))
+                         slots=jnp.where(real, page * Z + pos % Z, self.k.shape[1]),
+                         positions=pos, key_positions=jnp.where(real, pos, -1))
 
     def write_positions(self, plan: WritePlan) -> jax.Array:
         """Key positions of row slots 0..capacity-1 after the write: slot j holds position j."""
@@ -145,28 +156,33 @@ class PagedKVCache:
 
     @staticmethod
     def write_layer(buf: jax.Array, layer: int, new: jax.Array, plan: WritePlan) -> jax.Array:
-        """buf [L, P, Z, K, H] with the planned slots of one layer set to new [B, T, K, H]."""
-        L, P, Z = buf.shape[:3]
-        flat = buf.reshape((L, P * Z) + buf.shape[3:])
-        flat = flat.at[layer, plan.slots].set(new.astype(buf.dtype), mode="drop")
-        return flat.reshape(buf.shape)
+        """buf [L, P * Z, K, H] with the planned slots of one layer set to new [B, T, K, H]."""
+        return buf.at[layer, plan.slots].set(new.astype(buf.dtype), mode="drop")
+
+    def _row_slots(self, S: int) -> jax.Array:
+        """Flat pool slots of row positions 0..S-1: [B, S] (S a multiple of the page size)."""
+        Z = self.page_size
+        tables = self.block_tables[:, :S // Z]                           # [B, S/Z]
+        return (tables[:, :, None] * Z + jnp.arange(Z, dtype=jnp.int32)).reshape(-1, S)
 
     def layer_keys(self, k_all, v_all, layer: int, S: int, kpos: jax.Array):
         """Row b's first S positions gathered through its block table: (k, v [B, S, K, H],
-        key positions [B, S]). S is a multiple of the page size."""
-        tables = self.block_tables[:, :S // self.page_size]              # [B, S/Z]
-        B = tables.shape[0]
-
-        def gather(buf):
-            pages = buf[layer][tables]                                   # [B, S/Z, Z, K, H]
-            return pages.reshape((B, S) + buf.shape[3:])
-
-        return gather(k_all), gather(v_all), kpos[:, :S]
+        key positions [B, S])."""
+        slots = self._row_slots(S)
+        return k_all[layer][slots], v_all[layer][slots], kpos[:, :S]
 
     def kernel_pages(self, k_all, v_all, layer: int, S: int, page_size: int = 16):
-        """The pool itself and the block tables (first S/Z pages): what the paged kernel reads."""
-        return k_all[layer], v_all[layer], self.block_tables[:, :S // self.page_size]
+        """The pool as pages [P, Z, K, H] and the block tables (first S/Z pages): what the
+        paged kernel reads."""
+        shape = (self.num_pages, self.page_size) + k_all.shape[2:]
+        return (k_all[layer].reshape(shape), v_all[layer].reshape(shape),
+                self.block_tables[:, :S // self.page_size])
 
     def advance(self, k_all, v_all, kpos, num_new) -> "PagedKVCache":
         del kpos  # positions are implicit in a paged row
         return self.replace(k=k_all, v=v_all, lengths=self.lengths + num_new)
+
+    def reset_rows(self, mask: jax.Array, start: jax.Array) -> "PagedKVCache":
+        """Restarts rows where mask [B] is set at position start [B]: the tokens before it are
+        already in the row's pages (prefix-cache hits)."""
+        return self.replace(lengths=jnp.where(mask, start, self.lengths))

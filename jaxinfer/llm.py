@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from jaxinfer.config import EngineConfig, MeshConfig
 from jaxinfer.engine.engine import Engine, Request
+from jaxinfer.engine.paged import PagedSlots
 from jaxinfer.engine.request import RequestMetrics, RequestOutput, SamplingParams
 from jaxinfer.engine.textstream import TextStream
 from jaxinfer.sampling import MAX_LOGPROBS
@@ -59,9 +60,6 @@ class LLM:
                  mesh: Optional[MeshConfig] = None, attention: str = "auto",
                  prefill_chunk: int = 128, decode_steps: int = 8):
         # Features whose implementation has not landed: refuse rather than ignore them.
-        if page_size != 16 or num_pages is not None:
-            raise NotImplementedError("the paged KV cache (page_size, num_pages) is not "
-                                      "implemented yet; leave them at their defaults")
         if quantization is not None:
             raise NotImplementedError(f"quantization={quantization!r}: weight quantization is "
                                       "not implemented yet")
@@ -78,7 +76,7 @@ class LLM:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         for name, v, lo in (("max_num_seqs", max_num_seqs, 1), ("prefill_chunk", prefill_chunk, 1),
-                            ("decode_steps", decode_steps, 1)):
+                            ("decode_steps", decode_steps, 1), ("page_size", page_size, 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
         if max_seq_len is not None and (isinstance(max_seq_len, bool)
@@ -113,11 +111,30 @@ class LLM:
         # A sliding-window model keeps only the window in its ring; full attention keeps it all.
         capacity = max_seq_len if cfg.sliding_window is None else min(max_seq_len,
                                                                       cfg.sliding_window)
+        # Full attention runs on the paged cache; a sliding-window model keeps its ring.
+        paged = None
+        if cfg.sliding_window is None:
+            per_request = -(-max_seq_len // page_size)
+            if num_pages is None:
+                # No memory analysis on CPU: room for every slot at max_seq_len, plus the null
+                # page. TODO(GPU): size from the memory left after weights.
+                num_pages = max_num_seqs * per_request + 1
+            elif isinstance(num_pages, bool) or not isinstance(num_pages, int) \
+                    or num_pages < per_request + 1:
+                raise ValueError(
+                    f"num_pages={num_pages!r} cannot hold one max_seq_len ({max_seq_len}) "
+                    f"request: it needs {per_request} pages of {page_size} tokens plus the "
+                    f"null page, so num_pages >= {per_request + 1}")
+            paged = PagedSlots(num_pages, page_size, max_seq_len)
+        elif num_pages is not None:
+            raise NotImplementedError("num_pages: sliding-window models run on the ring-buffer "
+                                      "cache; the paged cache serves full attention only")
         self.engine_config = EngineConfig(max_seq_len=max_seq_len, max_num_seqs=max_num_seqs,
                                           prefill_chunk=prefill_chunk, decode_steps=decode_steps,
                                           dtype=dtype, attention=attn_impl)
         self._engine = Engine(cfg, loaded.params, loaded.tokenizer, self.engine_config,
-                              capacity=capacity, dtype=_DTYPES[dtype])
+                              capacity=capacity, dtype=_DTYPES[dtype], paged=paged,
+                              num_pages=num_pages or 0)
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
 

@@ -96,6 +96,7 @@ def _rows(B, max_new, temperature=0.0, seed=0, stop=-1):
                         seed=np.full(B, seed, np.uint32))
     return decode.RowParams(sampling=sp, max_new=np.full(B, max_new, np.int32),
                             stop_ids=np.full((B, 2), stop, np.int32), active=np.ones(B, bool),
+                            start_index=np.zeros(B, np.int32),
                             logprobs=np.zeros(B, bool), prompt_logprobs=np.zeros(B, bool))
 
 

@@ -142,12 +142,14 @@ def test_unimplemented_arguments_are_refused():
     for kwargs, feature in [(dict(quantization="int8"), "quantization"),
                             (dict(kv_cache_dtype="int8"), "KV-cache"),
                             (dict(speculative=ji.SpeculativeConfig()), "speculative"),
-                            (dict(mesh=ji.MeshConfig(tensor=2)), "mesh"),
-                            (dict(num_pages=64), "paged")]:
+                            (dict(mesh=ji.MeshConfig(tensor=2)), "mesh")]:
         with pytest.raises(NotImplementedError, match=feature):
             ji.LLM("smollm2-135m", **kwargs)
     with pytest.raises(ValueError, match="attention"):
         ji.LLM("smollm2-135m", attention="flash")
+    with pytest.raises(ValueError, match=r"num_pages=64 cannot hold one max_seq_len \(2048\) "
+                                         r"request: it needs 128 pages"):
+        ji.LLM("smollm2-135m", num_pages=64)
 
 
 def test_bad_model_specs(tmp_path, smollm2_gguf):

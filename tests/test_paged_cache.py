@@ -95,12 +95,13 @@ def test_padding_writes_never_touch_live_pages():
     cache = _paged_cache(CFG, 2, pages_per_row=4, rng=rng)
     plan = cache.plan_write(jnp.asarray([3, 0], jnp.int32), 8)
     slots = np.asarray(plan.slots)
-    P = cache.k.shape[1]
+    P = cache.num_pages
     assert (slots[0, 3:] == P * PAGE).all() and (slots[1] == P * PAGE).all()
     table = np.asarray(cache.block_tables)[0]
     assert slots[0, :3].tolist() == [table[0] * PAGE + i for i in range(3)]
     new = jnp.ones((2, 8, CFG.num_kv_heads, CFG.head_dim))
     buf = PagedKVCache.write_layer(cache.k, 1, new, plan)
-    changed = ~np.isnan(np.asarray(buf[1]))
+    changed = ~np.isnan(np.asarray(buf[1]))                      # [P * Z, K, H]
     assert changed.sum() == 3 * CFG.num_kv_heads * CFG.head_dim
-    assert changed[table[0], :3].all() and np.isnan(np.asarray(buf[0])).all()
+    assert changed[table[0] * PAGE:table[0] * PAGE + 3].all()
+    assert np.isnan(np.asarray(buf[0])).all()

@@ -20,7 +20,9 @@ import numpy as np
 
 from jaxinfer import decode
 from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.engine.paged import PagedSlots
 from jaxinfer.engine.request import RequestMetrics, RequestOutput, SamplingParams
+from jaxinfer.kv_cache import PagedKVCache
 from jaxinfer.engine.textstream import TextStream
 from jaxinfer.sampling import SamplingArrays
 
@@ -53,7 +55,10 @@ class Request:
     stream: TextStream
     metrics: RequestMetrics
     slot: Optional[int] = None
-    prefilled: int = 0
+    prefill_ids: list[int] = dataclasses.field(default_factory=list)  # prompt (+ recomputed)
+    prefilled: int = 0         # tokens of prefill_ids in the cache
+    admitted_order: int = -1   # admission counter: the newest running request is preempted first
+    preemptions: int = 0
     token_ids: list[int] = dataclasses.field(default_factory=list)
     finish_reason: Optional[str] = None
     logprobs: Optional[list] = None         # per generated token {token_id: logprob}
@@ -86,7 +91,8 @@ class Engine:
     """Continuous batching over max_num_seqs slots of a ring-buffer cache."""
 
     def __init__(self, cfg: ModelConfig, params, tokenizer, engine_cfg: EngineConfig,
-                 capacity: int, dtype):
+                 capacity: int, dtype, paged: Optional[PagedSlots] = None,
+                 num_pages: int = 0):
         self.cfg = cfg
         self.params = params
         self.tokenizer = tokenizer
@@ -96,7 +102,17 @@ class Engine:
         B = engine_cfg.max_num_seqs
         self.batch_buckets = _buckets(B, 1, 4)
         self.chunk_buckets = _buckets(engine_cfg.prefill_chunk, min(16, engine_cfg.prefill_chunk), 8)
-        self.kv_buckets = _buckets(capacity, min(256, capacity), 4)
+        self.paged = paged
+        self.num_pages = num_pages
+        if paged is not None:
+            capacity = paged.table_width * paged.page_size
+            self.capacity = capacity
+        # kv_view buckets; a paged view must be whole pages.
+        unit = paged.page_size if paged is not None else 1
+        self.kv_buckets = tuple(sorted({-(-b // unit) * unit for b in
+                                        _buckets(capacity, min(256, capacity), 4)}))
+        self.pool = None  # paged: (k, v) page pools, kept across batch resizes
+        self.admissions = 0
         self.waiting: collections.deque[Request] = collections.deque()
         self.slots: list[Optional[Request]] = []
         self.state: Optional[decode.DecodeState] = None
@@ -124,6 +140,8 @@ class Engine:
         return bool(self.waiting) or any(r is not None for r in self.slots)
 
     def _finish(self, req: Request, reason: str) -> Request:
+        if self.paged is not None:
+            self.paged.release(req)
         req.finish_reason = reason
         req.stream.finish()
         req.metrics.finished_time = time.perf_counter()
@@ -136,13 +154,30 @@ class Engine:
 
     def _ensure_batch(self) -> None:
         """Sizes the slot batch for what is running and waiting (bucketed), keeping the state
-        while running rows exist."""
+        while running rows exist. A paged cache keeps its page pool (and so its prefix cache)."""
         running = sum(r is not None for r in self.slots)
         want = _pick(self.batch_buckets, running + len(self.waiting))
         if self.state is not None and (want == len(self.slots) or running):
             return
-        self.state = decode.DecodeState.create(self.cfg, want, self.capacity, self.dtype)
         self.slots = [None] * want
+        self.state = self._new_state(want)
+
+    def _new_state(self, B: int) -> decode.DecodeState:
+        if self.paged is None:
+            return decode.DecodeState.create(self.cfg, B, self.capacity, self.dtype)
+        if self.state is not None:
+            self.pool = (self.state.cache.k, self.state.cache.v)
+            self.state = None  # drop the old references so the pool is not kept twice
+        if self.pool is None:
+            shape = (self.cfg.num_layers, self.num_pages * self.paged.page_size,
+                     self.cfg.num_kv_heads, self.cfg.head_dim)
+            self.pool = (jax.numpy.zeros(shape, self.dtype), jax.numpy.zeros(shape, self.dtype))
+        self.paged.resize(B)
+        cache = PagedKVCache(k=self.pool[0], v=self.pool[1],
+                             block_tables=np.zeros((B, self.paged.table_width), np.int32),
+                             lengths=np.zeros(B, np.int32), page_size=self.paged.page_size)
+        self.pool = None
+        return decode.DecodeState.create(self.cfg, B, self.capacity, self.dtype, cache=cache)
 
     def _row_params(self, decoding: np.ndarray) -> decode.RowParams:
         B = len(self.slots)
@@ -156,6 +191,7 @@ class Engine:
         stop_ids = np.full((B, MAX_STOP_IDS), -1, np.int32)
         want_lp = np.zeros(B, bool)
         want_prompt_lp = np.zeros(B, bool)
+        start = np.zeros(B, np.int32)
         for b, req in enumerate(self.slots):
             if req is None:
                 continue
@@ -164,13 +200,15 @@ class Engine:
             rep[b], seed[b], max_new[b] = p.repetition_penalty, req.seed, req.max_new
             want_lp[b] = p.logprobs is not None
             want_prompt_lp[b] = p.prompt_logprobs is not None
+            start[b] = len(req.prefill_ids) - len(req.prompt_ids)
             if not p.ignore_eos:
                 ids = self.eos_ids[:MAX_STOP_IDS]
                 stop_ids[b, :len(ids)] = ids
         sampling = SamplingArrays(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
                                   repetition_penalty=rep, seed=seed)
         return decode.RowParams(sampling=sampling, max_new=max_new, stop_ids=stop_ids,
-                                active=decoding, logprobs=want_lp, prompt_logprobs=want_prompt_lp)
+                                active=decoding, start_index=start, logprobs=want_lp,
+                                prompt_logprobs=want_prompt_lp)
 
     # ---- one scheduling step -----------------------------------------------------------------
 
@@ -180,21 +218,36 @@ class Engine:
         progressed: dict[str, Request] = {}
         now = time.perf_counter()
         admitted = np.zeros(len(self.slots), bool)
+        start = np.zeros(len(self.slots), np.int32)
         for b in range(len(self.slots)):
             if self.slots[b] is None and self.waiting:
-                req = self.waiting.popleft()
-                req.slot = b
-                req.metrics.first_scheduled_time = now
+                req = self.waiting[0]
+                # After a preemption the tokens already produced are re-prefilled, never
+                # re-sampled.
+                req.prefill_ids = req.prompt_ids + req.token_ids
+                cached = 0
+                if self.paged is not None:
+                    cached = self.paged.admit(req, b)
+                    if cached is None:
+                        break  # first come, first served: wait for pages
+                self.waiting.popleft()
+                req.slot, req.prefilled, start[b] = b, cached, cached
+                req.admitted_order = self.admissions
+                self.admissions += 1
+                if req.metrics.first_scheduled_time is None:
+                    req.metrics.first_scheduled_time = now
                 self.slots[b] = req
                 admitted[b] = True
         if admitted.any():
-            self.state = decode.reset_rows(self.state, admitted)
+            tables = self.paged.take_tables() if self.paged is not None else None
+            self.state = decode.reset_rows(self.state, admitted, start, tables)
 
         # Rows already decoding run this step; rows whose prompt completes now return their
         # first token from this step and decode from the next, so the first token is seen early.
-        decoding = np.array([r is not None and r.prefilled == len(r.prompt_ids)
+        decoding = np.array([r is not None and r.prefilled == len(r.prefill_ids)
                              for r in self.slots])
-        prefilling = [r for r in self.slots if r is not None and r.prefilled < len(r.prompt_ids)]
+        prefilling = [r for r in self.slots
+                      if r is not None and r.prefilled < len(r.prefill_ids)]
         if prefilling:
             for req in self._prefill(prefilling):
                 progressed[req.request_id] = req
@@ -206,7 +259,7 @@ class Engine:
 
     def _prefill(self, prefilling: list[Request]) -> list[Request]:
         B = len(self.slots)
-        remaining = max(len(r.prompt_ids) - r.prefilled for r in prefilling)
+        remaining = max(len(r.prefill_ids) - r.prefilled for r in prefilling)
         T = _pick(self.chunk_buckets, remaining)
         tokens = np.zeros((B, T), np.int32)
         next_tokens = np.full((B, T), -1, np.int32)
@@ -214,12 +267,12 @@ class Engine:
         completes = np.zeros(B, bool)
         longest = 0
         for req in prefilling:
-            start, n = req.prefilled, min(T, len(req.prompt_ids) - req.prefilled)
-            tokens[req.slot, :n] = req.prompt_ids[start:start + n]
-            following = req.prompt_ids[start + 1:start + n + 1]
+            start, n = req.prefilled, min(T, len(req.prefill_ids) - req.prefilled)
+            tokens[req.slot, :n] = req.prefill_ids[start:start + n]
+            following = req.prompt_ids[start + 1:start + n + 1]  # prompt tokens only
             next_tokens[req.slot, :len(following)] = following
             num_new[req.slot] = n
-            completes[req.slot] = start + n == len(req.prompt_ids)
+            completes[req.slot] = start + n == len(req.prefill_ids)
             longest = max(longest, start)
         kv_view = _pick(self.kv_buckets, longest + T)
         rows = self._row_params(completes)
@@ -234,12 +287,17 @@ class Engine:
                     continue
                 b, k = req.slot, req.params.prompt_logprobs
                 for t in range(int(num_new[b])):
-                    if next_tokens[b, t] >= 0:
+                    # Prompt token p + 1 is scored once: not again when a preempted request
+                    # re-prefills, nor for positions a prefix-cache hit skipped (left out).
+                    if (next_tokens[b, t] >= 0
+                            and req.prefilled + t + 1 == len(req.prompt_logprobs)):
                         req.prompt_logprobs.append(
                             _logprob_dict(k, ids[b, t], vals[b, t], next_tokens[b, t],
                                           chosen[b, t]))
         for req in prefilling:
             req.prefilled += int(num_new[req.slot])
+            if self.paged is not None:
+                self.paged.computed(req, req.prefilled)
         if not completes.any():
             return []
         first = np.asarray(first)
@@ -253,7 +311,40 @@ class Engine:
                 done.append(req)
         return done
 
+    def _grow_or_preempt(self, decoding: np.ndarray) -> np.ndarray:
+        """Gives every decoding row pages for the next dispatch, preempting the newest running
+        requests (pages freed, requeued first for recompute) while pages run short."""
+        steps = self.ecfg.decode_steps
+        order = sorted((r for r, d in zip(self.slots, decoding) if d),
+                       key=lambda r: r.admitted_order)
+        for req in order:
+            if req.slot is None or self.slots[req.slot] is not req:
+                continue  # preempted meanwhile
+            while not self.paged.grow(req, len(req.prompt_ids) + len(req.token_ids) + steps):
+                running = [r for r in self.slots if r is not None]
+                victim = max(running, key=lambda r: r.admitted_order)
+                self._preempt(victim)
+                if victim is req:
+                    break
+        decoding = decoding & np.array([r is not None for r in self.slots])
+        tables = self.paged.take_tables()
+        if tables is not None:
+            self.state = decode.set_block_tables(self.state, tables)
+        return decoding
+
+    def _preempt(self, req: Request) -> None:
+        self.paged.release(req)
+        self.slots[req.slot] = None
+        req.slot, req.prefilled = None, 0
+        req.preemptions += 1
+        self.stats_counters["preemptions"] += 1
+        self.waiting.appendleft(req)
+
     def _decode(self, decoding: np.ndarray) -> list[Request]:
+        if self.paged is not None:
+            decoding = self._grow_or_preempt(decoding)
+            if not decoding.any():
+                return []
         longest = max(len(r.prompt_ids) + len(r.token_ids)
                       for r, d in zip(self.slots, decoding) if d)
         kv_view = _pick(self.kv_buckets, longest + self.ecfg.decode_steps)
@@ -270,6 +361,9 @@ class Engine:
             n = int(num_out[b])
             lps = None if lp is None else [tuple(x[b, i] for x in lp) for i in range(n)]
             self._append(req, out[b, :n].tolist(), stopped=bool(done[b]), lps=lps)
+            if self.paged is not None and req.finish_reason is None:
+                # Everything but the newest token (fed next step) has K/V in the pages.
+                self.paged.computed(req, len(req.prompt_ids) + len(req.token_ids) - 1)
             progressed.append(req)
         return progressed
 
@@ -303,27 +397,31 @@ class Engine:
     # ---- warmup and stats --------------------------------------------------------------------
 
     def warmup(self) -> float:
-        """Compiles every (batch, chunk, kv_view) shape the engine can dispatch."""
+        """Compiles every (batch, chunk, kv_view) shape the engine can dispatch. Needs an idle
+        engine (the rows it runs are all inactive, so the cache contents are kept)."""
+        if self.has_unfinished():
+            raise RuntimeError("warmup() needs an engine with no unfinished requests")
         t0 = time.perf_counter()
-        saved_slots, saved_state = self.slots, self.state
         for B in self.batch_buckets:
             self.slots = [None] * B
-            state = decode.DecodeState.create(self.cfg, B, self.capacity, self.dtype)
+            self.state = self._new_state(B)
             idle = np.zeros(B, bool)
             rows = self._row_params(idle)
-            state = decode.reset_rows(state, idle)
+            tables = self.paged.take_tables() if self.paged is not None else None
+            self.state = decode.reset_rows(self.state, idle, np.zeros(B, np.int32), tables)
+            if tables is not None:
+                self.state = decode.set_block_tables(self.state, tables)
             for kv_view in self.kv_buckets:
                 for T in self.chunk_buckets:
-                    state, *_ = decode.prefill_chunk(
-                        self.params, state, np.zeros((B, T), np.int32), np.zeros(B, np.int32),
-                        idle, np.full((B, T), -1, np.int32), rows, cfg=self.cfg,
-                        kv_view=kv_view, attn_impl=self.ecfg.attention)
-                state, *_ = decode.decode_loop(
-                    self.params, state, rows, cfg=self.cfg, num_steps=self.ecfg.decode_steps,
-                    kv_view=kv_view, attn_impl=self.ecfg.attention)
-            jax.block_until_ready(state)
-            del state
-        self.slots, self.state = saved_slots, saved_state
+                    self.state, *_ = decode.prefill_chunk(
+                        self.params, self.state, np.zeros((B, T), np.int32),
+                        np.zeros(B, np.int32), idle, np.full((B, T), -1, np.int32), rows,
+                        cfg=self.cfg, kv_view=kv_view, attn_impl=self.ecfg.attention)
+                self.state, *_ = decode.decode_loop(
+                    self.params, self.state, rows, cfg=self.cfg,
+                    num_steps=self.ecfg.decode_steps, kv_view=kv_view,
+                    attn_impl=self.ecfg.attention)
+            jax.block_until_ready(self.state)
         return time.perf_counter() - t0
 
     def stats(self) -> dict:
@@ -339,4 +437,6 @@ class Engine:
             "finished_requests": c["finished"],
             "elapsed_s": elapsed,
             "generation_tokens_per_s": c["generated_tokens"] / elapsed if elapsed > 0 else 0.0,
+            "preemptions": c["preemptions"],
+            **(self.paged.stats() if self.paged is not None else {}),
         }

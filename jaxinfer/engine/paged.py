@@ -1,0 +1,87 @@
+"""Host bookkeeping of the paged KV cache for the engine: which pages each slot's request holds.
+
+The engine asks three things of it: can this waiting request be admitted (its prompt's pages,
+minus prefix-cache hits), does every decoding request have pages for the next dispatch (if not,
+which requests to preempt), and what the device's block tables look like now. Pages come from
+PageAllocator; a request's id is its sequence id there.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxinfer.engine.pages import OutOfPages, PageAllocator
+
+
+class PagedSlots:
+    def __init__(self, num_pages: int, page_size: int, max_seq_len: int,
+                 enable_prefix_caching: bool = True):
+        self.page_size = page_size
+        self.max_seq_len = max_seq_len
+        self.table_width = -(-max_seq_len // page_size)           # pages of one full row
+        self.allocator = PageAllocator(num_pages, page_size, enable_prefix_caching)
+        self.tables = np.zeros((0, self.table_width), np.int32)
+        self.dirty = True
+
+    def resize(self, num_slots: int) -> None:
+        self.tables = np.zeros((num_slots, self.table_width), np.int32)
+        self.dirty = True
+
+    def _sync(self, req) -> None:
+        table = self.allocator.block_table(req.request_id)
+        row = self.tables[req.slot]
+        row[:] = self.allocator.null_page
+        row[:len(table)] = table
+        self.dirty = True
+
+    def admit(self, req, slot: int) -> int | None:
+        """Takes pages for req's prefill tokens; returns the number of tokens already cached
+        (the row starts there), or None when there are not enough free pages."""
+        try:
+            cached = self.allocator.allocate(req.request_id, req.prefill_ids)
+        except OutOfPages:
+            return None
+        req.slot = slot
+        self._sync(req)
+        return cached
+
+    def computed(self, req, num_tokens: int) -> None:
+        """num_tokens of req (prefill ids, then generated) now have K/V in their pages."""
+        have = self.allocator.num_tokens(req.request_id)
+        total = req.prefill_ids + req.token_ids[len(req.prefill_ids) - len(req.prompt_ids):]
+        if num_tokens > have:
+            self.allocator.append(req.request_id, total[have:num_tokens])
+            self._sync(req)
+        self.allocator.mark_computed(req.request_id, num_tokens)
+
+    def grow(self, req, num_tokens: int) -> bool:
+        """Makes room for num_tokens (capped at max_seq_len); False when pages ran out."""
+        try:
+            self.allocator.ensure_capacity(req.request_id, min(num_tokens, self.max_seq_len))
+        except OutOfPages:
+            return False
+        self._sync(req)
+        return True
+
+    def release(self, req) -> None:
+        if req.request_id in self.allocator:
+            self.allocator.free(req.request_id)
+        if req.slot is not None and req.slot < len(self.tables):
+            self.tables[req.slot] = self.allocator.null_page
+            self.dirty = True
+
+    def take_tables(self) -> np.ndarray | None:
+        """The block tables if they changed since the last call, else None."""
+        if not self.dirty:
+            return None
+        self.dirty = False
+        return self.tables.copy()
+
+    def stats(self) -> dict:
+        s = self.allocator.stats()
+        usable = max(s["usable"], 1)
+        return {"num_pages": s["num_pages"], "pages_used": s["used"],
+                "pages_cached": s["cached"], "page_utilization": s["used"] / usable,
+                "prefix_cache_hit_tokens": s["prefix_cache_hits"],
+                "prefix_cache_query_tokens": s["prefix_cache_queries"],
+                "prefix_cache_hit_rate": s["hit_rate"]}
