@@ -232,6 +232,7 @@ class Engine:
                         break  # first come, first served: wait for pages
                 self.waiting.popleft()
                 req.slot, req.prefilled, start[b] = b, cached, cached
+                req.metrics.prefix_cache_hit_tokens += cached
                 req.admitted_order = self.admissions
                 self.admissions += 1
                 if req.metrics.first_scheduled_time is None:
@@ -337,6 +338,7 @@ class Engine:
         self.slots[req.slot] = None
         req.slot, req.prefilled = None, 0
         req.preemptions += 1
+        req.metrics.preemptions += 1
         self.stats_counters["preemptions"] += 1
         self.waiting.appendleft(req)
 

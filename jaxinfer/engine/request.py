@@ -83,6 +83,8 @@ class RequestMetrics:
     finished_time: Optional[float] = None
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    preemptions: int = 0
+    prefix_cache_hit_tokens: int = 0  # prompt tokens served from the prefix cache (admissions)
     token_times: list = dataclasses.field(default_factory=list, repr=False)
 
     @property

@@ -103,6 +103,7 @@ def test_preemption_keeps_greedy_and_seeded_results(llm, crowded):
                                              [0, 0.8, 0, 1.0, 0, 0.7, 0, 0, 1.2]))]
     together = crowded.generate(prompts, params)
     assert crowded.stats()["preemptions"] > 0
+    assert sum(o.metrics.preemptions for o in together) == crowded.stats()["preemptions"]
     for prompt, sp, out in zip(prompts, params, together):
         alone = llm.generate([prompt], sp)[0]
         assert out.token_ids == alone.token_ids
@@ -122,6 +123,7 @@ def test_prefix_cache_shares_pages_and_keeps_outputs(crowded):
     assert [o.token_ids for o in again] == first
     hits = crowded.stats()["prefix_cache_hit_tokens"] - before
     assert hits >= 3 * 40 and crowded.stats()["prefix_cache_hit_rate"] > 0
+    assert all(o.metrics.prefix_cache_hit_tokens >= 40 for o in again)
 
 
 def test_abort_frees_pages(crowded):
