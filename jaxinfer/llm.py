@@ -7,6 +7,8 @@ engine (jaxinfer.engine.engine) for generate / chat / stream and the request-lev
 from __future__ import annotations
 
 import itertools
+import operator
+import os
 import secrets
 import time
 from typing import Iterator, Optional, Sequence, Union
@@ -30,8 +32,6 @@ def enable_compilation_cache() -> Optional[str]:
     """Turns on JAX's persistent compilation cache under the jaxinfer cache directory, so a second
     process reuses the first one's compiled programs. Leaves an explicitly configured cache
     alone; JAXINFER_COMPILATION_CACHE=0 turns it off, any other value is the directory to use."""
-    import os
-
     from jaxinfer.loading.hub import cache_dir
 
     setting = os.environ.get("JAXINFER_COMPILATION_CACHE")
@@ -147,13 +147,11 @@ class LLM:
             ids = self.tokenizer.encode(prompt)
             text = prompt
         else:
-            try:
-                ids = [int(t) for t in prompt]
-            except (TypeError, ValueError):
-                raise ValueError(f"a prompt must be a str or a sequence of token ids, "
+            try:  # operator.index: ints (numpy ones too), never a float rounded to an id
+                ids = [operator.index(t) for t in prompt]
+            except TypeError:
+                raise ValueError(f"a prompt must be a str or a sequence of integer token ids, "
                                  f"got {type(prompt).__name__}") from None
-            if any(not isinstance(t, (int,)) and not hasattr(t, "__index__") for t in prompt):
-                raise ValueError("token ids must be integers")
             text = None
         if not ids:
             raise ValueError("prompt is empty (0 tokens)")
@@ -204,9 +202,8 @@ class LLM:
         return outs
 
     def abort(self, request_id: str) -> None:
-        req = self._engine.abort(str(request_id))
+        self._engine.abort(str(request_id))
         self._requests.pop(str(request_id), None)
-        return None if req is None else None
 
     def has_unfinished_requests(self) -> bool:
         return self._engine.has_unfinished()

@@ -1,4 +1,5 @@
-"""The host-side engine: requests in slots of a ring-buffer cache, driven step by step.
+"""The host-side engine: requests in slots of a KV cache (paged, or a ring for sliding-window
+models), driven step by step.
 
 Host code only: it decides which rows prefill or decode, pads inputs in numpy to bucketed shapes,
 and turns device outputs into RequestOutputs. All device math is in jaxinfer.decode.
@@ -22,8 +23,8 @@ from jaxinfer import decode
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine.paged import PagedSlots
 from jaxinfer.engine.request import RequestMetrics, RequestOutput, SamplingParams
-from jaxinfer.kv_cache import PagedKVCache
 from jaxinfer.engine.textstream import TextStream
+from jaxinfer.kv_cache import PagedKVCache
 from jaxinfer.sampling import SamplingArrays
 
 MAX_STOP_IDS = 8
@@ -58,7 +59,6 @@ class Request:
     prefill_ids: list[int] = dataclasses.field(default_factory=list)  # prompt (+ recomputed)
     prefilled: int = 0         # tokens of prefill_ids in the cache
     admitted_order: int = -1   # admission counter: the newest running request is preempted first
-    preemptions: int = 0
     token_ids: list[int] = dataclasses.field(default_factory=list)
     finish_reason: Optional[str] = None
     logprobs: Optional[list] = None         # per generated token {token_id: logprob}
@@ -88,7 +88,7 @@ def _logprob_dict(k: int, ids, values, token: int, chosen: float) -> dict[int, f
 
 
 class Engine:
-    """Continuous batching over max_num_seqs slots of a ring-buffer cache."""
+    """Continuous batching over max_num_seqs slots of a paged (or ring) KV cache."""
 
     def __init__(self, cfg: ModelConfig, params, tokenizer, engine_cfg: EngineConfig,
                  capacity: int, dtype, paged: Optional[PagedSlots] = None,
@@ -111,7 +111,6 @@ class Engine:
         unit = paged.page_size if paged is not None else 1
         self.kv_buckets = tuple(sorted({-(-b // unit) * unit for b in
                                         _buckets(capacity, min(256, capacity), 4)}))
-        self.pool = None  # paged: (k, v) page pools, kept across batch resizes
         self.admissions = 0
         self.waiting: collections.deque[Request] = collections.deque()
         self.slots: list[Optional[Request]] = []
@@ -159,24 +158,24 @@ class Engine:
         want = _pick(self.batch_buckets, running + len(self.waiting))
         if self.state is not None and (want == len(self.slots) or running):
             return
-        self.slots = [None] * want
         self.state = self._new_state(want)
+        self.slots = [None] * want
 
     def _new_state(self, B: int) -> decode.DecodeState:
+        """A state for B slots. A paged cache keeps the previous state's page pool (pages still
+        hold prefix-cache entries); only the per-row parts are new."""
         if self.paged is None:
             return decode.DecodeState.create(self.cfg, B, self.capacity, self.dtype)
         if self.state is not None:
-            self.pool = (self.state.cache.k, self.state.cache.v)
-            self.state = None  # drop the old references so the pool is not kept twice
-        if self.pool is None:
+            k, v = self.state.cache.k, self.state.cache.v
+        else:
             shape = (self.cfg.num_layers, self.num_pages * self.paged.page_size,
                      self.cfg.num_kv_heads, self.cfg.head_dim)
-            self.pool = (jax.numpy.zeros(shape, self.dtype), jax.numpy.zeros(shape, self.dtype))
+            k, v = jax.numpy.zeros(shape, self.dtype), jax.numpy.zeros(shape, self.dtype)
         self.paged.resize(B)
-        cache = PagedKVCache(k=self.pool[0], v=self.pool[1],
+        cache = PagedKVCache(k=k, v=v,
                              block_tables=np.zeros((B, self.paged.table_width), np.int32),
                              lengths=np.zeros(B, np.int32), page_size=self.paged.page_size)
-        self.pool = None
         return decode.DecodeState.create(self.cfg, B, self.capacity, self.dtype, cache=cache)
 
     def _row_params(self, decoding: np.ndarray) -> decode.RowParams:
@@ -337,7 +336,6 @@ class Engine:
         self.paged.release(req)
         self.slots[req.slot] = None
         req.slot, req.prefilled = None, 0
-        req.preemptions += 1
         req.metrics.preemptions += 1
         self.stats_counters["preemptions"] += 1
         self.waiting.appendleft(req)

@@ -28,11 +28,14 @@ class PagedSlots:
         self.dirty = True
 
     def _sync(self, req) -> None:
+        """Copies req's block table into its slot row; the device copy is stale only if it
+        changed (a new page), which is not every step."""
         table = self.allocator.block_table(req.request_id)
         row = self.tables[req.slot]
-        row[:] = self.allocator.null_page
-        row[:len(table)] = table
-        self.dirty = True
+        if row[len(table):].any() or not np.array_equal(row[:len(table)], table):
+            row[:] = self.allocator.null_page
+            row[:len(table)] = table
+            self.dirty = True
 
     def admit(self, req, slot: int) -> int | None:
         """Takes pages for req's prefill tokens; returns the number of tokens already cached
@@ -48,8 +51,9 @@ class PagedSlots:
     def computed(self, req, num_tokens: int) -> None:
         """num_tokens of req (prefill ids, then generated) now have K/V in their pages."""
         have = self.allocator.num_tokens(req.request_id)
-        total = req.prefill_ids + req.token_ids[len(req.prefill_ids) - len(req.prompt_ids):]
         if num_tokens > have:
+            # The cache holds prompt + generated tokens (a recompute re-prefills the same).
+            total = req.prompt_ids + req.token_ids
             self.allocator.append(req.request_id, total[have:num_tokens])
             self._sync(req)
         self.allocator.mark_computed(req.request_id, num_tokens)
