@@ -93,5 +93,6 @@ class EngineConfig:
     max_num_seqs: int
     prefill_chunk: int = 128
     decode_steps: int = 32  # decode steps per device dispatch
+    max_num_batched_tokens: int = 512  # token budget of one mixed step (decodes + prefill)
     dtype: str = "float32"
     attention: str = "reference"

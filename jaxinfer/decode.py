@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.kv_cache import RingKVCache
+from jaxinfer.kv_cache import PagedKVCache, RingKVCache
 from jaxinfer.models import llama
 from jaxinfer.sampling import SamplingArrays, mark_seen, maybe_top_logprobs, no_logprobs, sample
 
@@ -72,57 +72,152 @@ def reset_rows(state: DecodeState, mask: jax.Array, start: jax.Array,
                          seen=state.seen & ~mask[:, None])
 
 
+def grow_rows(state: DecodeState, batch: int) -> DecodeState:
+    """The state with empty rows appended up to `batch` rows; the existing rows (running
+    requests) keep their place and contents. A page pool passes through untouched."""
+    if isinstance(state.cache, PagedKVCache):
+        k, v = state.cache.k, state.cache.v
+        state = _grow_rows(state.replace(cache=state.cache.replace(k=None, v=None)), batch)
+        return state.replace(cache=state.cache.replace(k=k, v=v))
+    return _grow_rows(state, batch)
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _grow_rows(state: DecodeState, batch: int) -> DecodeState:
+    pad = lambda x, fill: jnp.pad(x, [(0, batch - x.shape[0])] + [(0, 0)] * (x.ndim - 1),  # noqa: E731
+                                  constant_values=fill)
+    return DecodeState(cache=state.cache.pad_rows(batch), last_token=pad(state.last_token, 0),
+                       num_generated=pad(state.num_generated, 0), seen=pad(state.seen, False))
+
+
 @functools.partial(jax.jit, donate_argnums=(0,))
 def set_block_tables(state: DecodeState, block_tables: jax.Array) -> DecodeState:
     """A paged cache's block tables [B, M] after the host grew or freed rows' pages."""
     return state.replace(cache=state.cache.replace(block_tables=block_tables))
 
 
+@flax.struct.dataclass
+class Chunk:
+    """Prefill tokens for some rows: the prefill group of a step.
+
+    tokens [G, T] int32, of which the first num_new[g] are real; rows [G] int32: the slot each
+    query row belongs to (B marks a padding row, num_new 0), or None for all B slots in order;
+    completes [G] bool: this chunk ends the row's prompt, so its first output token is sampled
+    from the logits at the row's last real position; next_tokens [G, T] int32: the prompt token
+    after each position (-1 past the prompt), scored when a row wants prompt_logprobs.
+    """
+
+    tokens: jax.Array
+    num_new: jax.Array
+    completes: jax.Array
+    next_tokens: jax.Array
+    rows: jax.Array | None = None
+
+
+def _take(x: jax.Array, rows: jax.Array | None) -> jax.Array:
+    """x's entries for the chunk's rows (padding rows read the last slot; discarded)."""
+    return x if rows is None else x[jnp.minimum(rows, x.shape[0] - 1)]
+
+
+def _put(x: jax.Array, rows: jax.Array | None, values: jax.Array) -> jax.Array:
+    """x with the chunk's rows set to values (padding rows dropped)."""
+    return values if rows is None else x.at[rows].set(values, mode="drop")
+
+
+def _step(params, state: DecodeState, chunk: Chunk, rows: RowParams, *, cfg: ModelConfig,
+          kv_view: int | None, attn_impl: str, decode: bool):
+    """A prefill chunk, plus (decode=True) one decode token for every active row, in one
+    forward pass. Returns (state, decode outputs (tokens [B], logprobs) or None, first tokens
+    [G], first-token logprobs, prompt logprobs [G, T, ...])."""
+    G, T = chunk.tokens.shape
+    queries = [llama.Query(chunk.tokens, chunk.num_new, chunk.rows)]
+    if decode:
+        queries.append(llama.Query(state.last_token[:, None], rows.active.astype(jnp.int32)))
+    hs, cache = llama.forward_groups(params, cfg, queries, state.cache, kv_view=kv_view,
+                                     attn_impl=attn_impl)
+    seen, last_token, num_generated = state.seen, state.last_token, state.num_generated
+
+    decoded = None
+    if decode:
+        running = rows.active
+        logits = llama.lm_head(params, hs[1][:, 0])
+        token = sample(logits, rows.sampling, seen, num_generated)
+        token = jnp.where(running, token, last_token)
+        decoded = (token, maybe_top_logprobs(rows.logprobs & running, lambda x: x, logits, token))
+        seen = mark_seen(seen, token[:, None], running[:, None])
+        last_token = token
+        num_generated = num_generated + running
+
+    # The prefill group: its rows' parameters and state, gathered.
+    prow = jax.tree.map(lambda x: _take(x, chunk.rows), rows)
+    t = jnp.arange(T, dtype=jnp.int32)[None, :]
+    seen_p = mark_seen(_take(seen, chunk.rows), chunk.tokens, t < chunk.num_new[:, None])
+    h = hs[0]
+    last = jnp.clip(chunk.num_new - 1, 0, T - 1)
+    h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]   # [G, D]
+    logits = llama.lm_head(params, h_last)                               # [G, V]
+    first = sample(logits, prow.sampling, seen_p, prow.start_index)
+    first_lp = maybe_top_logprobs(prow.logprobs & chunk.completes, lambda x: x, logits, first)
+    # Scoring every prompt position needs the head over all T tokens: only when asked.
+    prompt_lp = maybe_top_logprobs(prow.prompt_logprobs & (chunk.num_new > 0),
+                                   lambda x: llama.lm_head(params, x), h, chunk.next_tokens)
+    seen_p = mark_seen(seen_p, first[:, None], chunk.completes[:, None])
+    done = chunk.completes
+    state = DecodeState(
+        cache=cache,
+        last_token=_put(last_token, chunk.rows,
+                        jnp.where(done, first, _take(last_token, chunk.rows))),
+        num_generated=_put(num_generated, chunk.rows,
+                           jnp.where(done, prow.start_index + 1,
+                                     _take(num_generated, chunk.rows))),
+        seen=_put(seen, chunk.rows, seen_p))
+    return state, decoded, first, first_lp, prompt_lp
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "kv_view", "attn_impl"), donate_argnums=(1,))
 def prefill_chunk(params, state: DecodeState, tokens: jax.Array, num_new: jax.Array,
                   completes: jax.Array, next_tokens: jax.Array, rows: RowParams, *,
                   cfg: ModelConfig, kv_view: int | None = None, attn_impl: str = "reference"):
-    """Feeds up to T prompt tokens per row into the cache.
+    """Feeds up to T prompt tokens per row into the cache (every row; see Chunk for tokens,
+    num_new [B], completes and next_tokens).
 
-    tokens [B, T] int32; num_new [B] int32 real tokens per row (0 for rows not prefilling);
-    completes [B] bool: this chunk ends the row's prompt, so its first output token is sampled
-    from the logits at the row's last real position. next_tokens [B, T] int32: the prompt token
-    after each position (-1 past the prompt), scored when a row wants prompt_logprobs.
     Returns (state, first_tokens [B] int32, first_logprobs, prompt_logprobs): first_tokens
     meaningful where completes; the logprobs as (ids, values, chosen) of top_logprobs, for the
     first token ([B, ...]) and for every next prompt token ([B, T, ...]).
     """
-    B, T = tokens.shape
-    t = jnp.arange(T, dtype=jnp.int32)[None, :]
-    seen = mark_seen(state.seen, tokens, t < num_new[:, None])
-    h, cache = llama.forward(params, cfg, tokens, state.cache, num_new, kv_view=kv_view,
-                             attn_impl=attn_impl)
-    last = jnp.clip(num_new - 1, 0, T - 1)
-    h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]   # [B, D]
-    logits = llama.lm_head(params, h_last)                               # [B, V]
-    first = sample(logits, rows.sampling, seen, rows.start_index)
-    first_logprobs = maybe_top_logprobs(rows.logprobs & completes, lambda x: x, logits, first)
-    # Scoring every prompt position needs the head over all T tokens: only when asked.
-    prompt_logprobs = maybe_top_logprobs(rows.prompt_logprobs & (num_new > 0),
-                                         lambda x: llama.lm_head(params, x), h, next_tokens)
-    seen = mark_seen(seen, first[:, None], completes[:, None])
-    state = DecodeState(cache=cache,
-                        last_token=jnp.where(completes, first, state.last_token),
-                        num_generated=jnp.where(completes, rows.start_index + 1,
-                                                state.num_generated),
-                        seen=seen)
-    return state, first, first_logprobs, prompt_logprobs
+    chunk = Chunk(tokens=tokens, num_new=num_new, completes=completes, next_tokens=next_tokens)
+    state, _, first, first_lp, prompt_lp = _step(params, state, chunk, rows, cfg=cfg,
+                                                 kv_view=kv_view, attn_impl=attn_impl,
+                                                 decode=False)
+    return state, first, first_lp, prompt_lp
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "kv_view", "attn_impl"), donate_argnums=(1,))
+def mixed_step(params, state: DecodeState, chunk: Chunk, rows: RowParams, *, cfg: ModelConfig,
+               kv_view: int | None = None, attn_impl: str = "reference"):
+    """One engine step of decode-maximal batching: one new token for every decoding row
+    (rows.active) and a prefill chunk for chunk.rows, through the weights once.
+
+    Returns (state, tokens [B] int32 (meaningful where rows.active), logprobs of those
+    ([B, ...], filled where rows.logprobs), first_tokens [G], first_logprobs, prompt_logprobs)
+    with the prefill outputs as prefill_chunk's, per chunk row.
+    """
+    state, (tokens, lp), first, first_lp, prompt_lp = _step(
+        params, state, chunk, rows, cfg=cfg, kv_view=kv_view, attn_impl=attn_impl, decode=True)
+    return state, tokens, lp, first, first_lp, prompt_lp
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "num_steps", "kv_view", "attn_impl"),
                    donate_argnums=(1,))
 def decode_loop(params, state: DecodeState, rows: RowParams, *, cfg: ModelConfig,
-                num_steps: int, kv_view: int | None = None, attn_impl: str = "reference"):
+                num_steps: int, kv_view: int | None = None, attn_impl: str = "reference",
+                exit_on_stop: jax.Array | bool = False):
     """Runs up to num_steps decode steps in one dispatch (a lax.while_loop).
 
     Each step feeds every active row's last token, samples the next and records it. A row stops
     on a stop id or when it has max_new tokens; the loop ends when all rows have stopped or after
-    num_steps. Returns (state, out_tokens [B, S] int32, num_out [B] int32, done [B] bool,
+    num_steps, or (exit_on_stop, a traced bool: a request is waiting for a slot) as soon as any
+    row stops. Returns (state, out_tokens [B, S] int32, num_out [B] int32, done [B] bool,
     logprobs): row b produced out_tokens[b, :num_out[b]]; done[b] says it stopped (its last token
     tells why); logprobs = (ids [B, S, k], values [B, S, k], chosen [B, S]) of top_logprobs,
     filled for rows with rows.logprobs.
@@ -130,12 +225,14 @@ def decode_loop(params, state: DecodeState, rows: RowParams, *, cfg: ModelConfig
     B = state.last_token.shape[0]
     stopped = ~rows.active | (state.num_generated >= rows.max_new)
     stopped |= jnp.any(state.last_token[:, None] == rows.stop_ids, axis=-1) & rows.active
+    stopped_before = stopped
     out = jnp.zeros((B, num_steps), jnp.int32)
     lp_out = no_logprobs((B, num_steps))
 
     def cond(carry):
         step, _, stopped, _, _, _ = carry
-        return (step < num_steps) & ~jnp.all(stopped)
+        freed = exit_on_stop & jnp.any(stopped & ~stopped_before)
+        return (step < num_steps) & ~jnp.all(stopped) & ~freed
 
     def body(carry):
         step, state, stopped, out, num_out, lp_out = carry

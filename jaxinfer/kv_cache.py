@@ -42,43 +42,59 @@ class RingKVCache:
     def capacity(self) -> int:
         return self.k.shape[2]
 
-    def plan_write(self, num_new: jax.Array, T: int) -> "WritePlan":
-        """Where the first num_new[b] of T new tokens of row b go (positions lengths[b] + t).
+    def plan_write(self, num_new: jax.Array, T: int, rows: jax.Array | None = None) -> "WritePlan":
+        """Where the first num_new[g] of T new tokens of query row g go (positions lengths + t).
 
-        When T exceeds the capacity only the last C tokens of a row are kept, so no two writes of
-        one call land in the same slot. Dropped tokens get slot C, which scatters ignore.
+        rows [G]: the cache row of each query row (None: query row b is cache row b; an index
+        past the last row marks a padding query row, whose num_new must be 0). When T exceeds
+        the capacity only the last C tokens of a row are kept, so no two writes of one call land
+        in the same slot. Dropped tokens get slot C, which scatters ignore.
         """
-        B = self.lengths.shape[0]
         C = self.capacity
+        rows, lengths = _rows_and_lengths(self.lengths, num_new, rows)
         t = jnp.arange(T, dtype=jnp.int32)[None, :]                    # [1, T]
-        pos = self.lengths[:, None] + t                                 # [B, T]
+        pos = lengths[:, None] + t                                      # [G, T]
         keep = (t < num_new[:, None]) & (t >= num_new[:, None] - C)
-        return WritePlan(rows=jnp.broadcast_to(jnp.arange(B)[:, None], (B, T)),
+        return WritePlan(rows=jnp.broadcast_to(rows[:, None], pos.shape),
                          slots=jnp.where(keep, pos % C, C), positions=pos,
                          key_positions=jnp.where(t < num_new[:, None], pos, -1))
 
-    def write_positions(self, plan: "WritePlan") -> jax.Array:
-        """positions [B, C] after the planned write."""
-        return self.positions.at[plan.rows, plan.slots].set(plan.positions, mode="drop")
+    def write_positions(self, plan: "WritePlan", positions: jax.Array | None = None) -> jax.Array:
+        """positions [B, C] (default: the cache's) after the planned write."""
+        positions = self.positions if positions is None else positions
+        return positions.at[plan.rows, plan.slots].set(plan.positions, mode="drop")
 
-    def layer_keys(self, k_all, v_all, layer: int, S: int, kpos: jax.Array):
-        """(k, v [B, S, K, H], key positions [B, S]) of the first S slots of a layer; kpos is
-        write_positions() of this call's plan."""
-        return k_all[layer, :, :S], v_all[layer, :, :S], kpos[:, :S]
+    def layer_keys(self, k_all, v_all, layer: int, S: int, kpos: jax.Array,
+                   rows: jax.Array | None = None):
+        """(k, v [G, S, K, H], key positions [G, S]) of the first S slots of a layer for cache
+        rows `rows` (None: all rows); kpos is write_positions() of this call's plan."""
+        if rows is None:
+            return k_all[layer, :, :S], v_all[layer, :, :S], kpos[:, :S]
+        rows = _clip_rows(rows, kpos.shape[0])
+        return k_all[layer][rows, :S], v_all[layer][rows, :S], kpos[rows, :S]
 
-    def kernel_pages(self, k_all, v_all, layer: int, S: int, page_size: int = 16):
-        """The first S slots of each row as a page pool for the paged kernel, or None when S is
-        not a multiple of page_size. Only valid while slot j holds position j (no wrap)."""
+    def kernel_pages(self, k_all, v_all, layer: int, S: int, rows: jax.Array | None = None,
+                     page_size: int = 16):
+        """The first S slots of each of `rows` as a page pool for the paged kernel, or None when
+        S is not a multiple of page_size. Only valid while slot j holds position j (no wrap)."""
         if S % page_size:
             return None
-        B = k_all.shape[1]
+        k, v, _ = self.layer_keys(k_all, v_all, layer, S, self.positions, rows)
+        G = k.shape[0]
         per_row = S // page_size
-        shape = (B * per_row, page_size) + k_all.shape[3:]
-        tables = jnp.arange(B * per_row, dtype=jnp.int32).reshape(B, per_row)
-        return k_all[layer, :, :S].reshape(shape), v_all[layer, :, :S].reshape(shape), tables
+        shape = (G * per_row, page_size) + k.shape[2:]
+        tables = jnp.arange(G * per_row, dtype=jnp.int32).reshape(G, per_row)
+        return k.reshape(shape), v.reshape(shape), tables
 
     def advance(self, k_all, v_all, kpos, num_new) -> "RingKVCache":
+        """num_new [B]: tokens written per cache row by this call."""
         return RingKVCache(k=k_all, v=v_all, positions=kpos, lengths=self.lengths + num_new)
+
+    def pad_rows(self, batch: int) -> "RingKVCache":
+        """The cache with empty rows appended up to `batch` rows."""
+        return RingKVCache(k=_pad(self.k, batch, 0, axis=1), v=_pad(self.v, batch, 0, axis=1),
+                           positions=_pad(self.positions, batch, -1),
+                           lengths=_pad(self.lengths, batch, 0))
 
     def reset_rows(self, mask: jax.Array, start: jax.Array) -> "RingKVCache":
         """Empties rows where mask [B] is set (a ring row always restarts at position 0)."""
@@ -97,12 +113,50 @@ class RingKVCache:
         return buf.at[layer, plan.rows, plan.slots].set(new.astype(buf.dtype), mode="drop")
 
 
+def _pad(x: jax.Array, batch: int, fill, axis: int = 0) -> jax.Array:
+    """x with rows of `fill` appended along axis until it has `batch` of them."""
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, batch - x.shape[axis])
+    return jnp.pad(x, widths, constant_values=fill)
+
+
+def _clip_rows(rows: jax.Array, B: int) -> jax.Array:
+    """Padding query rows (index B) read row B - 1; their outputs are discarded."""
+    return jnp.minimum(rows, B - 1)
+
+
+def _rows_and_lengths(lengths: jax.Array, num_new: jax.Array, rows: jax.Array | None):
+    """The cache row of each query row and its length before the write."""
+    B = lengths.shape[0]
+    if rows is None:
+        return jnp.arange(B, dtype=jnp.int32), lengths
+    rows = rows.astype(jnp.int32)
+    return rows, lengths[_clip_rows(rows, B)]
+
+
 @flax.struct.dataclass
 class WritePlan:
-    rows: jax.Array           # [B, T] int32 row index of each new token
-    slots: jax.Array          # [B, T] int32 ring slot, C where the token is not written
-    positions: jax.Array      # [B, T] int32 absolute position of each new token
-    key_positions: jax.Array  # [B, T] int32 the same, -1 for padding (invisible as a key)
+    """Where one call's new tokens go. Fields are [G, T] for one query group, or flat [N] once
+    several groups are merged (write_layer and write_positions take either)."""
+
+    rows: jax.Array           # cache row of each new token (B for padding rows)
+    slots: jax.Array          # ring slot (C where not written) / flat pool slot (P*Z: dropped)
+    positions: jax.Array      # int32 absolute position of each new token
+    key_positions: jax.Array  # the same, -1 for padding (invisible as a key)
+
+    @staticmethod
+    def merge(plans: "list[WritePlan]") -> "WritePlan | None":
+        """One flat plan writing everything the given plans write (None for no plans)."""
+        if not plans:
+            return None
+        if len(plans) == 1:
+            return plans[0]
+        return jax.tree.map(lambda *xs: jnp.concatenate([x.reshape(-1) for x in xs]), *plans)
+
+    def tokens_per_row(self, B: int) -> jax.Array:
+        """[B] int32: how many real tokens this plan writes into each cache row."""
+        real = (self.key_positions >= 0).astype(jnp.int32).reshape(-1)
+        return jnp.zeros((B,), jnp.int32).at[self.rows.reshape(-1)].add(real, mode="drop")
 
 
 @flax.struct.dataclass
@@ -134,24 +188,28 @@ class PagedKVCache:
         """Most tokens a row can hold: its block-table width times the page size."""
         return self.block_tables.shape[1] * self.page_size
 
-    def plan_write(self, num_new: jax.Array, T: int) -> WritePlan:
-        """Token t of row b (t < num_new[b]) goes to flat slot page * Z + offset of the pool;
-        padding goes to P * Z, past the pool, which scatters drop."""
-        B = self.lengths.shape[0]
+    def plan_write(self, num_new: jax.Array, T: int, rows: jax.Array | None = None) -> WritePlan:
+        """Token t of query row g (t < num_new[g]) goes to flat slot page * Z + offset of the
+        pool; padding goes to P * Z, past the pool, which scatters drop. rows as for the ring."""
         Z = self.page_size
+        B = self.lengths.shape[0]
+        rows, lengths = _rows_and_lengths(self.lengths, num_new, rows)
         t = jnp.arange(T, dtype=jnp.int32)[None, :]
-        pos = self.lengths[:, None] + t                                 # [B, T]
+        pos = lengths[:, None] + t                                      # [G, T]
         real = t < num_new[:, None]
         page_idx = jnp.clip(pos // Z, 0, self.block_tables.shape[1] - 1)
-        page = jnp.take_along_axis(self.block_tables, page_idx, axis=1)
-        return WritePlan(rows=jnp.broadcast_to(jnp.arange(B)[:, None], (B, T)),
+        page = jnp.take_along_axis(self.block_tables[_clip_rows(rows, B)], page_idx, axis=1)
+        return WritePlan(rows=jnp.broadcast_to(rows[:, None], pos.shape),
                          slots=jnp.where(real, page * Z + pos % Z, self.k.shape[1]),
                          positions=pos, key_positions=jnp.where(real, pos, -1))
 
-    def write_positions(self, plan: WritePlan) -> jax.Array:
-        """Key positions of row slots 0..capacity-1 after the write: slot j holds position j."""
+    def write_positions(self, plan: WritePlan, positions: jax.Array | None = None) -> jax.Array:
+        """Key positions of row slots 0..capacity-1 after the write: slot j holds position j.
+        (positions: unused, a paged row's positions follow from its length.)"""
+        del positions
+        B = self.lengths.shape[0]
         j = jnp.arange(self.capacity, dtype=jnp.int32)[None, :]
-        after = self.lengths + jnp.sum(plan.key_positions >= 0, axis=1, dtype=jnp.int32)
+        after = self.lengths + plan.tokens_per_row(B)
         return jnp.where(j < after[:, None], j, -1)
 
     @staticmethod
@@ -159,28 +217,37 @@ class PagedKVCache:
         """buf [L, P * Z, K, H] with the planned slots of one layer set to new [B, T, K, H]."""
         return buf.at[layer, plan.slots].set(new.astype(buf.dtype), mode="drop")
 
-    def _row_slots(self, S: int) -> jax.Array:
-        """Flat pool slots of row positions 0..S-1: [B, S] (S a multiple of the page size)."""
+    def _tables(self, S: int, rows: jax.Array | None) -> jax.Array:
+        """The first S/Z block-table entries of `rows` (None: all rows): [G, S/Z]."""
+        tables = self.block_tables[:, :S // self.page_size]
+        return tables if rows is None else tables[_clip_rows(rows, tables.shape[0])]
+
+    def layer_keys(self, k_all, v_all, layer: int, S: int, kpos: jax.Array,
+                   rows: jax.Array | None = None):
+        """The first S positions of cache rows `rows` (None: all) gathered through their block
+        tables: (k, v [G, S, K, H], key positions [G, S])."""
         Z = self.page_size
-        tables = self.block_tables[:, :S // Z]                           # [B, S/Z]
-        return (tables[:, :, None] * Z + jnp.arange(Z, dtype=jnp.int32)).reshape(-1, S)
+        tables = self._tables(S, rows)                                   # [G, S/Z]
+        slots = (tables[:, :, None] * Z + jnp.arange(Z, dtype=jnp.int32)).reshape(-1, S)
+        kpos = kpos[:, :S] if rows is None else kpos[_clip_rows(rows, kpos.shape[0]), :S]
+        return k_all[layer][slots], v_all[layer][slots], kpos
 
-    def layer_keys(self, k_all, v_all, layer: int, S: int, kpos: jax.Array):
-        """Row b's first S positions gathered through its block table: (k, v [B, S, K, H],
-        key positions [B, S])."""
-        slots = self._row_slots(S)
-        return k_all[layer][slots], v_all[layer][slots], kpos[:, :S]
-
-    def kernel_pages(self, k_all, v_all, layer: int, S: int, page_size: int = 16):
-        """The pool as pages [P, Z, K, H] and the block tables (first S/Z pages): what the
-        paged kernel reads."""
+    def kernel_pages(self, k_all, v_all, layer: int, S: int, rows: jax.Array | None = None,
+                     page_size: int = 16):
+        """The pool as pages [P, Z, K, H] and the block tables of `rows` (first S/Z pages):
+        what the paged kernel reads."""
         shape = (self.num_pages, self.page_size) + k_all.shape[2:]
-        return (k_all[layer].reshape(shape), v_all[layer].reshape(shape),
-                self.block_tables[:, :S // self.page_size])
+        return (k_all[layer].reshape(shape), v_all[layer].reshape(shape), self._tables(S, rows))
 
     def advance(self, k_all, v_all, kpos, num_new) -> "PagedKVCache":
+        """num_new [B]: tokens written per cache row by this call."""
         del kpos  # positions are implicit in a paged row
         return self.replace(k=k_all, v=v_all, lengths=self.lengths + num_new)
+
+    def pad_rows(self, batch: int) -> "PagedKVCache":
+        """The cache with empty rows (null-page block tables) appended up to `batch` rows."""
+        return self.replace(block_tables=_pad(self.block_tables, batch, 0),
+                            lengths=_pad(self.lengths, batch, 0))
 
     def reset_rows(self, mask: jax.Array, start: jax.Array) -> "PagedKVCache":
         """Restarts rows where mask [B] is set at position start [B]: the tokens before it are

@@ -58,7 +58,8 @@ class LLM:
                  num_pages: Optional[int] = None, quantization: Optional[str] = None,
                  kv_cache_dtype: Optional[str] = None, speculative=None,
                  mesh: Optional[MeshConfig] = None, attention: str = "auto",
-                 prefill_chunk: int = 128, decode_steps: int = 8):
+                 prefill_chunk: int = 128, decode_steps: int = 8,
+                 max_num_batched_tokens: int = 512):
         # Features whose implementation has not landed: refuse rather than ignore them.
         if quantization is not None:
             raise NotImplementedError(f"quantization={quantization!r}: weight quantization is "
@@ -76,7 +77,8 @@ class LLM:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         for name, v, lo in (("max_num_seqs", max_num_seqs, 1), ("prefill_chunk", prefill_chunk, 1),
-                            ("decode_steps", decode_steps, 1), ("page_size", page_size, 1)):
+                            ("decode_steps", decode_steps, 1), ("page_size", page_size, 1),
+                            ("max_num_batched_tokens", max_num_batched_tokens, 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
         if max_seq_len is not None and (isinstance(max_seq_len, bool)
@@ -131,6 +133,7 @@ class LLM:
                                       "cache; the paged cache serves full attention only")
         self.engine_config = EngineConfig(max_seq_len=max_seq_len, max_num_seqs=max_num_seqs,
                                           prefill_chunk=prefill_chunk, decode_steps=decode_steps,
+                                          max_num_batched_tokens=max_num_batched_tokens,
                                           dtype=dtype, attention=attn_impl)
         self._engine = Engine(cfg, loaded.params, loaded.tokenizer, self.engine_config,
                               capacity=capacity, dtype=_DTYPES[dtype], paged=paged,

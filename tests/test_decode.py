@@ -5,6 +5,8 @@ capacity == window that wraps == a dense forward with a sliding-window mask. Tol
 (the same math in a different order).
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -133,3 +135,54 @@ def test_decode_loop_stops_rows_independently():
     assert np.asarray(num_out).tolist() == [1, 5, 3]  # the first token came from prefill
     assert np.asarray(done).all()
     assert np.asarray(state.cache.lengths).tolist() == [5 + 1, 5 + 5, 5 + 3]
+
+
+forward_groups = jax.jit(llama.forward_groups, static_argnums=(1,), static_argnames=("kv_view",))
+
+
+@pytest.mark.parametrize("cache_kind", ["ring", "ring-window", "paged"])
+def test_forward_groups_equal_separate_full_forwards(cache_kind):
+    """One forward_groups call with a decode group (one token for rows 0 and 2) and a prefill
+    group (8 tokens for row 1, plus a padding row) == each sequence's full forward; row 3 idle.
+    With a sliding-window ring smaller than the chunk's reach, the chunk takes the
+    write-after-attending path while the decode group writes first."""
+    from jaxinfer.kv_cache import PagedKVCache
+
+    cfg = TINY if cache_kind != "ring-window" else dataclasses.replace(TINY, sliding_window=6)
+    params = _params(cfg, 5)
+    rng = np.random.default_rng(5)
+    B, capacity = 4, (6 if cache_kind == "ring-window" else 32)
+    if cache_kind == "paged":
+        tables = rng.permutation(np.arange(1, 1 + B * 8)).reshape(B, 8).astype(np.int32)
+        cache = PagedKVCache.create(cfg.num_layers, 1 + B * 8, 4, cfg.num_kv_heads,
+                                    cfg.head_dim, tables)
+    else:
+        cache = RingKVCache.create(cfg.num_layers, B, capacity, cfg.num_kv_heads, cfg.head_dim)
+    seqs = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (10, 8, 13, 0)]
+    # Rows 0 and 2 hold all but their last token; row 1 is empty.
+    pre = np.zeros((B, 16), np.int32)
+    num = np.array([9, 0, 12, 0], np.int32)
+    for b in (0, 2):
+        pre[b, :num[b]] = seqs[b][:-1]
+    _, cache = forward(params, cfg, jnp.asarray(pre), cache, jnp.asarray(num))
+
+    last = np.array([seqs[0][-1], 0, seqs[2][-1], 0], np.int32)[:, None]
+    chunk = np.zeros((2, 8), np.int32)
+    chunk[0] = seqs[1]
+    queries = [llama.Query(jnp.asarray(last), jnp.asarray([1, 0, 1, 0], jnp.int32)),
+               llama.Query(jnp.asarray(chunk), jnp.asarray([8, 0], jnp.int32),
+                           jnp.asarray([1, B], jnp.int32))]
+    (h_dec, h_pre), cache = forward_groups(params, cfg, queries, cache)
+    assert np.asarray(cache.lengths).tolist() == [10, 8, 13, 0]
+    dec = np.asarray(llama.lm_head(params, h_dec))[:, 0]
+    for b in (0, 2):
+        np.testing.assert_allclose(dec[b], _full_logits(cfg, params, seqs[b])[-1], atol=1e-5)
+    got = np.asarray(llama.lm_head(params, h_pre))[0]
+    np.testing.assert_allclose(got, _full_logits(cfg, params, seqs[1]), atol=1e-5)
+    # The cache now holds row 1's keys: its next decode token sees them.
+    nxt = int(np.argmax(got[-1]))
+    step = [llama.Query(jnp.asarray([[0], [nxt], [0], [0]], jnp.int32),
+                        jnp.asarray([0, 1, 0, 0], jnp.int32))]
+    (h,), _ = forward_groups(params, cfg, step, cache)
+    np.testing.assert_allclose(np.asarray(llama.lm_head(params, h))[1, 0],
+                               _full_logits(cfg, params, seqs[1] + [nxt])[-1], atol=1e-5)

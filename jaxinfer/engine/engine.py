@@ -4,9 +4,11 @@ models), driven step by step.
 Host code only: it decides which rows prefill or decode, pads inputs in numpy to bucketed shapes,
 and turns device outputs into RequestOutputs. All device math is in jaxinfer.decode.
 
-A step: (1) admit waiting requests into free slots, (2) if any row is prefilling, run one
-prefill chunk for all of them, (3) run one decode dispatch (several steps in a while_loop) for the
-rows that are decoding. Finished rows free their slot for the next waiting request.
+A step: (1) admit waiting requests into free slots (and pages); (2) if any row is prefilling,
+one mixed_step runs prefill chunks for as many of them as the token budget
+(max_num_batched_tokens) allows together with one token for every decoding row, decodes first
+(SARATHI-style decode-maximal batching); (3) otherwise one decode_loop dispatch runs up to
+decode_steps tokens per row. Finished rows free their slot for the next waiting request.
 """
 
 from __future__ import annotations
@@ -152,14 +154,22 @@ class Engine:
     # ---- device state ------------------------------------------------------------------------
 
     def _ensure_batch(self) -> None:
-        """Sizes the slot batch for what is running and waiting (bucketed), keeping the state
-        while running rows exist. A paged cache keeps its page pool (and so its prefix cache)."""
+        """Sizes the slot batch for what is running and waiting (bucketed). With rows running,
+        the batch only grows (running rows keep their slots); an idle engine takes a new state.
+        A paged cache keeps its page pool (and so its prefix cache) either way."""
         running = sum(r is not None for r in self.slots)
         want = _pick(self.batch_buckets, running + len(self.waiting))
-        if self.state is not None and (want == len(self.slots) or running):
-            return
-        self.state = self._new_state(want)
-        self.slots = [None] * want
+        if self.state is None or (not running and want != len(self.slots)):
+            self.state = self._new_state(want)
+            self.slots = [None] * want
+        elif want > len(self.slots):
+            self._grow(want)
+
+    def _grow(self, B: int) -> None:
+        self.state = decode.grow_rows(self.state, B)
+        self.slots += [None] * (B - len(self.slots))
+        if self.paged is not None:
+            self.paged.resize(B, keep=True)
 
     def _new_state(self, B: int) -> decode.DecodeState:
         """A state for B slots. A paged cache keeps the previous state's page pool (pages still
@@ -212,109 +222,159 @@ class Engine:
     # ---- one scheduling step -----------------------------------------------------------------
 
     def step(self) -> list[Request]:
-        """Runs one scheduling step; returns the requests that progressed (finished included)."""
+        """Runs one scheduling step; returns the requests that progressed (finished included).
+
+        Rows still prefilling get chunks within the token budget, run together with one token
+        for every decoding row (mixed_step). With nothing to prefill, one decode_loop dispatch
+        runs up to decode_steps tokens, ending early when a row stops and a request waits."""
         self._ensure_batch()
-        progressed: dict[str, Request] = {}
+        self._admit()
+        decoding = np.array([r is not None and r.prefilled == len(r.prefill_ids)
+                             for r in self.slots])
+        if any(r is not None and r.prefilled < len(r.prefill_ids) for r in self.slots):
+            progressed = self._mixed(decoding)
+        elif decoding.any():
+            progressed = self._decode(decoding)
+        else:
+            progressed = []
+        return list({req.request_id: req for req in progressed}.values())
+
+    def _admit(self) -> None:
+        """Moves waiting requests into free slots, first come first served, while pages last."""
         now = time.perf_counter()
         admitted = np.zeros(len(self.slots), bool)
         start = np.zeros(len(self.slots), np.int32)
         for b in range(len(self.slots)):
-            if self.slots[b] is None and self.waiting:
-                req = self.waiting[0]
-                # After a preemption the tokens already produced are re-prefilled, never
-                # re-sampled.
-                req.prefill_ids = req.prompt_ids + req.token_ids
-                cached = 0
-                if self.paged is not None:
-                    cached = self.paged.admit(req, b)
-                    if cached is None:
-                        break  # first come, first served: wait for pages
-                self.waiting.popleft()
-                req.slot, req.prefilled, start[b] = b, cached, cached
-                req.metrics.prefix_cache_hit_tokens += cached
-                req.admitted_order = self.admissions
-                self.admissions += 1
-                if req.metrics.first_scheduled_time is None:
-                    req.metrics.first_scheduled_time = now
-                self.slots[b] = req
-                admitted[b] = True
+            if self.slots[b] is not None or not self.waiting:
+                continue
+            req = self.waiting[0]
+            # After a preemption the tokens already produced are re-prefilled, never re-sampled.
+            req.prefill_ids = req.prompt_ids + req.token_ids
+            cached = 0
+            if self.paged is not None:
+                cached = self.paged.admit(req, b)
+                if cached is None:
+                    break  # wait for pages
+            self.waiting.popleft()
+            req.slot, req.prefilled, start[b] = b, cached, cached
+            req.metrics.prefix_cache_hit_tokens += cached
+            req.admitted_order = self.admissions
+            self.admissions += 1
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+            self.slots[b] = req
+            admitted[b] = True
         if admitted.any():
             tables = self.paged.take_tables() if self.paged is not None else None
             self.state = decode.reset_rows(self.state, admitted, start, tables)
 
-        # Rows already decoding run this step; rows whose prompt completes now return their
-        # first token from this step and decode from the next, so the first token is seen early.
-        decoding = np.array([r is not None and r.prefilled == len(r.prefill_ids)
-                             for r in self.slots])
-        prefilling = [r for r in self.slots
-                      if r is not None and r.prefilled < len(r.prefill_ids)]
-        if prefilling:
-            for req in self._prefill(prefilling):
-                progressed[req.request_id] = req
-        decoding &= np.array([r is not None for r in self.slots])
-        if decoding.any():
-            for req in self._decode(decoding):
-                progressed[req.request_id] = req
-        return list(progressed.values())
+    def chunk_shapes(self, B: int) -> list[tuple[int, int]]:
+        """The (rows, tokens) shapes a prefill group may take with B slots: rows from the batch
+        buckets, tokens from the chunk buckets, padded size within the token budget (one row
+        of any chunk is always allowed, so a long prompt always progresses)."""
+        budget = self.ecfg.max_num_batched_tokens
+        return [(g, t) for g in self.batch_buckets if g <= B for t in self.chunk_buckets
+                if g == 1 or g * t <= budget]
 
-    def _prefill(self, prefilling: list[Request]) -> list[Request]:
+    def _schedule_prefill(self, num_decoding: int) -> list[tuple[Request, int]]:
+        """Prefill chunks for this step, oldest request first: (request, tokens) pairs that fit
+        the token budget left after one token per decoding row (at least the smallest chunk,
+        so prefill never starves) and one of chunk_shapes()."""
+        budget = max(self.ecfg.max_num_batched_tokens - num_decoding, self.chunk_buckets[0])
+        shapes = self.chunk_shapes(len(self.slots))
+        chosen: list[tuple[Request, int]] = []
+        for req in sorted((r for r in self.slots
+                           if r is not None and r.prefilled < len(r.prefill_ids)),
+                          key=lambda r: r.admitted_order):
+            take = min(len(req.prefill_ids) - req.prefilled, self.ecfg.prefill_chunk, budget)
+            if take <= 0:
+                break
+            shape = (_pick(self.batch_buckets, len(chosen) + 1),
+                     _pick(self.chunk_buckets, max([take] + [n for _, n in chosen])))
+            if chosen and shape not in shapes:
+                break
+            chosen.append((req, take))
+            budget -= take
+        return chosen
+
+    def _mixed(self, decoding: np.ndarray) -> list[Request]:
+        """One mixed_step: prefill chunks within the token budget + one token per decoding row."""
+        if self.paged is not None and decoding.any():
+            decoding = self._grow_or_preempt(decoding, 1)
+        chosen = self._schedule_prefill(int(decoding.sum()))
+        if not chosen:  # preemption took every prefilling row
+            return self._decode(decoding) if decoding.any() else []
         B = len(self.slots)
-        remaining = max(len(r.prefill_ids) - r.prefilled for r in prefilling)
-        T = _pick(self.chunk_buckets, remaining)
-        tokens = np.zeros((B, T), np.int32)
-        next_tokens = np.full((B, T), -1, np.int32)
-        num_new = np.zeros(B, np.int32)
-        completes = np.zeros(B, bool)
-        longest = 0
-        for req in prefilling:
-            start, n = req.prefilled, min(T, len(req.prefill_ids) - req.prefilled)
-            tokens[req.slot, :n] = req.prefill_ids[start:start + n]
+        G = _pick(self.batch_buckets, len(chosen))
+        T = _pick(self.chunk_buckets, max(n for _, n in chosen))
+        tokens = np.zeros((G, T), np.int32)
+        next_tokens = np.full((G, T), -1, np.int32)
+        num_new = np.zeros(G, np.int32)
+        completes = np.zeros(G, bool)
+        rows = np.full(G, B, np.int32)  # padding rows point past the slots
+        for g, (req, n) in enumerate(chosen):
+            start = req.prefilled
+            tokens[g, :n] = req.prefill_ids[start:start + n]
             following = req.prompt_ids[start + 1:start + n + 1]  # prompt tokens only
-            next_tokens[req.slot, :len(following)] = following
-            num_new[req.slot] = n
-            completes[req.slot] = start + n == len(req.prefill_ids)
-            longest = max(longest, start)
-        kv_view = _pick(self.kv_buckets, longest + T)
-        rows = self._row_params(completes)
-        self.state, first, first_lp, prompt_lp = decode.prefill_chunk(
-            self.params, self.state, tokens, num_new, completes, next_tokens, rows,
-            cfg=self.cfg, kv_view=kv_view, attn_impl=self.ecfg.attention)
+            next_tokens[g, :len(following)] = following
+            num_new[g], rows[g] = n, req.slot
+            completes[g] = start + n == len(req.prefill_ids)
+        longest = max([r.prefilled + T for r, _ in chosen] +
+                      [len(r.prompt_ids) + len(r.token_ids) + 1
+                       for r, d in zip(self.slots, decoding) if d])
+        kv_view = _pick(self.kv_buckets, longest)
+        params = self._row_params(decoding)
+        chunk = decode.Chunk(tokens=tokens, num_new=num_new, completes=completes,
+                             next_tokens=next_tokens, rows=rows)
+        self.state, out, lp, first, first_lp, prompt_lp = decode.mixed_step(
+            self.params, self.state, chunk, params, cfg=self.cfg, kv_view=kv_view,
+            attn_impl=self.ecfg.attention)
         self.stats_counters["prompt_tokens"] += int(num_new.sum())
-        if any(r.prompt_logprobs is not None for r in prefilling):
-            ids, vals, chosen = jax.device_get(prompt_lp)
-            for req in prefilling:
+        progressed = []
+        if decoding.any():
+            lp = (tuple(x[:, None] for x in jax.device_get(lp))
+                  if (params.logprobs & decoding).any() else None)
+            progressed += self._take_decoded(decoding, np.asarray(out)[:, None],
+                                             np.ones(B, np.int32), np.zeros(B, bool), lp)
+        progressed += self._take_prefilled(chosen, chunk, params, first, first_lp, prompt_lp)
+        return progressed
+
+    def _take_prefilled(self, chosen, chunk: decode.Chunk, params: decode.RowParams, first,
+                        first_lp, prompt_lp) -> list[Request]:
+        """Books a prefill group's results: prompt logprobs, progress, first tokens."""
+        if any(r.prompt_logprobs is not None for r, _ in chosen):
+            ids, vals, chosen_lp = jax.device_get(prompt_lp)
+            for g, (req, n) in enumerate(chosen):
                 if req.prompt_logprobs is None:
                     continue
-                b, k = req.slot, req.params.prompt_logprobs
-                for t in range(int(num_new[b])):
+                k = req.params.prompt_logprobs
+                for t in range(n):
                     # Prompt token p + 1 is scored once: not again when a preempted request
                     # re-prefills, nor for positions a prefix-cache hit skipped (left out).
-                    if (next_tokens[b, t] >= 0
+                    if (chunk.next_tokens[g, t] >= 0
                             and req.prefilled + t + 1 == len(req.prompt_logprobs)):
-                        req.prompt_logprobs.append(
-                            _logprob_dict(k, ids[b, t], vals[b, t], next_tokens[b, t],
-                                          chosen[b, t]))
-        for req in prefilling:
-            req.prefilled += int(num_new[req.slot])
+                        req.prompt_logprobs.append(_logprob_dict(
+                            k, ids[g, t], vals[g, t], chunk.next_tokens[g, t], chosen_lp[g, t]))
+        for req, n in chosen:
+            req.prefilled += n
             if self.paged is not None:
                 self.paged.computed(req, req.prefilled)
-        if not completes.any():
+        if not chunk.completes.any():
             return []
         first = np.asarray(first)
-        first_lp = jax.device_get(first_lp) if rows.logprobs.any() else None
+        want_lp = any(params.logprobs[r.slot] for r, _ in chosen)
+        first_lp = jax.device_get(first_lp) if want_lp else None
         done = []
-        for req in prefilling:
-            if completes[req.slot]:
-                b = req.slot
-                lps = None if first_lp is None else [tuple(x[b] for x in first_lp)]
-                self._append(req, [int(first[b])], stopped=False, lps=lps)
+        for g, (req, _) in enumerate(chosen):
+            if chunk.completes[g]:
+                lps = None if first_lp is None else [tuple(x[g] for x in first_lp)]
+                self._append(req, [int(first[g])], stopped=False, lps=lps)
                 done.append(req)
         return done
 
-    def _grow_or_preempt(self, decoding: np.ndarray) -> np.ndarray:
-        """Gives every decoding row pages for the next dispatch, preempting the newest running
+    def _grow_or_preempt(self, decoding: np.ndarray, steps: int) -> np.ndarray:
+        """Gives every decoding row pages for `steps` more tokens, preempting the newest running
         requests (pages freed, requeued first for recompute) while pages run short."""
-        steps = self.ecfg.decode_steps
         order = sorted((r for r, d in zip(self.slots, decoding) if d),
                        key=lambda r: r.admitted_order)
         for req in order:
@@ -341,19 +401,26 @@ class Engine:
         self.waiting.appendleft(req)
 
     def _decode(self, decoding: np.ndarray) -> list[Request]:
+        """One decode_loop dispatch of up to decode_steps tokens per decoding row."""
+        steps = self.ecfg.decode_steps
         if self.paged is not None:
-            decoding = self._grow_or_preempt(decoding)
+            decoding = self._grow_or_preempt(decoding, steps)
             if not decoding.any():
                 return []
         longest = max(len(r.prompt_ids) + len(r.token_ids)
                       for r, d in zip(self.slots, decoding) if d)
-        kv_view = _pick(self.kv_buckets, longest + self.ecfg.decode_steps)
+        kv_view = _pick(self.kv_buckets, longest + steps)
         rows = self._row_params(decoding)
         self.state, out, num_out, done, lp = decode.decode_loop(
-            self.params, self.state, rows, cfg=self.cfg,
-            num_steps=self.ecfg.decode_steps, kv_view=kv_view, attn_impl=self.ecfg.attention)
+            self.params, self.state, rows, cfg=self.cfg, num_steps=steps, kv_view=kv_view,
+            attn_impl=self.ecfg.attention, exit_on_stop=np.bool_(bool(self.waiting)))
         out, num_out, done = jax.device_get((out, num_out, done))
         lp = jax.device_get(lp) if (rows.logprobs & decoding).any() else None
+        return self._take_decoded(decoding, out, num_out, done, lp)
+
+    def _take_decoded(self, decoding, out, num_out, done, lp) -> list[Request]:
+        """Books decoded tokens: row b produced out[b, :num_out[b]] (done[b]: the device
+        stopped it); lp: (ids, values, chosen) [B, S, ...] when a row wants logprobs."""
         progressed = []
         for b, req in enumerate(self.slots):
             if req is None or not decoding[b]:
@@ -412,16 +479,26 @@ class Engine:
             if tables is not None:
                 self.state = decode.set_block_tables(self.state, tables)
             for kv_view in self.kv_buckets:
-                for T in self.chunk_buckets:
-                    self.state, *_ = decode.prefill_chunk(
-                        self.params, self.state, np.zeros((B, T), np.int32),
-                        np.zeros(B, np.int32), idle, np.full((B, T), -1, np.int32), rows,
-                        cfg=self.cfg, kv_view=kv_view, attn_impl=self.ecfg.attention)
+                for G, T in self.chunk_shapes(B):
+                    chunk = decode.Chunk(tokens=np.zeros((G, T), np.int32),
+                                         num_new=np.zeros(G, np.int32),
+                                         completes=np.zeros(G, bool),
+                                         next_tokens=np.full((G, T), -1, np.int32),
+                                         rows=np.full(G, B, np.int32))
+                    self.state, *_ = decode.mixed_step(
+                        self.params, self.state, chunk, rows, cfg=self.cfg, kv_view=kv_view,
+                        attn_impl=self.ecfg.attention)
                 self.state, *_ = decode.decode_loop(
                     self.params, self.state, rows, cfg=self.cfg,
                     num_steps=self.ecfg.decode_steps, kv_view=kv_view,
-                    attn_impl=self.ecfg.attention)
+                    attn_impl=self.ecfg.attention, exit_on_stop=np.bool_(False))
             jax.block_until_ready(self.state)
+        for i, small in enumerate(self.batch_buckets):  # growing a running batch
+            for B in self.batch_buckets[i + 1:]:
+                self.slots = [None] * small
+                self.state = self._new_state(small)
+                self._grow(B)
+        jax.block_until_ready(self.state)
         return time.perf_counter() - t0
 
     def stats(self) -> dict:

@@ -23,8 +23,12 @@ class PagedSlots:
         self.tables = np.zeros((0, self.table_width), np.int32)
         self.dirty = True
 
-    def resize(self, num_slots: int) -> None:
+    def resize(self, num_slots: int, keep: bool = False) -> None:
+        """Block tables for num_slots slots; keep: the existing slots keep theirs (growing)."""
+        old = self.tables
         self.tables = np.zeros((num_slots, self.table_width), np.int32)
+        if keep:
+            self.tables[:len(old)] = old[:num_slots]
         self.dirty = True
 
     def _sync(self, req) -> None:

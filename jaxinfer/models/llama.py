@@ -13,7 +13,7 @@ SmolLM2's matmuls alone).
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import NamedTuple, Optional, Sequence
 
 import flax.struct
 import jax
@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxinfer.attention import attention
 from jaxinfer.config import ModelConfig
-from jaxinfer.kv_cache import PagedKVCache, RingKVCache
+from jaxinfer.kv_cache import PagedKVCache, RingKVCache, WritePlan
 
 KVCache = RingKVCache | PagedKVCache
 from jaxinfer.layers import apply_rope, linear, rms_norm, rope_angles, rope_inv_freq, swiglu_mlp
@@ -141,6 +141,20 @@ def lm_head(params: LlamaParams, h: jax.Array) -> jax.Array:
     return jnp.einsum("...D,DV->...V", h, params.lm_head, preferred_element_type=jnp.float32)
 
 
+class Query(NamedTuple):
+    """One group of query rows for forward_groups.
+
+    tokens [G, T] int32, of which the first num_new[g] of row g are real (the rest padding);
+    rows [G] int32: the cache row each query row reads and appends to (None: query row b is
+    cache row b, all rows). A rows entry equal to the cache's row count marks a padding row
+    (num_new 0): it writes nothing and its output is meaningless.
+    """
+
+    tokens: jax.Array
+    num_new: jax.Array
+    rows: Optional[jax.Array] = None
+
+
 def forward(params: LlamaParams, cfg: ModelConfig, tokens: jax.Array, cache: KVCache,
             num_new: jax.Array, *, kv_view: int | None = None,
             attn_impl: str = "reference") -> tuple[jax.Array, KVCache]:
@@ -151,62 +165,106 @@ def forward(params: LlamaParams, cfg: ModelConfig, tokens: jax.Array, cache: KVC
     the first kv_view cache slots (positions, for a paged cache: a multiple of its page size);
     the caller guarantees that every slot a row uses, the new tokens' included, lies below it
     (or passes None / the capacity). The cache is a RingKVCache or a PagedKVCache. Returns the
-    final-normed
-    hidden states [B, T, D] and the cache with lengths advanced by num_new.
+    final-normed hidden states [B, T, D] and the cache with lengths advanced by num_new.
     """
-    B, T = tokens.shape
-    N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    (h,), cache = forward_groups(params, cfg, [Query(tokens, num_new)], cache, kv_view=kv_view,
+                                 attn_impl=attn_impl)
+    return h, cache
+
+
+def _as_plan(parts: list[jax.Array], plan: WritePlan) -> jax.Array:
+    """New K or V of the groups a plan writes ([G, T, K, H] each), shaped like the plan."""
+    K, H = parts[0].shape[-2:]
+    flat = jnp.concatenate([p.reshape(-1, K, H) for p in parts]) if len(parts) > 1 else parts[0]
+    return flat.reshape(plan.rows.shape + (K, H))
+
+
+def forward_groups(params: LlamaParams, cfg: ModelConfig, queries: Sequence[Query],
+                   cache: KVCache, *, kv_view: int | None = None,
+                   attn_impl: str = "reference") -> tuple[list[jax.Array], KVCache]:
+    """forward() for several groups of query rows with different token counts in one pass:
+    e.g. one decode token for every running row and a prefill chunk for a few others.
+
+    The groups' tokens go through every matmul together (one [sum G*T, D] activation), so a
+    decode batch rides along with a prefill chunk for the price of the weights' one read;
+    attention runs per group. No cache row may receive tokens from two groups. Returns the
+    final-normed hidden states of each group ([G, T, D]) and the updated cache.
+    """
+    N, K, H, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.d_model
+    B = cache.lengths.shape[0]
     S = cache.capacity if kv_view is None else min(kv_view, cache.capacity)
-    plan = cache.plan_write(num_new, T)
+    shapes = [q.tokens.shape for q in queries]
+    sizes = [G * T for G, T in shapes]
+    plans = [cache.plan_write(q.num_new, T, q.rows) for q, (_, T) in zip(queries, shapes)]
     inv_freq = rope_inv_freq(H, cfg.rope_theta, cfg.rope_scaling, cfg.rope_freq_factors)
-    cos, sin = rope_angles(plan.positions, inv_freq)
+    angles = [rope_angles(p.positions, inv_freq) for p in plans]
     # Write each layer's new K/V before attending (one in-place update of the donated cache),
     # unless a sliding-window ring could overwrite keys that earlier tokens of this chunk still
     # need: then the chunk attends to the old cache and to itself, and is written afterwards.
     wraps = isinstance(cache, RingKVCache) and cfg.sliding_window is not None
-    write_first = T == 1 or not wraps
-    kpos = cache.write_positions(plan) if write_first else cache.positions
+    first = [T == 1 or not wraps for _, T in shapes]
+    early = WritePlan.merge([p for p, f in zip(plans, first) if f])
+    late = WritePlan.merge([p for p, f in zip(plans, first) if not f])
+    kpos = cache.write_positions(early) if early is not None else cache.positions
     # Unless a ring wraps (the engine sizes full-attention rings to max_seq_len), row slot j
     # holds position j and the kernels can read the cache directly.
-    lengths = None if wraps else (cache.lengths, cache.lengths + num_new)
+    lengths = []
+    for q in queries:
+        before = cache.lengths if q.rows is None else \
+            cache.lengths[jnp.minimum(q.rows, B - 1)]
+        lengths.append(None if wraps else (before, before + q.num_new))
     k_all, v_all = cache.k, cache.v
-    k_new, v_new = [], []
+    k_late, v_late = [], []
 
-    h = embed(params, tokens)
+    def split(x, last_dims):
+        parts = jnp.split(x, np.cumsum(sizes)[:-1], axis=0) if len(sizes) > 1 else [x]
+        return [p.reshape(shape + last_dims) for p, shape in zip(parts, shapes)]
+
+    h = jnp.concatenate([embed(params, q.tokens).reshape(-1, D) for q in queries])
     for i, lp in enumerate(params.layers):
         with jax.named_scope(f"layer_{i}"):
             with jax.named_scope("attention"):
                 x = rms_norm(h, lp.attn_norm, cfg.rms_norm_eps)
-                q = linear(x, lp.wq, lp.bq).reshape(B, T, N, H)
-                k = linear(x, lp.wk, lp.bk).reshape(B, T, K, H)
-                v = linear(x, lp.wv, lp.bv).reshape(B, T, K, H)
-                q = apply_rope(q, cos, sin)
-                k = apply_rope(k, cos, sin)
-                pages = None
-                if write_first:
-                    k_all = cache.write_layer(k_all, i, k, plan)
-                    v_all = cache.write_layer(v_all, i, v, plan)
-                    segments = [cache.layer_keys(k_all, v_all, i, S, kpos)]
-                    if attn_impl != "reference" and lengths is not None:
-                        pages = cache.kernel_pages(k_all, v_all, i, S)
-                else:
-                    segments = [(k_all[i, :, :S], v_all[i, :, :S], kpos[:, :S]),
-                                (k, v, plan.key_positions)]
-                    k_new.append(k)
-                    v_new.append(v)
-                o = attention(q, plan.positions, segments, sliding_window=cfg.sliding_window,
-                              implementation=attn_impl, lengths=lengths, pages=pages)
-                h = h + linear(o.reshape(B, T, N * H), lp.wo)
+                qs = split(linear(x, lp.wq, lp.bq), (N, H))
+                ks = split(linear(x, lp.wk, lp.bk), (K, H))
+                vs = split(linear(x, lp.wv, lp.bv), (K, H))
+                qs = [apply_rope(q, *a) for q, a in zip(qs, angles)]
+                ks = [apply_rope(k, *a) for k, a in zip(ks, angles)]
+                if early is not None:
+                    k_all = cache.write_layer(
+                        k_all, i, _as_plan([k for k, f in zip(ks, first) if f], early), early)
+                    v_all = cache.write_layer(
+                        v_all, i, _as_plan([v for v, f in zip(vs, first) if f], early), early)
+                outs = []
+                for g, query in enumerate(queries):
+                    segments = [cache.layer_keys(k_all, v_all, i, S, kpos, query.rows)]
+                    pages = None
+                    if first[g]:
+                        if attn_impl != "reference" and lengths[g] is not None:
+                            pages = cache.kernel_pages(k_all, v_all, i, S, query.rows)
+                    else:
+                        segments.append((ks[g], vs[g], plans[g].key_positions))
+                        k_late.append(ks[g])
+                        v_late.append(vs[g])
+                    o = attention(qs[g], plans[g].positions, segments,
+                                  sliding_window=cfg.sliding_window, implementation=attn_impl,
+                                  lengths=lengths[g] if first[g] else None, pages=pages)
+                    outs.append(o.reshape(-1, N * H))
+                h = h + linear(jnp.concatenate(outs) if len(outs) > 1 else outs[0], lp.wo)
             with jax.named_scope("mlp"):
                 x = rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps)
                 h = h + swiglu_mlp(x, lp.w_gate, lp.w_up, lp.w_down)
-    if not write_first:
-        for i, (k, v) in enumerate(zip(k_new, v_new)):
-            k_all = cache.write_layer(k_all, i, k, plan)
-            v_all = cache.write_layer(v_all, i, v, plan)
-        kpos = cache.write_positions(plan)
-    cache = cache.advance(k_all, v_all, kpos, num_new)
-    return rms_norm(h, params.final_norm, cfg.rms_norm_eps), cache
+    if late is not None:
+        per_layer = len(k_late) // cfg.num_layers
+        for i in range(cfg.num_layers):
+            layer = slice(i * per_layer, (i + 1) * per_layer)
+            k_all = cache.write_layer(k_all, i, _as_plan(k_late[layer], late), late)
+            v_all = cache.write_layer(v_all, i, _as_plan(v_late[layer], late), late)
+        kpos = cache.write_positions(late, kpos)
+    written = WritePlan.merge(plans).tokens_per_row(B)
+    cache = cache.advance(k_all, v_all, kpos, written)
+    h = rms_norm(h, params.final_norm, cfg.rms_norm_eps)
+    return split(h, (D,)), cache
 
 
 @functools.partial(jax.jit, static_argnums=(1,))

@@ -134,3 +134,60 @@ def test_abort_frees_pages(crowded):
     assert crowded.stats()["pages_used"] > 0
     crowded.abort(rid)
     assert crowded.stats()["pages_used"] == 0 and not crowded.has_unfinished_requests()
+
+
+def _tokens_by_step(llm, until):
+    """Runs llm.step() until `until()`; returns per step {request_id: tokens so far}."""
+    steps = []
+    while not until():
+        steps.append({o.request_id: len(o.token_ids) for o in llm.step()})
+    return steps
+
+
+def test_decodes_advance_every_step_while_a_long_prompt_prefills(llm):
+    """Decode-maximal batching: while a 100-token prompt prefills in chunks within the token
+    budget, the running request gets one token in every step (not a stall until the prompt
+    is done), and both give the tokens they get alone."""
+    budget = 20
+    engine = ji.LLM(TINY, max_seq_len=128, max_num_seqs=4, prefill_chunk=16, decode_steps=4,
+                    max_num_batched_tokens=budget)
+    short, long = _prompts(1, 8)[0][:5], np.random.default_rng(9).integers(0, 256, 100).tolist()
+    sp_a = ji.SamplingParams(max_tokens=40, ignore_eos=True)
+    sp_b = ji.SamplingParams(max_tokens=3, ignore_eos=True)
+    a = engine.add_request(short, sp_a)
+    while not any(o.request_id == a and o.token_ids for o in engine.step()):
+        pass
+    b = engine.add_request(long, sp_b)
+    counter = engine._engine.stats_counters
+    prompt_tokens, seen_a, per_step, final = counter["prompt_tokens"], None, [], {}
+    while True:
+        got = {o.request_id: o for o in engine.step()}
+        final.update(got)
+        per_step.append(counter["prompt_tokens"] - prompt_tokens)
+        prompt_tokens = counter["prompt_tokens"]
+        n_a = len(got[a].token_ids)
+        assert seen_a is None or n_a == seen_a + 1  # one token per step, never a stall
+        seen_a = n_a
+        if b in got and got[b].token_ids:
+            break
+    # 100 prompt tokens, chunks of at most 16 within the 20 - 1 tokens the decode leaves.
+    assert sum(per_step) == 100 and max(per_step) <= min(16, budget - 1)
+    assert len(per_step) == 7
+    while engine.has_unfinished_requests():
+        final.update({o.request_id: o for o in engine.step()})
+    for rid, prompt, sp in ((a, short, sp_a), (b, long, sp_b)):
+        assert final[rid].token_ids == llm.generate([prompt], sp)[0].token_ids
+
+
+def test_decode_dispatch_ends_early_for_a_waiting_request():
+    """With a request waiting for a slot, a decode dispatch ends when a row stops rather than
+    running all decode_steps, so the freed slot is refilled at once."""
+    engine = ji.LLM(TINY, max_seq_len=128, max_num_seqs=2, prefill_chunk=16, decode_steps=16)
+    prompts = [p[:8] for p in _prompts(3, 10)]  # each prefills in one chunk
+    ids = [engine.add_request(p, ji.SamplingParams(max_tokens=m, ignore_eos=True))
+           for p, m in zip(prompts, (3, 60, 5))]
+    steps = _tokens_by_step(engine, lambda: not engine.has_unfinished_requests())
+    finished_a = next(i for i, s in enumerate(steps) if s.get(ids[0]) == 3)
+    # Row 0 stops after 2 decode tokens: the dispatch ends there, with row 1 equally short.
+    assert steps[finished_a][ids[1]] == 3
+    assert steps[finished_a + 1].get(ids[2]) == 1  # the waiting request started next step
