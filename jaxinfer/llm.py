@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import EngineConfig, MeshConfig
+from jaxinfer.engine import memory
 from jaxinfer.engine.engine import Engine, Request
 from jaxinfer.engine.paged import PagedSlots
 from jaxinfer.engine.request import RequestMetrics, RequestOutput, SamplingParams
@@ -114,13 +115,14 @@ class LLM:
         capacity = max_seq_len if cfg.sliding_window is None else min(max_seq_len,
                                                                       cfg.sliding_window)
         # Full attention runs on the paged cache; a sliding-window model keeps its ring.
-        paged = None
+        paged, memory_left = None, None
         if cfg.sliding_window is None:
             per_request = -(-max_seq_len // page_size)
             if num_pages is None:
-                # No memory analysis on CPU: room for every slot at max_seq_len, plus the null
-                # page. TODO(GPU): size from the memory left after weights.
-                num_pages = max_num_seqs * per_request + 1
+                memory_left = memory.free_device_memory()
+                # Sized below from the compiled step when the device reports its memory; on
+                # CPU: room for every slot at max_seq_len, plus the null page.
+                num_pages = per_request + 1 if memory_left else max_num_seqs * per_request + 1
             elif isinstance(num_pages, bool) or not isinstance(num_pages, int) \
                     or num_pages < per_request + 1:
                 raise ValueError(
@@ -138,8 +140,27 @@ class LLM:
         self._engine = Engine(cfg, loaded.params, loaded.tokenizer, self.engine_config,
                               capacity=capacity, dtype=_DTYPES[dtype], paged=paged,
                               num_pages=num_pages or 0)
+        if memory_left:
+            self._engine.set_num_pages(self._pages_from_memory(memory_left, page_size))
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
+
+    def _pages_from_memory(self, memory_left: tuple[int, int], page_size: int) -> int:
+        """num_pages=None on a device that reports memory: what is left of it after the weights
+        and the largest step's scratch memory. ValueError, with the numbers, when that cannot
+        hold one max_seq_len request."""
+        limit, in_use = memory_left
+        step = self._engine.step_scratch_bytes()
+        page = memory.kv_page_bytes(self.model_config, page_size, self._engine.dtype)
+        pages = memory.pages_for_memory(limit, in_use, step, page)
+        need = -(-self.max_seq_len // page_size) + 1
+        if pages < need:
+            raise ValueError(
+                f"the KV cache does not fit: of {memory.UTILIZATION:.0%} of {limit} device bytes, "
+                f"{in_use} are in use (weights) and the largest step needs {step} more, leaving "
+                f"{pages} pages of {page} bytes; one max_seq_len ({self.max_seq_len}) request "
+                f"needs {need} (lower max_seq_len or max_num_seqs, or pass num_pages)")
+        return pages
 
     # ---- validation --------------------------------------------------------------------------
 

@@ -188,6 +188,32 @@ class Engine:
                              lengths=np.zeros(B, np.int32), page_size=self.paged.page_size)
         return decode.DecodeState.create(self.cfg, B, self.capacity, self.dtype, cache=cache)
 
+    def step_scratch_bytes(self) -> int:
+        """Scratch (temporary) bytes of the largest compiled programs the engine dispatches,
+        from XLA's memory analysis: the biggest batch and kv_view, for the largest prefill
+        group and for the decode loop. Compiles them with abstract inputs (nothing runs)."""
+        B, kv_view = self.batch_buckets[-1], self.kv_buckets[-1]
+        self.slots = [None] * B
+        state = jax.eval_shape(lambda: self._new_state(B))
+        self.state = None
+        rows = self._row_params(np.zeros(B, bool))
+        G, T = max(self.chunk_shapes(B), key=lambda s: s[0] * s[1])
+        chunk = decode.Chunk(tokens=np.zeros((G, T), np.int32), num_new=np.zeros(G, np.int32),
+                             completes=np.zeros(G, bool),
+                             next_tokens=np.zeros((G, T), np.int32), rows=np.zeros(G, np.int32))
+        common = dict(cfg=self.cfg, kv_view=kv_view, attn_impl=self.ecfg.attention)
+        programs = [
+            decode.mixed_step.lower(self.params, state, chunk, rows, **common),
+            decode.decode_loop.lower(self.params, state, rows, num_steps=self.ecfg.decode_steps,
+                                     exit_on_stop=np.bool_(False), **common)]
+        return max(p.compile().memory_analysis().temp_size_in_bytes for p in programs)
+
+    def set_num_pages(self, num_pages: int) -> None:
+        """Resizes the (not yet allocated) page pool."""
+        assert self.state is None, "the pool is already allocated"
+        self.num_pages = num_pages
+        self.paged = PagedSlots(num_pages, self.paged.page_size, self.paged.max_seq_len)
+
     def _row_params(self, decoding: np.ndarray) -> decode.RowParams:
         B = len(self.slots)
         temp = np.zeros(B, np.float32)
