@@ -226,11 +226,14 @@ class PagedKVCache:
                    rows: jax.Array | None = None):
         """The first S positions of cache rows `rows` (None: all) gathered through their block
         tables: (k, v [G, S, K, H], key positions [G, S])."""
-        Z = self.page_size
         tables = self._tables(S, rows)                                   # [G, S/Z]
-        slots = (tables[:, :, None] * Z + jnp.arange(Z, dtype=jnp.int32)).reshape(-1, S)
         kpos = kpos[:, :S] if rows is None else kpos[_clip_rows(rows, kpos.shape[0]), :S]
-        return k_all[layer][slots], v_all[layer][slots], kpos
+        # Whole pages are gathered (contiguous blocks), not single slots: several times faster
+        # on XLA:CPU. Viewing the flat pool as pages for reading is free.
+        shape = (self.num_pages, self.page_size) + k_all.shape[2:]
+        gather = lambda buf: buf[layer].reshape(shape)[tables].reshape(  # noqa: E731
+            (tables.shape[0], S) + k_all.shape[2:])
+        return gather(k_all), gather(v_all), kpos
 
     def kernel_pages(self, k_all, v_all, layer: int, S: int, rows: jax.Array | None = None,
                      page_size: int = 16):
