@@ -34,6 +34,14 @@ def test_no_compilation_after_warmup(llm, compile_recorder):
                                                     [0, 0, 8, 0, 3, 0, 0]))]
         outs = llm.generate(prompts, params)
         outs += llm.generate(_prompts(1, 1), ji.SamplingParams(max_tokens=40, ignore_eos=True))
+        # Requests joining a running one grow the slot batch (1 -> 4 slots).
+        sp = ji.SamplingParams(max_tokens=12, ignore_eos=True)
+        llm.add_request(_prompts(1, 3)[0], sp)
+        llm.step()
+        for prompt in _prompts(3, 4):
+            llm.add_request(prompt, sp)
+        while llm.has_unfinished_requests():
+            llm.step()
         assert rec.logs == [] and rec.events == [], rec.logs
     assert [len(o.token_ids) for o in outs[:7]] == [3, 9, 20, 1, 5, 30, 2]
 
