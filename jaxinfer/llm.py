@@ -79,7 +79,8 @@ class LLM:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         for name, v, lo in (("max_num_seqs", max_num_seqs, 1), ("prefill_chunk", prefill_chunk, 1),
                             ("decode_steps", decode_steps, 1), ("page_size", page_size, 1),
-                            ("max_num_batched_tokens", max_num_batched_tokens, 1)):
+                            ("max_num_batched_tokens", max_num_batched_tokens,
+                             min(16, prefill_chunk if isinstance(prefill_chunk, int) else 16))):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
         if max_seq_len is not None and (isinstance(max_seq_len, bool)
