@@ -5,8 +5,8 @@
 
 The real model file does not travel to the GPU machine, so the model is Llama-3.2-1B's shape
 (16 layers, d_model 2048, 32 query / 8 KV heads of 64, FFN 8192, vocab 128256, llama3 RoPE
-scaling, tied head) with random weights written as an HF directory (float16 safetensors, loaded
-as bfloat16). Random weights cost exactly what real ones do. Everything goes through the public
+scaling, tied head) with random weights, saved as a jaxinfer (orbax) checkpoint in bfloat16.
+Random weights cost exactly what real ones do. Everything goes through the public
 API (`ji.LLM(...).generate`), with num_pages=None, so the page pool is sized from device memory.
 
 Measured, each after an untimed run of the same workload (compilation excluded):
@@ -48,33 +48,15 @@ TINY = dict(LLAMA_1B, hidden_size=64, intermediate_size=128, num_hidden_layers=2
 
 
 def write_random_model(path: str, config: dict, seed: int = 0) -> None:
-    """An HF directory: config.json and random float16 weights (HF names, [out, in])."""
-    from safetensors.numpy import save_file
+    """A jaxinfer checkpoint of the HF-style config with random bfloat16 weights."""
+    import jax.numpy as jnp
 
-    rng = np.random.default_rng(seed)
-    D, F, V = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
-    H = config["head_dim"]
-    q, kv = config["num_attention_heads"] * H, config["num_key_value_heads"] * H
-    shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
-    for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,),
-            p + "self_attn.q_proj.weight": (q, D), p + "self_attn.k_proj.weight": (kv, D),
-            p + "self_attn.v_proj.weight": (kv, D), p + "self_attn.o_proj.weight": (D, q),
-            p + "mlp.gate_proj.weight": (F, D), p + "mlp.up_proj.weight": (F, D),
-            p + "mlp.down_proj.weight": (D, F)})
-    tensors = {}
-    for name, shape in shapes.items():
-        if name.endswith("norm.weight"):
-            tensors[name] = np.ones(shape, np.float16)
-        else:
-            scale = shape[-1] ** -0.5 if len(shape) == 2 and "embed" not in name else 0.02
-            tensors[name] = (scale * rng.standard_normal(shape, np.float32)).astype(np.float16)
-    os.makedirs(path, exist_ok=True)
-    save_file(tensors, os.path.join(path, "model.safetensors"))
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f)
+    from jaxinfer.loading.checkpoint import save_checkpoint
+    from jaxinfer.loading.safetensors import config_from_hf
+    from jaxinfer.models import llama
+
+    cfg = config_from_hf(config)
+    save_checkpoint(path, cfg, llama.init_params(cfg, jax.random.key(seed), jnp.bfloat16))
 
 
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -145,6 +127,7 @@ def main():
     result = {"device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
               "dtype": dtype, "model": "tiny" if args.smoke else "Llama-3.2-1B shape"}
     with tempfile.TemporaryDirectory() as tmp:
+        tmp = os.path.join(tmp, "model")
         t = time.perf_counter()
         write_random_model(tmp, config)
         print(f"random weights written in {time.perf_counter() - t:.1f} s", flush=True)

@@ -1,4 +1,4 @@
-"""The GPU end-to-end benchmark runs its whole path (random HF model written, loaded through
+"""The GPU end-to-end benchmark runs its whole path (random-weight checkpoint written, loaded through
 the public API, batch-1 decode and concurrent requests) on a tiny model, so it works when a GPU
 machine runs it."""
 

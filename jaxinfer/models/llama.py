@@ -208,11 +208,8 @@ def forward_groups(params: LlamaParams, cfg: ModelConfig, queries: Sequence[Quer
     kpos = cache.write_positions(early) if early is not None else cache.positions
     # Unless a ring wraps (the engine sizes full-attention rings to max_seq_len), row slot j
     # holds position j and the kernels can read the cache directly.
-    lengths = []
-    for q in queries:
-        before = cache.lengths if q.rows is None else \
-            cache.lengths[jnp.minimum(q.rows, B - 1)]
-        lengths.append(None if wraps else (before, before + q.num_new))
+    lengths = [None if wraps else (p.positions[:, 0], p.positions[:, 0] + q.num_new)
+               for p, q in zip(plans, queries)]  # a plan's first position is the row's length
     k_all, v_all = cache.k, cache.v
     k_late, v_late = [], []
 
