@@ -106,3 +106,45 @@ def reference_attention(q, q_positions, segments, *, sliding_window=None, softca
                                preferred_element_type=jnp.float32)
         start += S
     return out.reshape(B, T, N, H).astype(q.dtype)
+
+
+def ragged_paged_attention(q, k_pages, v_pages, page_rows, page_starts, lengths, *,
+                           sliding_window=None, softcap=None, sm_scale=None):
+    """Single-token decode attention over a flat list of pages: work in proportion to the
+    pages rows actually hold, not to the longest row (the pure-jnp decode path of a paged
+    cache; the Pallas kernel does the same per row on a device).
+
+    q [B, N, H]: one query per row, at position lengths[b] - 1. k_pages, v_pages [Np, Z, K, H]:
+    the listed pages, already gathered; page i belongs to row page_rows[i] (B marks a padding
+    page, whose keys are all hidden) and holds positions page_starts[i] + z. A row's keys are
+    its positions below lengths[b]. Returns [B, N, H] in q.dtype; a row with no listed keys gets
+    zeros.
+    """
+    B, N, H = q.shape
+    Np, Z, K, _ = k_pages.shape
+    G = N // K
+    scale = sm_scale if sm_scale is not None else H ** -0.5
+    owner = jnp.minimum(page_rows, B - 1)
+    kpos = page_starts[:, None] + jnp.arange(Z, dtype=jnp.int32)[None, :]       # [Np, Z]
+    qpos = jnp.where(page_rows < B, lengths[owner], 0)[:, None] - 1             # [Np, 1]
+    visible = (kpos <= qpos)
+    if sliding_window is not None:
+        visible &= kpos > qpos - sliding_window
+    # Row selection as one-hot matmuls: XLA:CPU gathers and scatters of small slices are slow.
+    onehot = (page_rows[:, None] == jnp.arange(B, dtype=page_rows.dtype)[None, :])
+    onehot = onehot.astype(jnp.float32)                                         # [Np, B]
+    qo = (onehot @ q.reshape(B, N * H).astype(jnp.float32)).reshape(Np, K, G, H)
+    s = jnp.einsum("PKGH,PZKH->PZKG", qo, k_pages, preferred_element_type=jnp.float32) * scale
+    if softcap is not None:
+        s = softcap * jnp.tanh(s / softcap)
+    s = jnp.where(visible[:, :, None, None], s, -jnp.inf)                       # [Np, Z, K, G]
+    m = jax.ops.segment_max(jnp.max(s, axis=1), page_rows, num_segments=B)     # [B, K, G]
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(s - m[owner][:, None])
+    denom = jax.ops.segment_sum(jnp.sum(p, axis=1), page_rows, num_segments=B)
+    # Hidden slots may hold anything (a page's unwritten tail): 0 * NaN would leak.
+    v = jnp.where(visible[:, :, None, None], v_pages, jnp.zeros((), v_pages.dtype))
+    o = jnp.einsum("PZKG,PZKH->PKGH", p, v, preferred_element_type=jnp.float32)
+    out = (onehot.T @ o.reshape(Np, N * H)).reshape(B, K, G, H)
+    out = out / jnp.where(denom == 0, 1.0, denom)[..., None]
+    return out.reshape(B, N, H).astype(q.dtype)

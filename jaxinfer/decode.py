@@ -207,11 +207,12 @@ def mixed_step(params, state: DecodeState, chunk: Chunk, rows: RowParams, *, cfg
     return state, tokens, lp, first, first_lp, prompt_lp
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "num_steps", "kv_view", "attn_impl"),
+@functools.partial(jax.jit,
+                   static_argnames=("cfg", "num_steps", "kv_view", "attn_impl", "decode_pages"),
                    donate_argnums=(1,))
 def decode_loop(params, state: DecodeState, rows: RowParams, *, cfg: ModelConfig,
                 num_steps: int, kv_view: int | None = None, attn_impl: str = "reference",
-                exit_on_stop: jax.Array | bool = False):
+                exit_on_stop: jax.Array | bool = False, decode_pages: int | None = None):
     """Runs up to num_steps decode steps in one dispatch (a lax.while_loop).
 
     Each step feeds every active row's last token, samples the next and records it. A row stops
@@ -220,7 +221,9 @@ def decode_loop(params, state: DecodeState, rows: RowParams, *, cfg: ModelConfig
     row stops. Returns (state, out_tokens [B, S] int32, num_out [B] int32, done [B] bool,
     logprobs): row b produced out_tokens[b, :num_out[b]]; done[b] says it stopped (its last token
     tells why); logprobs = (ids [B, S, k], values [B, S, k], chosen [B, S]) of top_logprobs,
-    filled for rows with rows.logprobs.
+    filled for rows with rows.logprobs. decode_pages (a paged cache, reference attention):
+    attend through a flat page list of this size (llama.forward_groups); it must hold every
+    running row's pages after num_steps more tokens.
     """
     B = state.last_token.shape[0]
     stopped = ~rows.active | (state.num_generated >= rows.max_new)
@@ -238,7 +241,8 @@ def decode_loop(params, state: DecodeState, rows: RowParams, *, cfg: ModelConfig
         step, state, stopped, out, num_out, lp_out = carry
         running = ~stopped
         h, cache = llama.forward(params, cfg, state.last_token[:, None], state.cache,
-                                 running.astype(jnp.int32), kv_view=kv_view, attn_impl=attn_impl)
+                                 running.astype(jnp.int32), kv_view=kv_view, attn_impl=attn_impl,
+                                 decode_pages=decode_pages)
         logits = llama.lm_head(params, h[:, 0])
         token = sample(logits, rows.sampling, state.seen, state.num_generated)
         token = jnp.where(running, token, state.last_token)

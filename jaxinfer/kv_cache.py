@@ -235,6 +235,35 @@ class PagedKVCache:
             (tables.shape[0], S) + k_all.shape[2:])
         return gather(k_all), gather(v_all), kpos
 
+    def page_list(self, lengths: jax.Array, num_pages: int, rows: jax.Array | None = None):
+        """The pages holding the first lengths[g] positions of cache rows `rows` (None: all),
+        as one flat list of num_pages entries (static): (page_rows [num_pages] indexing
+        lengths, page ids, page_starts (first position)). Entry g contributes
+        ceil(lengths[g] / Z) pages, in order; the tail is padding (page_rows = len(lengths),
+        the null page). The caller guarantees that the total fits in num_pages."""
+        Z = self.page_size
+        tables = self._tables(self.capacity, rows)
+        B, M = tables.shape
+        counts = (lengths + Z - 1) // Z
+        ends = jnp.cumsum(counts)
+        i = jnp.arange(num_pages, dtype=jnp.int32)
+        rows = jnp.searchsorted(ends, i, side="right").astype(jnp.int32)       # B past the end
+        row = jnp.minimum(rows, B - 1)
+        j = jnp.clip(i - (ends - counts)[row], 0, M - 1)
+        pages = jnp.where(rows < B, tables[row, j], 0)
+        # Computed once per step; unbarriered, XLA would fuse the search into every layer's
+        # gathers and redo it per element.
+        return jax.lax.optimization_barrier((rows, pages, j * Z))
+
+    def gather_pages(self, buf: jax.Array, layer: int, pages: jax.Array) -> jax.Array:
+        """Layer `layer`'s listed pages of buf [L, P * Z, K, H]: [len(pages), Z, K, H]."""
+        Z = self.page_size
+        K, H = buf.shape[2:]
+        flat = buf[layer].reshape(self.num_pages, Z * K * H)[pages]
+        # Materialised as whole rows: XLA:CPU would otherwise fuse the gather into its
+        # consumers (with a transpose) and index element by element, several times slower.
+        return jax.lax.optimization_barrier(flat).reshape(pages.shape[0], Z, K, H)
+
     def kernel_pages(self, k_all, v_all, layer: int, S: int, rows: jax.Array | None = None,
                      page_size: int = 16):
         """The pool as pages [P, Z, K, H] and the block tables of `rows` (first S/Z pages):

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.attention import attention
+from jaxinfer.attention import attention, ragged_paged_attention
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache import PagedKVCache, RingKVCache, WritePlan
 
@@ -157,7 +157,8 @@ class Query(NamedTuple):
 
 def forward(params: LlamaParams, cfg: ModelConfig, tokens: jax.Array, cache: KVCache,
             num_new: jax.Array, *, kv_view: int | None = None,
-            attn_impl: str = "reference") -> tuple[jax.Array, KVCache]:
+            attn_impl: str = "reference",
+            decode_pages: int | None = None) -> tuple[jax.Array, KVCache]:
     """Runs T new tokens per row through the model and appends their K/V to the cache.
 
     tokens [B, T] int32, of which the first num_new[b] of row b are real (the rest padding);
@@ -166,9 +167,10 @@ def forward(params: LlamaParams, cfg: ModelConfig, tokens: jax.Array, cache: KVC
     the caller guarantees that every slot a row uses, the new tokens' included, lies below it
     (or passes None / the capacity). The cache is a RingKVCache or a PagedKVCache. Returns the
     final-normed hidden states [B, T, D] and the cache with lengths advanced by num_new.
+    decode_pages: see forward_groups.
     """
     (h,), cache = forward_groups(params, cfg, [Query(tokens, num_new)], cache, kv_view=kv_view,
-                                 attn_impl=attn_impl)
+                                 attn_impl=attn_impl, decode_pages=decode_pages)
     return h, cache
 
 
@@ -181,7 +183,8 @@ def _as_plan(parts: list[jax.Array], plan: WritePlan) -> jax.Array:
 
 def forward_groups(params: LlamaParams, cfg: ModelConfig, queries: Sequence[Query],
                    cache: KVCache, *, kv_view: int | None = None,
-                   attn_impl: str = "reference") -> tuple[list[jax.Array], KVCache]:
+                   attn_impl: str = "reference",
+                   decode_pages: int | None = None) -> tuple[list[jax.Array], KVCache]:
     """forward() for several groups of query rows with different token counts in one pass:
     e.g. one decode token for every running row and a prefill chunk for a few others.
 
@@ -189,6 +192,11 @@ def forward_groups(params: LlamaParams, cfg: ModelConfig, queries: Sequence[Quer
     decode batch rides along with a prefill chunk for the price of the weights' one read;
     attention runs per group. No cache row may receive tokens from two groups. Returns the
     final-normed hidden states of each group ([G, T, D]) and the updated cache.
+
+    decode_pages (static; a paged cache under the reference implementation): single-token
+    groups attend through a flat list of this many pages, each row over its own pages only
+    (ragged_paged_attention) instead of over kv_view slots. The caller guarantees that the
+    pages of those rows, the new tokens' included, number at most decode_pages.
     """
     N, K, H, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.d_model
     B = cache.lengths.shape[0]
@@ -210,6 +218,11 @@ def forward_groups(params: LlamaParams, cfg: ModelConfig, queries: Sequence[Quer
     # holds position j and the kernels can read the cache directly.
     lengths = [None if wraps else (p.positions[:, 0], p.positions[:, 0] + q.num_new)
                for p, q in zip(plans, queries)]  # a plan's first position is the row's length
+    ragged = [decode_pages is not None and isinstance(cache, PagedKVCache) and T == 1
+              and first[g] and attn_impl == "reference" for g, (_, T) in enumerate(shapes)]
+    page_lists = [cache.page_list(jnp.where(q.num_new > 0, p.positions[:, 0] + q.num_new, 0),
+                                  decode_pages, q.rows) if r else None
+                  for q, p, r in zip(queries, plans, ragged)]
     k_all, v_all = cache.k, cache.v
     k_late, v_late = [], []
 
@@ -234,6 +247,14 @@ def forward_groups(params: LlamaParams, cfg: ModelConfig, queries: Sequence[Quer
                         v_all, i, _as_plan([v for v, f in zip(vs, first) if f], early), early)
                 outs = []
                 for g, query in enumerate(queries):
+                    if ragged[g]:
+                        page_rows, pages, starts = page_lists[g]
+                        o = ragged_paged_attention(
+                            qs[g][:, 0], cache.gather_pages(k_all, i, pages),
+                            cache.gather_pages(v_all, i, pages), page_rows, starts,
+                            plans[g].positions[:, 0] + 1, sliding_window=cfg.sliding_window)
+                        outs.append(o.reshape(-1, N * H))
+                        continue
                     segments = [cache.layer_keys(k_all, v_all, i, S, kpos, query.rows)]
                     pages = None
                     if first[g]:
