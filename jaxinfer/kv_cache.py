@@ -247,13 +247,13 @@ class PagedKVCache:
         counts = (lengths + Z - 1) // Z
         ends = jnp.cumsum(counts)
         i = jnp.arange(num_pages, dtype=jnp.int32)
-        rows = jnp.searchsorted(ends, i, side="right").astype(jnp.int32)       # B past the end
-        row = jnp.minimum(rows, B - 1)
+        page_rows = jnp.searchsorted(ends, i, side="right").astype(jnp.int32)  # B past the end
+        row = jnp.minimum(page_rows, B - 1)
         j = jnp.clip(i - (ends - counts)[row], 0, M - 1)
-        pages = jnp.where(rows < B, tables[row, j], 0)
+        pages = jnp.where(page_rows < B, tables[row, j], 0)
         # Computed once per step; unbarriered, XLA would fuse the search into every layer's
         # gathers and redo it per element.
-        return jax.lax.optimization_barrier((rows, pages, j * Z))
+        return jax.lax.optimization_barrier((page_rows, pages, j * Z))
 
     def gather_pages(self, buf: jax.Array, layer: int, pages: jax.Array) -> jax.Array:
         """Layer `layer`'s listed pages of buf [L, P * Z, K, H]: [len(pages), Z, K, H]."""

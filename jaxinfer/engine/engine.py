@@ -125,13 +125,6 @@ class Engine:
         unit = paged.page_size if paged is not None else 1
         self.kv_buckets = tuple(sorted({-(-b // unit) * unit for b in
                                         _buckets(capacity, min(256, capacity), 2)}))
-        # A full batch of paged decode under the pure-jnp attention attends through a flat
-        # list of the rows' own pages (llama.forward_groups decode_pages), not over the longest
-        # row's view: 64 instead of 96 ms a step for 16 rows of 144-400 tokens. Smaller batches
-        # keep kv_view: every compiled program maps three memory areas per kernel (about 940
-        # for SmolLM2), and all of them must stay inside Linux's default 65530 maps a process
-        # (warmup at max_num_seqs=16, max_seq_len=2048: about 57,000).
-        self.ragged = paged is not None and engine_cfg.attention == "reference"
         self.admissions = 0
         self.waiting: collections.deque[Request] = collections.deque()
         self.slots: list[Optional[Request]] = []
@@ -471,7 +464,14 @@ class Engine:
         return self._take_decoded(decoding, out, num_out, done, lp)
 
     def _ragged_decode(self, B: int) -> bool:
-        return self.ragged and B == self.batch_buckets[-1]
+        """A full batch of paged decode under the pure-jnp attention attends through a flat
+        list of the rows' own pages (llama.forward_groups decode_pages), not over the longest
+        row's view: 64 instead of 96 ms a step for 16 rows of 144-400 tokens. Smaller batches
+        keep kv_view: every compiled program maps three memory areas per kernel (about 940 for
+        SmolLM2), and all of them must stay inside Linux's default 65530 maps a process
+        (warmup at max_num_seqs=16, max_seq_len=2048: about 57,800)."""
+        return (self.paged is not None and self.ecfg.attention == "reference"
+                and B == self.batch_buckets[-1])
 
     def _decode_page_buckets(self, B: int) -> tuple[int, ...]:
         """Page-list lengths of a B-row ragged decode (from 8 pages a row up to every row's
