@@ -96,3 +96,4 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # token budget of one mixed step (decodes + prefill)
     dtype: str = "float32"
     attention: str = "reference"
+    speculative: Optional["SpeculativeConfig"] = None  # jaxinfer.speculative

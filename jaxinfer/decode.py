@@ -21,6 +21,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache import PagedKVCache, RingKVCache
 from jaxinfer.models import llama
 from jaxinfer.sampling import SamplingArrays, mark_seen, maybe_top_logprobs, no_logprobs, sample
+from jaxinfer.speculative import ngram_propose, verify
 
 
 @flax.struct.dataclass
@@ -259,3 +260,100 @@ def decode_loop(params, state: DecodeState, rows: RowParams, *, cfg: ModelConfig
     carry = (jnp.int32(0), state, stopped, out, jnp.zeros((B,), jnp.int32), lp_out)
     _, state, stopped, out, num_out, lp_out = jax.lax.while_loop(cond, body, carry)
     return state, out, num_out, stopped, lp_out
+
+
+@flax.struct.dataclass
+class SpecCounts:
+    """Per-row speculation counts of one dispatch, [B] int32 each."""
+
+    steps: jax.Array     # verification steps in which the row was allowed to draft
+    drafted: jax.Array   # tokens proposed
+    accepted: jax.Array  # proposals accepted
+
+
+@functools.partial(jax.jit,
+                   static_argnames=("cfg", "num_steps", "num_draft", "ngram_max", "ngram_min",
+                                    "kv_view", "attn_impl"),
+                   donate_argnums=(1,))
+def speculative_loop(params, state: DecodeState, rows: RowParams, history: jax.Array,
+                     draft_on: jax.Array, *, cfg: ModelConfig, num_steps: int, num_draft: int,
+                     ngram_max: int, ngram_min: int = 1, kv_view: int | None = None,
+                     attn_impl: str = "reference", exit_on_stop: jax.Array | bool = False):
+    """decode_loop with n-gram speculation: up to num_steps verification steps, each emitting
+    1 to num_draft + 1 tokens per row.
+
+    Each step proposes up to k = num_draft tokens per row by prompt lookup in history
+    (speculative.ngram_propose; rows where draft_on [B] is False propose none), runs the row's
+    last token and its drafts through the target in one forward, accepts a prefix of them by
+    exact rejection sampling (speculative.verify) and rolls the cache back past the first
+    rejected position (lengths only: nothing is copied). Stop ids and max_new cut a step's
+    tokens where they occur.
+
+    history [B, L] int32: row b's prompt and generated tokens, the first cache.lengths[b] + 1
+    entries (the last is last_token); L >= the cache capacity. Returns (state, out_tokens
+    [B, W] int32 with W = num_steps * (k + 1), num_out [B], done [B], logprobs ([B, W, ...] as
+    decode_loop's), counts (SpecCounts)). The caller guarantees kv_view covers every row's
+    length plus W.
+    """
+    B, k = state.last_token.shape[0], num_draft
+    W = num_steps * (k + 1)
+    stopped = ~rows.active | (state.num_generated >= rows.max_new)
+    stopped |= jnp.any(state.last_token[:, None] == rows.stop_ids, axis=-1) & rows.active
+    stopped_before = stopped
+    j = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+    zeros = jnp.zeros((B,), jnp.int32)
+
+    def cond(carry):
+        step, _, stopped, *_ = carry
+        freed = exit_on_stop & jnp.any(stopped & ~stopped_before)
+        return (step < num_steps) & ~jnp.all(stopped) & ~freed
+
+    def body(carry):
+        step, state, stopped, history, out, num_out, lp_out, counts = carry
+        running = ~stopped
+        length = state.cache.lengths
+        drafts, num = ngram_propose(history, length + 1, k, ngram_max, ngram_min)
+        room = jnp.maximum(rows.max_new - state.num_generated - 1, 0)  # the last token is free
+        num = jnp.where(running & draft_on, jnp.minimum(num, room), 0)
+        tokens = jnp.concatenate([state.last_token[:, None], drafts], axis=1)   # [B, k+1]
+        h, cache = llama.forward(params, cfg, tokens, state.cache,
+                                 jnp.where(running, 1 + num, 0), kv_view=kv_view,
+                                 attn_impl=attn_impl)
+        logits = llama.lm_head(params, h)                                       # [B, k+1, V]
+        accepted, token = verify(logits, drafts, num, rows.sampling, state.seen,
+                                 state.num_generated)
+        # The step's tokens: the accepted drafts, then the redrawn or bonus token.
+        emitted = jnp.where(j < accepted[:, None],
+                            jnp.concatenate([drafts, drafts[:, :1]], axis=1), token[:, None])
+        n = jnp.minimum(accepted + 1, rows.max_new - state.num_generated)
+        is_stop = jnp.any(emitted[..., None] == rows.stop_ids[:, None, :], axis=-1) & (
+            j < n[:, None])
+        hit_stop = jnp.any(is_stop, axis=1)
+        n = jnp.where(hit_stop, jnp.argmax(is_stop, axis=1) + 1, n)
+        n = jnp.where(running, n, 0)
+        keep = j < n[:, None]
+        # The cache keeps the last token and the emitted tokens but the newest (fed next step).
+        cache = cache.rollback(length + n)
+        new_last = jnp.take_along_axis(emitted, jnp.maximum(n - 1, 0)[:, None], axis=1)[:, 0]
+        rows_ix = jnp.broadcast_to(jnp.arange(B)[:, None], emitted.shape)
+        out = out.at[rows_ix, jnp.where(keep, num_out[:, None] + j, W)].set(emitted, mode="drop")
+        history = history.at[rows_ix, jnp.where(keep, length[:, None] + 1 + j, history.shape[1])
+                             ].set(emitted, mode="drop")
+        lp = maybe_top_logprobs(rows.logprobs & running, lambda x: x, logits, emitted)
+        lp_out = jax.tree.map(
+            lambda buf, x: buf.at[rows_ix, jnp.where(keep, num_out[:, None] + j, W)].set(
+                x, mode="drop"), lp_out, lp)
+        num_generated = state.num_generated + n
+        state = DecodeState(cache=cache, last_token=jnp.where(running, new_last, state.last_token),
+                            num_generated=num_generated,
+                            seen=mark_seen(state.seen, emitted, keep))
+        stopped = stopped | (running & (hit_stop | (num_generated >= rows.max_new)))
+        on = running & draft_on
+        counts = SpecCounts(steps=counts.steps + on, drafted=counts.drafted + num,
+                            accepted=counts.accepted + jnp.where(on, accepted, 0))
+        return step + 1, state, stopped, history, out, num_out + n, lp_out, counts
+
+    carry = (jnp.int32(0), state, stopped, history, jnp.zeros((B, W), jnp.int32), zeros,
+             no_logprobs((B, W)), SpecCounts(steps=zeros, drafted=zeros, accepted=zeros))
+    _, state, stopped, _, out, num_out, lp_out, counts = jax.lax.while_loop(cond, body, carry)
+    return state, out, num_out, stopped, lp_out, counts

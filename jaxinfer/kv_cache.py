@@ -90,6 +90,14 @@ class RingKVCache:
         """num_new [B]: tokens written per cache row by this call."""
         return RingKVCache(k=k_all, v=v_all, positions=kpos, lengths=self.lengths + num_new)
 
+    def rollback(self, lengths: jax.Array) -> "RingKVCache":
+        """Forgets every position at or past lengths [B] (rejected speculative tokens): their
+        slots become empty. Nothing is copied. Slots those tokens overwrote held positions at
+        least the ring's capacity older; a sliding-window ring must be sized window + the most
+        tokens written past the kept length (the engine adds the draft length)."""
+        return self.replace(positions=jnp.where(self.positions >= lengths[:, None], -1,
+                                                self.positions), lengths=lengths)
+
     def pad_rows(self, batch: int) -> "RingKVCache":
         """The cache with empty rows appended up to `batch` rows."""
         return RingKVCache(k=_pad(self.k, batch, 0, axis=1), v=_pad(self.v, batch, 0, axis=1),
@@ -270,6 +278,12 @@ class PagedKVCache:
         what the paged kernel reads."""
         shape = (self.num_pages, self.page_size) + k_all.shape[2:]
         return (k_all[layer].reshape(shape), v_all[layer].reshape(shape), self._tables(S, rows))
+
+    def rollback(self, lengths: jax.Array) -> "PagedKVCache":
+        """Forgets every position at or past lengths [B]: a paged row's visible positions follow
+        from its length, so the rejected tokens' K/V stay in their pages unseen until
+        overwritten. Nothing is copied."""
+        return self.replace(lengths=lengths)
 
     def advance(self, k_all, v_all, kpos, num_new) -> "PagedKVCache":
         """num_new [B]: tokens written per cache row by this call."""

@@ -23,6 +23,7 @@ from jaxinfer.engine.paged import PagedSlots
 from jaxinfer.engine.request import RequestMetrics, RequestOutput, SamplingParams
 from jaxinfer.engine.textstream import TextStream
 from jaxinfer.sampling import MAX_LOGPROBS
+from jaxinfer.speculative import SpeculativeConfig
 
 Prompt = Union[str, Sequence[int]]
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -69,7 +70,12 @@ class LLM:
             raise NotImplementedError(f"kv_cache_dtype={kv_cache_dtype!r}: KV-cache "
                                       "quantization is not implemented yet")
         if speculative is not None:
-            raise NotImplementedError("speculative decoding is not implemented yet")
+            if not isinstance(speculative, SpeculativeConfig):
+                raise ValueError(f"speculative must be a ji.SpeculativeConfig, got "
+                                 f"{type(speculative).__name__}")
+            if speculative.method == "draft":
+                raise NotImplementedError("speculative method 'draft' (a draft model) is not "
+                                          "implemented yet; method 'ngram' is")
         if mesh is not None and (mesh.data, mesh.tensor, mesh.sequence) != (1, 1, 1):
             raise NotImplementedError(f"mesh={mesh}: sharding over a mesh is not implemented yet")
         if attention not in _ATTENTION:
@@ -113,8 +119,11 @@ class LLM:
                                  f"this model's is {cfg.head_dim}")
             attn_impl = "reference"
         # A sliding-window model keeps only the window in its ring; full attention keeps it all.
-        capacity = max_seq_len if cfg.sliding_window is None else min(max_seq_len,
-                                                                      cfg.sliding_window)
+        # Speculation writes up to num_draft_tokens past what it keeps, and a rejected token's
+        # slot must not have held a key still inside the window.
+        extra = speculative.num_draft_tokens if speculative is not None else 0
+        capacity = max_seq_len if cfg.sliding_window is None else min(
+            max_seq_len, cfg.sliding_window + extra)
         # Full attention runs on the paged cache; a sliding-window model keeps its ring.
         paged, memory_left = None, None
         if cfg.sliding_window is None:
@@ -137,7 +146,8 @@ class LLM:
         self.engine_config = EngineConfig(max_seq_len=max_seq_len, max_num_seqs=max_num_seqs,
                                           prefill_chunk=prefill_chunk, decode_steps=decode_steps,
                                           max_num_batched_tokens=max_num_batched_tokens,
-                                          dtype=dtype, attention=attn_impl)
+                                          dtype=dtype, attention=attn_impl,
+                                          speculative=speculative)
         self._engine = Engine(cfg, loaded.params, loaded.tokenizer, self.engine_config,
                               capacity=capacity, dtype=_DTYPES[dtype], paged=paged,
                               num_pages=num_pages or 0)

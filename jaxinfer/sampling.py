@@ -36,9 +36,21 @@ def apply_repetition_penalty(logits: jax.Array, seen: jax.Array, penalty: jax.Ar
 
 def filtered_logits(logits: jax.Array, sp: SamplingArrays) -> jax.Array:
     """Temperature-scaled logits [B, V] with tokens outside top-k / top-p / min-p at -inf."""
-    B, V = logits.shape
     temp = jnp.where(sp.temperature > 0, sp.temperature, 1.0)
     scaled = logits / temp[:, None]
+    # Only top-k and top-p need the vocabulary sorted; min-p is relative to the maximum.
+    needs_sort = jnp.any((sp.top_k > 0) | (sp.top_p < 1.0))
+    return jax.lax.cond(needs_sort, _sorted_filter, _min_p_filter, scaled, sp)
+
+
+def _min_p_filter(scaled: jax.Array, sp: SamplingArrays) -> jax.Array:
+    """filtered_logits for rows without top-k and top-p: p_i >= min_p * p_max."""
+    rel = jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True))
+    return jnp.where(rel >= sp.min_p[:, None], scaled, -jnp.inf)
+
+
+def _sorted_filter(scaled: jax.Array, sp: SamplingArrays) -> jax.Array:
+    B, V = scaled.shape
     order = jnp.argsort(-scaled, axis=-1)                                # [B, V] descending
     sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
     rank = jnp.arange(V, dtype=jnp.int32)[None, :]
@@ -76,6 +88,20 @@ def sample(logits: jax.Array, sp: SamplingArrays, seen: jax.Array,
     return jax.lax.cond(jnp.any(sp.temperature > 0), stochastic, lambda _: greedy, logits)
 
 
+def sampling_probs(logits: jax.Array, sp: SamplingArrays, seen: jax.Array) -> jax.Array:
+    """The distribution `sample` draws from, [B, V] float32: one-hot at the argmax for greedy
+    rows, else the softmax of the filtered logits (repetition penalty first, as in sample)."""
+    logits = apply_repetition_penalty(logits.astype(jnp.float32), seen, sp.repetition_penalty)
+    V = logits.shape[-1]
+    greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), V, dtype=jnp.float32)
+
+    def stochastic(logits):
+        probs = jax.nn.softmax(filtered_logits(logits, sp), axis=-1)
+        return jnp.where((sp.temperature > 0)[:, None], probs, greedy)
+
+    return jax.lax.cond(jnp.any(sp.temperature > 0), stochastic, lambda _: greedy, logits)
+
+
 def mark_seen(seen: jax.Array, tokens: jax.Array, valid: jax.Array) -> jax.Array:
     """seen [B, V]; tokens [B, T]; valid [B, T] bool -> seen with those tokens set."""
     B, T = tokens.shape
@@ -93,7 +119,12 @@ def top_logprobs(logits: jax.Array, chosen: jax.Array):
     transform). logits [..., V]; chosen [...] int32 (-1 = none). Returns (ids [..., k] int32,
     values [..., k] float32, chosen_logprob [...] float32) with k = MAX_LOGPROBS."""
     lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    vals, ids = jax.lax.top_k(lp, MAX_LOGPROBS)
+    V = lp.shape[-1]
+    vals, ids = jax.lax.top_k(lp, min(MAX_LOGPROBS, V))
+    if V < MAX_LOGPROBS:  # a vocabulary smaller than the output width: pad with impossible ids
+        pad = [(0, 0)] * (lp.ndim - 1) + [(0, MAX_LOGPROBS - V)]
+        vals = jnp.pad(vals, pad, constant_values=-jnp.inf)
+        ids = jnp.pad(ids, pad)
     pick = jnp.take_along_axis(lp, jnp.maximum(chosen, 0)[..., None], axis=-1)[..., 0]
     return ids.astype(jnp.int32), vals, pick
 

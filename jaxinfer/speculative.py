@@ -1,15 +1,41 @@
-"""Speculative decoding configuration (the drafters and verification are not implemented yet)."""
+"""Speculative decoding: drafters and exact verification (device math; the loop is in decode.py).
+
+Shape legend: B batch rows, k draft tokens per step, V vocab, L history length.
+
+A step proposes up to k tokens per row, the target scores the row's last token and its drafts in
+one forward (k + 1 query tokens), and `verify` accepts a prefix of the drafts by exact rejection
+sampling (Leviathan et al. 2023, Chen et al. 2023): draft i is accepted with probability
+min(1, p_i(d_i) / q_i(d_i)); at the first rejection the token is redrawn from
+normalize(max(p_i - q_i, 0)), and when every draft is accepted a bonus token is drawn from
+p_{k}. Every emitted token then follows the target's distribution exactly. p is the distribution
+`sampling.sample` draws from (repetition penalty, temperature, top-k, top-p, min-p; one-hot at
+the argmax for greedy rows), so at temperature 0 verification is prefix matching.
+
+Randomness: the decision about the request's token at index i (its acceptance uniform and, where
+it is redrawn, its Gumbel noise) comes from fold_in(key(seed), i) alone, as in plain sampling; a
+row that proposes nothing draws exactly the token plain sampling would.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Optional
 
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.sampling import SamplingArrays, apply_repetition_penalty, mark_seen, sampling_probs
+
 _METHODS = ("ngram", "draft")
 
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
+    """method "ngram": prompt lookup (the last n tokens matched against the row's prompt and
+    output, the continuation of the match proposed); "draft": a smaller model sharing the
+    target's vocabulary (draft_model: an alias or a path). num_draft_tokens: k proposed per
+    step. ngram_max: the longest suffix matched (down to min(2, ngram_max))."""
+
     method: str = "ngram"            # "ngram" | "draft"
     num_draft_tokens: int = 4
     draft_model: Optional[str] = None
@@ -19,9 +45,116 @@ class SpeculativeConfig:
         if self.method not in _METHODS:
             raise ValueError(f"SpeculativeConfig.method must be one of {_METHODS}, "
                              f"got {self.method!r}")
-        if not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 1:
-            raise ValueError(f"num_draft_tokens must be an int >= 1, got {self.num_draft_tokens!r}")
-        if not isinstance(self.ngram_max, int) or self.ngram_max < 1:
-            raise ValueError(f"ngram_max must be an int >= 1, got {self.ngram_max!r}")
+        for name in ("num_draft_tokens", "ngram_max"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if self.num_draft_tokens > MAX_DRAFT_TOKENS:
+            raise ValueError(f"num_draft_tokens={self.num_draft_tokens} exceeds the limit of "
+                             f"{MAX_DRAFT_TOKENS}")
         if self.method == "draft" and not self.draft_model:
             raise ValueError("method 'draft' needs draft_model (an alias or a path)")
+
+    @property
+    def ngram_min(self) -> int:
+        return min(2, self.ngram_max)
+
+
+MAX_DRAFT_TOKENS = 16  # each value compiles its own verification step
+
+
+def ngram_propose(history: jax.Array, length: jax.Array, k: int, n_max: int, n_min: int = 1):
+    """Prompt lookup on device. history [B, L] int32 holds each row's tokens (prompt, then
+    output), of which the first length[b] are real. For n from n_max down to n_min, the last n
+    tokens are looked up earlier in the row; the longest n that occurs wins, and of its
+    occurrences the latest one with k known tokens after it (else the latest one). Returns
+    (drafts [B, k] int32, num_drafts [B] int32): the tokens after the occurrence, at most k and
+    only known ones (num_drafts 0 where nothing matched)."""
+    B, L = history.shape
+    j = jnp.arange(L, dtype=jnp.int32)[None, :]                           # occurrence start
+    start = jnp.full((B,), -1, jnp.int32)
+    for n in range(n_max, n_min - 1, -1):
+        match = (j + n < length[:, None]) & (length[:, None] > n)         # a known continuation
+        for i in range(n):
+            want = jnp.take_along_axis(history, jnp.maximum(length - n + i, 0)[:, None], axis=1)
+            shifted = jnp.pad(history[:, i:], ((0, 0), (0, i)), constant_values=-1)
+            match &= shifted == want
+        full = match & (j + n + k <= length[:, None])
+        latest = lambda m: jnp.max(jnp.where(m, j, -1), axis=1)           # noqa: E731
+        found = jnp.where(jnp.any(full, axis=1), latest(full), latest(match))
+        start = jnp.where((start < 0) & (found >= 0), found + n, start)
+    num = jnp.where(start >= 0, jnp.minimum(k, length - start), 0).astype(jnp.int32)
+    idx = jnp.clip(start[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :], 0, L - 1)
+    return jnp.take_along_axis(history, idx, axis=1), num
+
+
+def _keys(seed: jax.Array, index: jax.Array) -> jax.Array:
+    """Keys [B, S] of token indices index [B, S] of requests with seeds seed [B]."""
+    return jax.vmap(lambda s, ii: jax.vmap(lambda i: jax.random.fold_in(jax.random.key(s), i))(ii)
+                    )(seed, index)
+
+
+def verify(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array, sp: SamplingArrays,
+           seen: jax.Array, token_index: jax.Array,
+           draft_probs: Optional[jax.Array] = None):
+    """Accepts a prefix of each row's drafts by exact rejection sampling.
+
+    logits [B, k+1, V]: the target's logits after the row's last token and after each draft;
+    drafts [B, k] int32, of which the first num_drafts[b] are real; seen [B, V]: tokens of the
+    prompt and output before this step (repetition penalty; drafts are added position by
+    position); token_index [B]: index in the request's output of the first token this step
+    produces. draft_probs [B, k, V]: the distributions the drafts were drawn from, or None for
+    proposals that are not sampled (n-gram: q is one-hot at the draft).
+
+    Returns (accepted [B] int32 <= num_drafts, token [B] int32): the row emits
+    drafts[:accepted] and then token (the redrawn token after a rejection, or the bonus token).
+    """
+    B, S, V = logits.shape
+    k = S - 1
+    sp_rep = jax.tree.map(lambda x: jnp.repeat(x, S, axis=0), sp)
+    t = jnp.arange(k, dtype=jnp.int32)[None, None, :]
+    s = jnp.arange(S, dtype=jnp.int32)[None, :, None]
+    seen_s = mark_seen(jnp.repeat(seen, S, axis=0), jnp.repeat(drafts, S, axis=0),
+                       jnp.broadcast_to(t < s, (B, S, k)).reshape(B * S, k))
+    flat = logits.reshape(B * S, V).astype(jnp.float32)
+    valid = jnp.arange(k, dtype=jnp.int32)[None, :] < num_drafts[:, None]   # [B, k]
+
+    def leading(ok):  # number of leading True entries of ok [B, k] among the valid drafts
+        return jnp.sum(jnp.cumprod(ok & valid, axis=1), axis=1).astype(jnp.int32)
+
+    def greedy(_):
+        target = jnp.argmax(apply_repetition_penalty(flat, seen_s, sp_rep.repetition_penalty),
+                            axis=-1).astype(jnp.int32).reshape(B, S)
+        a = leading(drafts == target[:, :k])
+        return a, jnp.take_along_axis(target, a[:, None], axis=1)[:, 0]
+
+    def stochastic(_):
+        p = sampling_probs(flat, sp_rep, seen_s).reshape(B, S, V)
+        index = token_index[:, None] + jnp.arange(S, dtype=jnp.int32)[None, :]
+        keys = _keys(sp.seed, index)                                        # [B, S]
+        u = jax.vmap(jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1))))(keys)
+        p_d = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]
+        if draft_probs is None:
+            q = jax.nn.one_hot(drafts, V, dtype=jnp.float32)
+            q_d = jnp.ones_like(p_d)
+        else:
+            q = draft_probs.astype(jnp.float32)
+            q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+        a = leading(u[:, :k] * q_d < p_d)
+        p_a = jnp.take_along_axis(p, a[:, None, None], axis=1)[:, 0]        # [B, V]
+        q_pad = jnp.concatenate([q, jnp.zeros((B, 1, V), jnp.float32)], axis=1)
+        q_a = jnp.take_along_axis(q_pad, a[:, None, None], axis=1)[:, 0]
+        rejected = a < num_drafts
+        residual = jnp.where(rejected[:, None], jnp.maximum(p_a - q_a, 0.0), p_a)
+        # p == q makes rejection impossible, but rounding can leave an all-zero residual.
+        residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, p_a)
+        key_a = jnp.take_along_axis(keys, a[:, None], axis=1)[:, 0]
+        gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (V,), jnp.float32))(key_a)
+        drawn = jnp.argmax(jnp.log(residual) + gumbel, axis=-1).astype(jnp.int32)
+        return a, drawn
+
+    a_g, tok_g = greedy(None)
+    a_s, tok_s = jax.lax.cond(jnp.any(sp.temperature > 0), stochastic, lambda _: (a_g, tok_g),
+                              None)
+    hot = sp.temperature > 0
+    return jnp.where(hot, a_s, a_g), jnp.where(hot, tok_s, tok_g)

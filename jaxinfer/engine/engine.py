@@ -31,6 +31,14 @@ from jaxinfer.sampling import SamplingArrays
 
 MAX_STOP_IDS = 8
 
+# Adaptive speculation: every SPEC_JUDGE_STEPS verification steps a request's accepted drafts per
+# step are judged; below SPEC_MIN_ACCEPTED its drafting pauses for SPEC_PAUSE_TOKENS generated
+# tokens, doubling on each further pause up to SPEC_MAX_PAUSE_TOKENS (a pass resets it).
+SPEC_JUDGE_STEPS = 8
+SPEC_MIN_ACCEPTED = 0.5
+SPEC_PAUSE_TOKENS = 32
+SPEC_MAX_PAUSE_TOKENS = 1024
+
 
 def _buckets(limit: int, base: int, factor: int) -> tuple[int, ...]:
     out, b = [], base
@@ -75,6 +83,9 @@ class Request:
     finish_reason: Optional[str] = None
     logprobs: Optional[list] = None         # per generated token {token_id: logprob}
     prompt_logprobs: Optional[list] = None  # per prompt token (the first is None)
+    spec_resume_at: int = 0          # drafting is paused until this many tokens are generated
+    spec_pause: int = SPEC_PAUSE_TOKENS
+    spec_window: tuple[int, int] = (0, 0)  # (steps, accepted) since the last judgement
 
     def __post_init__(self):
         if self.params.logprobs is not None:
@@ -129,6 +140,7 @@ class Engine:
         self.waiting: collections.deque[Request] = collections.deque()
         self.slots: list[Optional[Request]] = []
         self.state: Optional[decode.DecodeState] = None
+        self.spec = engine_cfg.speculative
         self.eos_ids = tuple(getattr(tokenizer, "eos_token_ids", None) or
                              ([cfg.eos_token_id] if cfg.eos_token_id is not None else []))
         self.stats_counters = collections.Counter()
@@ -441,14 +453,20 @@ class Engine:
         self.waiting.appendleft(req)
 
     def _decode(self, decoding: np.ndarray) -> list[Request]:
-        """One decode_loop dispatch of up to decode_steps tokens per decoding row."""
+        """One decode_loop dispatch of up to decode_steps tokens per decoding row (or steps of
+        speculation, when a decoding row drafts)."""
         steps = self.ecfg.decode_steps
+        draft_on = self._drafting(decoding)
+        per_step = self.spec.num_draft_tokens + 1 if draft_on.any() else 1
         if self.paged is not None:
-            decoding = self._grow_or_preempt(decoding, steps)
+            decoding = self._grow_or_preempt(decoding, steps * per_step)
             if not decoding.any():
                 return []
-        lengths = [len(r.prompt_ids) + len(r.token_ids) + steps
+            draft_on &= decoding
+        lengths = [len(r.prompt_ids) + len(r.token_ids) + steps * per_step
                    for r, d in zip(self.slots, decoding) if d]
+        if draft_on.any():
+            return self._speculate(decoding, draft_on, _pick(self.kv_buckets, max(lengths)))
         kv_view, decode_pages = _pick(self.kv_buckets, max(lengths)), None
         if self._ragged_decode(len(self.slots)):
             Z, M = self.paged.page_size, self.paged.table_width
@@ -462,6 +480,65 @@ class Engine:
         out, num_out, done = jax.device_get((out, num_out, done))
         lp = jax.device_get(lp) if (rows.logprobs & decoding).any() else None
         return self._take_decoded(decoding, out, num_out, done, lp)
+
+    def _drafting(self, decoding: np.ndarray) -> np.ndarray:
+        """[B] bool: decoding rows whose requests draft in the next dispatch (speculation on and
+        not paused for low acceptance)."""
+        if self.spec is None:
+            return np.zeros(len(self.slots), bool)
+        return np.array([bool(d) and len(r.token_ids) >= r.spec_resume_at
+                         for r, d in zip(self.slots, decoding)])
+
+    def _history(self) -> np.ndarray:
+        """[B, max_seq_len] int32: each slot's prompt and generated tokens (n-gram lookup)."""
+        hist = np.zeros((len(self.slots), self.ecfg.max_seq_len), np.int32)
+        for b, req in enumerate(self.slots):
+            if req is not None:
+                ids = req.prompt_ids + req.token_ids
+                hist[b, :len(ids)] = ids
+        return hist
+
+    def _speculate(self, decoding: np.ndarray, draft_on: np.ndarray,
+                   kv_view: int) -> list[Request]:
+        """One speculative_loop dispatch: decode_steps verification steps per decoding row."""
+        rows = self._row_params(decoding)
+        self.state, out, num_out, done, lp, counts = self._speculative_loop(rows, draft_on,
+                                                                            kv_view)
+        out, num_out, done, counts = jax.device_get((out, num_out, done, counts))
+        lp = jax.device_get(lp) if (rows.logprobs & decoding).any() else None
+        drafting = [(b, r) for b, r in enumerate(self.slots) if draft_on[b]]
+        progressed = self._take_decoded(decoding, out, num_out, done, lp)
+        for b, req in drafting:
+            self._judge_speculation(req, int(counts.steps[b]), int(counts.drafted[b]),
+                                    int(counts.accepted[b]))
+        return progressed
+
+    def _speculative_loop(self, rows: decode.RowParams, draft_on: np.ndarray, kv_view: int):
+        return decode.speculative_loop(
+            self.params, self.state, rows, self._history(), draft_on, cfg=self.cfg,
+            num_steps=self.ecfg.decode_steps, num_draft=self.spec.num_draft_tokens,
+            ngram_max=self.spec.ngram_max, ngram_min=self.spec.ngram_min, kv_view=kv_view,
+            attn_impl=self.ecfg.attention, exit_on_stop=np.bool_(bool(self.waiting)))
+
+    def _judge_speculation(self, req: Request, steps: int, drafted: int, accepted: int) -> None:
+        """Books a dispatch's speculation counts; pauses drafting when acceptance stays low."""
+        m = req.metrics
+        m.spec_steps += steps
+        m.draft_tokens += drafted
+        m.accepted_tokens += accepted
+        for name, v in (("spec_steps", steps), ("draft_tokens", drafted),
+                        ("accepted_tokens", accepted)):
+            self.stats_counters[name] += v
+        window = (req.spec_window[0] + steps, req.spec_window[1] + accepted)
+        if window[0] < SPEC_JUDGE_STEPS:
+            req.spec_window = window
+            return
+        req.spec_window = (0, 0)
+        if window[1] < SPEC_MIN_ACCEPTED * window[0]:
+            req.spec_resume_at = len(req.token_ids) + req.spec_pause
+            req.spec_pause = min(2 * req.spec_pause, SPEC_MAX_PAUSE_TOKENS)
+        else:
+            req.spec_pause = SPEC_PAUSE_TOKENS
 
     def _ragged_decode(self, B: int) -> bool:
         """A full batch of paged decode under the pure-jnp attention attends through a flat
@@ -549,6 +626,8 @@ class Engine:
                     self.state, *_ = decode.mixed_step(
                         self.params, self.state, chunk, rows, cfg=self.cfg, kv_view=kv_view,
                         attn_impl=self.ecfg.attention)
+                if self.spec is not None:
+                    self.state, *_ = self._speculative_loop(rows, np.zeros(B, bool), kv_view)
                 if not self._ragged_decode(B):
                     self.state, *_ = decode.decode_loop(
                         self.params, self.state, rows, cfg=self.cfg,
@@ -585,5 +664,10 @@ class Engine:
             "elapsed_s": elapsed,
             "generation_tokens_per_s": c["generated_tokens"] / elapsed if elapsed > 0 else 0.0,
             "preemptions": c["preemptions"],
+            **({"spec_steps": c["spec_steps"], "draft_tokens": c["draft_tokens"],
+                "accepted_tokens": c["accepted_tokens"],
+                "acceptance_rate": c["accepted_tokens"] / max(c["draft_tokens"], 1),
+                "mean_accepted_tokens": c["accepted_tokens"] / max(c["spec_steps"], 1)}
+               if self.spec is not None else {}),
             **(self.paged.stats() if self.paged is not None else {}),
         }

@@ -85,6 +85,9 @@ class RequestMetrics:
     generated_tokens: int = 0
     preemptions: int = 0
     prefix_cache_hit_tokens: int = 0  # prompt tokens served from the prefix cache (admissions)
+    spec_steps: int = 0       # speculative verification steps in which the request could draft
+    draft_tokens: int = 0     # tokens proposed for it
+    accepted_tokens: int = 0  # proposals accepted (each saved a target step)
     token_times: list = dataclasses.field(default_factory=list, repr=False)
 
     @property
@@ -111,6 +114,17 @@ class RequestMetrics:
     def decode_tokens_per_s(self) -> Optional[float]:
         itl = self.itl_s
         return None if not itl else 1.0 / itl
+
+    @property
+    def acceptance_rate(self) -> Optional[float]:
+        """Accepted / proposed draft tokens (None before any proposal)."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
+
+    @property
+    def mean_accepted_tokens(self) -> Optional[float]:
+        """Accepted draft tokens per verification step (each step also emits one token of the
+        target's own)."""
+        return self.accepted_tokens / self.spec_steps if self.spec_steps else None
 
     @property
     def e2e_s(self) -> Optional[float]:

@@ -269,6 +269,8 @@ GREEDY_PROMPTS = [
     ]),
     ("chat_eos_hi", [{"role": "user", "content": "Hi"}]),
     ("chat_eos_math", [{"role": "user", "content": "What is 2+2?"}]),
+    # Copies its input: n-gram speculation drafts the text and the end-of-turn token after it.
+    ("chat_repeat", [{"role": "user", "content": "Repeat exactly: The cat sat on the mat."}]),
     ("unicode", "Café, naïve façade — 日本語のテキスト 🎉👩‍💻 means"),
     ("arithmetic", "1 + 1 = 2\n2 + 3 = 5\n7 + 8 ="),
     ("list", "Shopping list:\n- apples\n- bread\n- milk\n-"),

@@ -1,0 +1,348 @@
+"""Speculative decoding (n-gram drafts, exact verification) against independent references.
+
+- ngram_propose == a plain-Python implementation of the documented lookup rule;
+- verify: the empirical distribution of the emitted tokens == the exact target distribution
+  (chi-square, with drafts that are point proposals and drafts sampled from a distribution q),
+  and the sample size is shown to detect a 2% total-variation error;
+- speculative_loop, greedy: the same tokens as decode_loop, on a ring, a wrapping
+  sliding-window ring and a paged pool with NaN in every unused slot, with rows accepting
+  different counts and rollback across page boundaries; stop ids end rows as in decode_loop;
+- speculative_loop, sampled: the first two tokens follow the model's exact joint distribution;
+  a row that drafts nothing draws exactly plain sampling's tokens;
+- the LLM API on the real model: greedy speculative output == the HF goldens, token by token
+  (one golden copies its input, so EOS arrives inside a run of accepted drafts).
+"""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxinfer as ji
+from jaxinfer import decode
+from jaxinfer.config import ModelConfig
+from jaxinfer.kv_cache import PagedKVCache
+from jaxinfer.models import llama
+from jaxinfer.sampling import SamplingArrays
+from jaxinfer.speculative import ngram_propose, verify
+
+TINY = ModelConfig("llama", vocab_size=16, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                   head_dim=8, ffn_dim=64, rope_theta=10000.0, max_position_embeddings=512)
+
+
+def _sampling(B, temperature=0.0, top_k=0, seed=None):
+    return SamplingArrays(temperature=np.full(B, temperature, np.float32),
+                          top_k=np.full(B, top_k, np.int32), top_p=np.ones(B, np.float32),
+                          min_p=np.zeros(B, np.float32),
+                          repetition_penalty=np.ones(B, np.float32),
+                          seed=(np.arange(B) if seed is None else np.full(B, seed)).astype(
+                              np.uint32))
+
+
+def _rows(B, max_new, stop=-1, **sampling):
+    return decode.RowParams(sampling=_sampling(B, **sampling),
+                            max_new=np.full(B, max_new, np.int32),
+                            stop_ids=np.full((B, 2), stop, np.int32), active=np.ones(B, bool),
+                            start_index=np.zeros(B, np.int32), logprobs=np.zeros(B, bool),
+                            prompt_logprobs=np.zeros(B, bool))
+
+
+# ---- n-gram lookup ------------------------------------------------------------------------------
+
+def _reference_propose(hist, k, n_max, n_min):
+    """The documented rule, in plain Python, for one row."""
+    L = len(hist)
+    for n in range(n_max, n_min - 1, -1):
+        if L <= n:
+            continue
+        suffix = hist[L - n:]
+        occ = [j for j in range(L - n) if hist[j:j + n] == suffix]
+        if not occ:
+            continue
+        full = [j for j in occ if j + n + k <= L]
+        start = (full or occ)[-1] + n
+        cont = hist[start:start + k]
+        return cont, len(cont)
+    return [], 0
+
+
+def test_ngram_propose_matches_reference():
+    rng = np.random.default_rng(0)
+    B, L, k = 64, 40, 4
+    hist = rng.integers(0, 4, (B, L)).astype(np.int32)       # 4 symbols: many matches
+    hist[:8] = np.tile([1, 2, 3], L)[:L]                        # periodic rows
+    lengths = rng.integers(1, L + 1, B).astype(np.int32)
+    lengths[:4] = [1, 2, 3, L]
+    for n_max, n_min in ((3, 2), (3, 1), (1, 1)):
+        drafts, num = jax.jit(ngram_propose, static_argnums=(2, 3, 4))(
+            hist, lengths, k, n_max, n_min)
+        drafts, num = np.asarray(drafts), np.asarray(num)
+        for b in range(B):
+            want, n = _reference_propose(hist[b, :lengths[b]].tolist(), k, n_max, n_min)
+            assert num[b] == n and drafts[b, :n].tolist() == want, (b, n_max, n_min)
+    assert (num > 0).sum() > B // 2
+
+
+# ---- exactness of verification ------------------------------------------------------------------
+
+def _chi_square_z(counts, probs):
+    """Wilson-Hilferty z-score of Pearson's chi-square statistic of counts against probs
+    (cells expecting fewer than 5 are pooled). z > 4 rejects at p < 5e-5."""
+    counts, probs = np.asarray(counts, float).ravel(), np.asarray(probs, float).ravel()
+    n = counts.sum()
+    big = probs * n >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(probs[big] * n, probs[~big].sum() * n)
+    keep = exp > 0
+    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
+    df = keep.sum() - 1
+    return ((stat / df) ** (1 / 3) - (1 - 2 / (9 * df))) / np.sqrt(2 / (9 * df))
+
+
+def _perturbed(probs, tv=0.02):
+    """probs with `tv` of mass moved from the likeliest cell to the least likely one."""
+    out = np.array(probs, float).ravel()
+    hi, lo = np.argmax(out), np.argmin(out)
+    out[hi] -= tv
+    out[lo] += tv
+    return out.reshape(np.shape(probs))
+
+
+def _softmax(x):
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+@pytest.mark.parametrize("drafter", ["point", "sampled"])
+def test_verify_emits_the_target_distribution(drafter):
+    """Position 0's logits give p0, position 1's p1 (after draft 0). The first emitted token
+    must follow p0, and the second (emitted when draft 0 was accepted, so token 0 == draft 0)
+    must follow p1. top_k=4 of V=6 shapes p; drafts often fall outside it (p = 0)."""
+    rng = np.random.default_rng(1)
+    N, V, k = 60_000, 6, 2
+    logits = rng.normal(0, 1.2, (k + 1, V)).astype(np.float32)
+    q = _softmax(rng.normal(0, 1.0, (k, V)))
+    if drafter == "point":
+        drafts = np.tile(np.array([[int(np.argsort(logits[0])[-2]), 1]], np.int32), (N, 1))
+        draft_probs = None
+    else:
+        drafts = np.stack([rng.choice(V, N, p=q[i]) for i in range(k)], 1).astype(np.int32)
+        draft_probs = np.broadcast_to(q, (N, k, V)).astype(np.float32)
+    sp = _sampling(N, temperature=1.0, top_k=4)
+    accepted, token = jax.jit(verify)(np.broadcast_to(logits, (N, k + 1, V)), drafts,
+                                      np.full(N, k, np.int32), sp, np.zeros((N, V), bool),
+                                      np.zeros(N, np.int32), draft_probs)
+    accepted, token = np.asarray(accepted), np.asarray(token)
+    first = np.where(accepted > 0, drafts[:, 0], token)
+    second = np.where(accepted > 1, drafts[:, 1], token)[accepted > 0]
+    top4 = lambda x: np.where(x >= np.sort(x)[-4], x, -np.inf)  # noqa: E731
+    p0, p1 = _softmax(top4(logits[0])), _softmax(top4(logits[1]))
+    c0, c1 = np.bincount(first, minlength=V), np.bincount(second, minlength=V)
+    assert _chi_square_z(c0, p0) < 4 and _chi_square_z(c1, p1) < 4
+    assert _chi_square_z(c0, _perturbed(p0)) > 4           # a 2% error would be caught
+    assert 0 < (accepted == 0).mean() < 1 and (accepted == 2).any()
+
+
+def test_verify_greedy_is_prefix_matching():
+    V, k = 11, 4
+    rng = np.random.default_rng(2)
+    logits = rng.normal(size=(5, k + 1, V)).astype(np.float32)
+    target = logits.argmax(-1)
+    drafts = target[:, :k].copy()
+    drafts[1, 2] = (drafts[1, 2] + 1) % V        # row 1: two accepted, then the target's token
+    drafts[2, 0] = (drafts[2, 0] + 1) % V        # row 2: none
+    num = np.array([4, 4, 4, 2, 0], np.int32)    # row 3: two valid drafts, then the bonus
+    accepted, token = verify(logits, drafts.astype(np.int32), num, _sampling(5),
+                             np.zeros((5, V), bool), np.zeros(5, np.int32))
+    assert np.asarray(accepted).tolist() == [4, 2, 0, 2, 0]
+    assert np.asarray(token).tolist() == [target[0, 4], target[1, 2], target[2, 0],
+                                          target[3, 2], target[4, 0]]
+
+
+# ---- the loop on caches -------------------------------------------------------------------------
+
+PAGE = 4
+
+
+def _prefill(cfg, params, prompts, cache, rows):
+    """State after prefilling ragged prompts (first tokens sampled)."""
+    B, T = len(prompts), max(len(p) for p in prompts)
+    toks = np.zeros((B, T), np.int32)
+    for b, p in enumerate(prompts):
+        toks[b, :len(p)] = p
+    state = decode.DecodeState.create(cfg, B, 0, cache=cache)
+    lens = np.array([len(p) for p in prompts], np.int32)
+    state, first, *_ = decode.prefill_chunk(params, state, toks, lens, np.ones(B, bool),
+                                            np.full((B, T), -1, np.int32), rows, cfg=cfg)
+    return state, [[int(t)] for t in np.asarray(first)]
+
+
+def _generate(cfg, params, prompts, cache, rows, spec, draft_on=None, steps=4, k=4):
+    """Every row to its end through decode_loop or speculative_loop (host-side history between
+    dispatches, as the engine keeps it). Returns (tokens per row, summed SpecCounts)."""
+    state, out_ids = _prefill(cfg, params, prompts, cache, rows)
+    B = len(prompts)
+    counts = np.zeros((3, B), int)
+    rows = rows.replace(active=np.ones(B, bool))
+    for _ in range(100):
+        if spec:
+            hist = np.zeros((B, 128), np.int32)
+            for b in range(B):
+                ids = list(prompts[b]) + out_ids[b]
+                hist[b, :len(ids)] = ids
+            on = np.ones(B, bool) if draft_on is None else draft_on
+            state, out, num, done, _, c = decode.speculative_loop(
+                params, state, rows, hist, on, cfg=cfg, num_steps=steps, num_draft=k,
+                ngram_max=3, ngram_min=1)
+            counts += np.stack([np.asarray(c.steps), np.asarray(c.drafted),
+                                np.asarray(c.accepted)])
+        else:
+            state, out, num, done, _ = decode.decode_loop(params, state, rows, cfg=cfg,
+                                                          num_steps=steps)
+        out, num = np.asarray(out), np.asarray(num)
+        for b in range(B):
+            out_ids[b] += out[b, :num[b]].tolist()
+        rows = rows.replace(active=~np.asarray(done))
+        if np.asarray(done).all():
+            return out_ids, counts, state
+    raise AssertionError("rows never finished")
+
+
+def _paged(cfg, B, rng):
+    """A pool of 4-token pages, each row's scattered, everything unused NaN."""
+    per_row = 32
+    num_pages = 1 + B * per_row
+    tables = rng.permutation(np.arange(1, num_pages)).reshape(B, per_row).astype(np.int32)
+    cache = PagedKVCache.create(cfg.num_layers, num_pages, PAGE, cfg.num_kv_heads, cfg.head_dim,
+                                tables)
+    return cache.replace(k=jnp.full_like(cache.k, jnp.nan), v=jnp.full_like(cache.v, jnp.nan))
+
+
+def _loop_prompts(rng, V):
+    """Ragged prompts, some periodic (drafts accepted), some random (drafts rejected)."""
+    return [np.tile(rng.integers(0, V, 5), 4)[:n].tolist() for n in (17, 9)] + \
+           [rng.integers(0, V, n).tolist() for n in (13, 6)]
+
+
+@pytest.mark.parametrize("cache_kind", ["ring", "ring_window", "paged"])
+def test_speculative_loop_greedy_equals_decode_loop(cache_kind):
+    cfg = TINY.replace(vocab_size=97)
+    k = 4
+    if cache_kind == "ring_window":  # capacity = window + k: the ring wraps many times
+        cfg = cfg.replace(sliding_window=6)
+    params = llama.init_params(cfg, jax.random.key(3))
+    rng = np.random.default_rng(3)
+    prompts = _loop_prompts(rng, cfg.vocab_size)
+    B = len(prompts)
+    rows = _rows(B, max_new=40)
+
+    def cache():
+        if cache_kind == "paged":
+            return _paged(cfg, B, np.random.default_rng(4))
+        capacity = 6 + k if cache_kind == "ring_window" else 128
+        return decode.DecodeState.create(cfg, B, capacity).cache
+
+    plain, _, _ = _generate(cfg, params, prompts, cache(), rows, spec=False)
+    spec, counts, state = _generate(cfg, params, prompts, cache(), rows, spec=True, k=k)
+    assert spec == plain
+    steps, drafted, accepted = counts
+    # Some rows accepted everything they drafted, others only part of it: rollback ran.
+    assert (accepted > 0).any() and (accepted < drafted).any(), counts
+    assert np.asarray(state.cache.lengths).tolist() == [
+        len(p) + 40 - 1 for p in prompts]
+
+
+def test_stop_ids_end_rows_as_in_decode_loop():
+    cfg = TINY.replace(vocab_size=97)
+    params = llama.init_params(cfg, jax.random.key(3))
+    prompts = _loop_prompts(np.random.default_rng(3), cfg.vocab_size)
+    B = len(prompts)
+    make = lambda: decode.DecodeState.create(cfg, B, 128).cache  # noqa: E731
+    plain, _, _ = _generate(cfg, params, prompts, make(), _rows(B, max_new=40), spec=False)
+    stop = plain[3][-1]                 # row 3 ends in a loop of two tokens, drafted and accepted
+    want, _, _ = _generate(cfg, params, prompts, make(), _rows(B, max_new=40, stop=stop),
+                           spec=False)
+    got, _, _ = _generate(cfg, params, prompts, make(), _rows(B, max_new=40, stop=stop),
+                               spec=True)
+    assert got == want and want[3][-1] == stop and len(want[3]) < 40
+
+
+def test_sampled_speculation_follows_the_models_joint_distribution():
+    """The first two tokens after a fixed context, drawn through speculative_loop with drafts
+    on, against the exact joint p(x) p(y | x) from full forwards (V=16: 256 outcomes)."""
+    cfg = TINY
+    params = llama.init_params(cfg, jax.random.key(5))
+    # The prompt "a b a b a b a b a": n-gram drafts "b a b". Of all pairs, the one whose draft
+    # the model likes best (p(b) about 0.6), so drafts are often accepted and often rejected.
+    V = cfg.vocab_size
+    pairs = [(a, b) for a in range(V) for b in range(V) if a != b]
+    cands = np.array([[a, b] * 4 + [a] for a, b in pairs], np.int32)
+    last = np.asarray(llama.sequence_logits(params, cfg, jnp.asarray(cands)))[:, -1]
+    p_b = _softmax(last.astype(np.float64))[np.arange(len(pairs)), [b for _, b in pairs]]
+    prompt = cands[np.argmax(p_b)].tolist()
+    N, chunk = 32_768, 8192
+    counts = np.zeros((cfg.vocab_size, cfg.vocab_size), int)
+    accepted = 0
+    for start in range(0, N, chunk):
+        B = chunk
+        # Prefill all but the last prompt token; the last is fed by the loop's first step, so
+        # output index 0 is drawn by speculation, not by the prefill.
+        rows = _rows(B, max_new=2, temperature=1.0)
+        rows = rows.replace(sampling=rows.sampling.replace(
+            seed=np.arange(start, start + B, dtype=np.uint32)))
+        state, _ = _prefill(cfg, params, [prompt[:-1]] * B,
+                            decode.DecodeState.create(cfg, B, 16).cache, rows)
+        state = state.replace(last_token=jnp.full((B,), prompt[-1], jnp.int32),
+                              num_generated=jnp.zeros((B,), jnp.int32))
+        hist = np.zeros((B, 16), np.int32)
+        hist[:, :len(prompt)] = prompt
+        state, out, num, done, _, c = decode.speculative_loop(
+            params, state, rows, hist, np.ones(B, bool), cfg=cfg, num_steps=2, num_draft=3,
+            ngram_max=3, ngram_min=1)
+        out, num = np.asarray(out), np.asarray(num)
+        assert (num == 2).all()
+        np.add.at(counts, (out[:, 0], out[:, 1]), 1)
+        accepted += int(np.asarray(c.accepted).sum())
+    logits = np.asarray(llama.sequence_logits(params, cfg, jnp.asarray([prompt])))[0, -1]
+    p_x = _softmax(logits.astype(np.float64))
+    ext = np.array([prompt + [x] for x in range(cfg.vocab_size)], np.int32)
+    p_y = _softmax(np.asarray(llama.sequence_logits(params, cfg, jnp.asarray(ext)))[:, -1]
+                   .astype(np.float64))
+    joint = p_x[:, None] * p_y
+    assert _chi_square_z(counts, joint) < 4
+    assert _chi_square_z(counts, _perturbed(joint)) > 4
+    assert 0.2 * N < accepted < 1.5 * N           # drafts were accepted and rejected
+
+
+def test_rows_without_drafts_sample_exactly_as_decode_loop():
+    cfg = TINY.replace(vocab_size=97)
+    params = llama.init_params(cfg, jax.random.key(6))
+    prompts = _loop_prompts(np.random.default_rng(6), cfg.vocab_size)
+    B = len(prompts)
+    rows = _rows(B, max_new=20, temperature=0.8)
+    make = lambda: decode.DecodeState.create(cfg, B, 128).cache  # noqa: E731
+    plain, _, _ = _generate(cfg, params, prompts, make(), rows, spec=False)
+    spec, counts, _ = _generate(cfg, params, prompts, make(), rows, spec=True,
+                                draft_on=np.zeros(B, bool))
+    assert spec == plain and counts.sum() == 0
+
+
+# ---- the public API on the real model -----------------------------------------------------------
+
+def test_llm_ngram_speculation_matches_hf_greedy_goldens(data_dir):
+    with open(os.path.join(data_dir, "smollm2_greedy.json")) as f:
+        golden = json.load(f)
+    llm = ji.LLM("smollm2-135m", max_seq_len=256, max_num_seqs=4,
+                 speculative=ji.SpeculativeConfig("ngram", num_draft_tokens=4))
+    cases = golden["cases"]
+    outs = llm.generate([c["prompt_ids"] for c in cases],
+                        ji.SamplingParams(max_tokens=golden["max_new_tokens"]))
+    for case, out in zip(cases, outs):
+        want = case["greedy_ids"][:-1] if case["hit_eos"] else case["greedy_ids"]
+        assert out.token_ids == want, case["name"]
+    stats = llm.stats()
+    assert stats["draft_tokens"] > 0 and 0 < stats["acceptance_rate"] <= 1
+    assert sum(o.metrics.accepted_tokens for o in outs) == stats["accepted_tokens"]
