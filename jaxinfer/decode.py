@@ -21,7 +21,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache import PagedKVCache, RingKVCache
 from jaxinfer.models import llama
 from jaxinfer.sampling import SamplingArrays, mark_seen, maybe_top_logprobs, no_logprobs, sample
-from jaxinfer.speculative import ngram_propose, verify
+from jaxinfer.speculative import draw_draft, ngram_propose, verify
 
 
 @flax.struct.dataclass
@@ -30,18 +30,23 @@ class DecodeState:
     last_token: jax.Array     # [B] int32: the newest token of each row, not yet in the cache
     num_generated: jax.Array  # [B] int32: tokens generated so far by the row's request
     seen: jax.Array           # [B, V] bool: tokens of prompt and output (repetition penalty)
+    draft_cache: RingKVCache | None = None  # a draft model's cache (speculative decoding)
 
     @classmethod
     def create(cls, cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.float32,
-               cache=None):
-        """A ring cache of `capacity` slots per row, or the given cache (e.g. a paged one)."""
+               cache=None, draft_cfg: ModelConfig | None = None, draft_capacity: int = 0):
+        """A ring cache of `capacity` slots per row, or the given cache (e.g. a paged one);
+        with draft_cfg, a ring of draft_capacity slots per row for the draft model too."""
         if cache is None:
             cache = RingKVCache.create(cfg.num_layers, batch, capacity, cfg.num_kv_heads,
                                        cfg.head_dim, dtype)
+        draft = None if draft_cfg is None else RingKVCache.create(
+            draft_cfg.num_layers, batch, draft_capacity, draft_cfg.num_kv_heads,
+            draft_cfg.head_dim, dtype)
         return cls(cache=cache,
                    last_token=jnp.zeros((batch,), jnp.int32),
                    num_generated=jnp.zeros((batch,), jnp.int32),
-                   seen=jnp.zeros((batch, cfg.vocab_size), bool))
+                   seen=jnp.zeros((batch, cfg.vocab_size), bool), draft_cache=draft)
 
 
 @flax.struct.dataclass
@@ -67,6 +72,8 @@ def reset_rows(state: DecodeState, mask: jax.Array, start: jax.Array,
     cache = state.cache.reset_rows(mask, start)
     if block_tables is not None:
         cache = cache.replace(block_tables=block_tables)
+    if state.draft_cache is not None:
+        state = state.replace(draft_cache=state.draft_cache.reset_rows(mask, start))
     return state.replace(cache=cache,
                          last_token=jnp.where(mask, 0, state.last_token),
                          num_generated=jnp.where(mask, 0, state.num_generated),
@@ -88,7 +95,9 @@ def _grow_rows(state: DecodeState, batch: int) -> DecodeState:
     pad = lambda x, fill: jnp.pad(x, [(0, batch - x.shape[0])] + [(0, 0)] * (x.ndim - 1),  # noqa: E731
                                   constant_values=fill)
     return DecodeState(cache=state.cache.pad_rows(batch), last_token=pad(state.last_token, 0),
-                       num_generated=pad(state.num_generated, 0), seen=pad(state.seen, False))
+                       num_generated=pad(state.num_generated, 0), seen=pad(state.seen, False),
+                       draft_cache=None if state.draft_cache is None
+                       else state.draft_cache.pad_rows(batch))
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -126,16 +135,22 @@ def _put(x: jax.Array, rows: jax.Array | None, values: jax.Array) -> jax.Array:
 
 
 def _step(params, state: DecodeState, chunk: Chunk, rows: RowParams, *, cfg: ModelConfig,
-          kv_view: int | None, attn_impl: str, decode: bool):
+          kv_view: int | None, attn_impl: str, decode: bool, draft_params=None,
+          draft_cfg: ModelConfig | None = None):
     """A prefill chunk, plus (decode=True) one decode token for every active row, in one
-    forward pass. Returns (state, decode outputs (tokens [B], logprobs) or None, first tokens
-    [G], first-token logprobs, prompt logprobs [G, T, ...])."""
+    forward pass (and through the draft model, whose cache takes the same tokens). Returns
+    (state, decode outputs (tokens [B], logprobs) or None, first tokens [G], first-token
+    logprobs, prompt logprobs [G, T, ...])."""
     G, T = chunk.tokens.shape
     queries = [llama.Query(chunk.tokens, chunk.num_new, chunk.rows)]
     if decode:
         queries.append(llama.Query(state.last_token[:, None], rows.active.astype(jnp.int32)))
     hs, cache = llama.forward_groups(params, cfg, queries, state.cache, kv_view=kv_view,
                                      attn_impl=attn_impl)
+    draft_cache = state.draft_cache
+    if draft_cfg is not None:
+        _, draft_cache = llama.forward_groups(draft_params, draft_cfg, queries, draft_cache,
+                                              kv_view=kv_view, attn_impl="reference")
     seen, last_token, num_generated = state.seen, state.last_token, state.num_generated
 
     decoded = None
@@ -171,14 +186,16 @@ def _step(params, state: DecodeState, chunk: Chunk, rows: RowParams, *, cfg: Mod
         num_generated=_put(num_generated, chunk.rows,
                            jnp.where(done, prow.start_index + 1,
                                      _take(num_generated, chunk.rows))),
-        seen=_put(seen, chunk.rows, seen_p))
+        seen=_put(seen, chunk.rows, seen_p), draft_cache=draft_cache)
     return state, decoded, first, first_lp, prompt_lp
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "kv_view", "attn_impl"), donate_argnums=(1,))
+@functools.partial(jax.jit, static_argnames=("cfg", "kv_view", "attn_impl", "draft_cfg"),
+                   donate_argnums=(1,))
 def prefill_chunk(params, state: DecodeState, tokens: jax.Array, num_new: jax.Array,
                   completes: jax.Array, next_tokens: jax.Array, rows: RowParams, *,
-                  cfg: ModelConfig, kv_view: int | None = None, attn_impl: str = "reference"):
+                  cfg: ModelConfig, kv_view: int | None = None, attn_impl: str = "reference",
+                  draft_params=None, draft_cfg: ModelConfig | None = None):
     """Feeds up to T prompt tokens per row into the cache (every row; see Chunk for tokens,
     num_new [B], completes and next_tokens).
 
@@ -189,13 +206,16 @@ def prefill_chunk(params, state: DecodeState, tokens: jax.Array, num_new: jax.Ar
     chunk = Chunk(tokens=tokens, num_new=num_new, completes=completes, next_tokens=next_tokens)
     state, _, first, first_lp, prompt_lp = _step(params, state, chunk, rows, cfg=cfg,
                                                  kv_view=kv_view, attn_impl=attn_impl,
-                                                 decode=False)
+                                                 decode=False, draft_params=draft_params,
+                                                 draft_cfg=draft_cfg)
     return state, first, first_lp, prompt_lp
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "kv_view", "attn_impl"), donate_argnums=(1,))
+@functools.partial(jax.jit, static_argnames=("cfg", "kv_view", "attn_impl", "draft_cfg"),
+                   donate_argnums=(1,))
 def mixed_step(params, state: DecodeState, chunk: Chunk, rows: RowParams, *, cfg: ModelConfig,
-               kv_view: int | None = None, attn_impl: str = "reference"):
+               kv_view: int | None = None, attn_impl: str = "reference", draft_params=None,
+               draft_cfg: ModelConfig | None = None):
     """One engine step of decode-maximal batching: one new token for every decoding row
     (rows.active) and a prefill chunk for chunk.rows, through the weights once.
 
@@ -204,7 +224,8 @@ def mixed_step(params, state: DecodeState, chunk: Chunk, rows: RowParams, *, cfg
     with the prefill outputs as prefill_chunk's, per chunk row.
     """
     state, (tokens, lp), first, first_lp, prompt_lp = _step(
-        params, state, chunk, rows, cfg=cfg, kv_view=kv_view, attn_impl=attn_impl, decode=True)
+        params, state, chunk, rows, cfg=cfg, kv_view=kv_view, attn_impl=attn_impl, decode=True,
+        draft_params=draft_params, draft_cfg=draft_cfg)
     return state, tokens, lp, first, first_lp, prompt_lp
 
 
@@ -254,7 +275,8 @@ def decode_loop(params, state: DecodeState, rows: RowParams, *, cfg: ModelConfig
         seen = mark_seen(state.seen, token[:, None], running[:, None])
         hit_stop = jnp.any(token[:, None] == rows.stop_ids, axis=-1)
         stopped = stopped | (running & (hit_stop | (num_generated >= rows.max_new)))
-        state = DecodeState(cache=cache, last_token=token, num_generated=num_generated, seen=seen)
+        state = state.replace(cache=cache, last_token=token, num_generated=num_generated,
+                              seen=seen)
         return step + 1, state, stopped, out, num_out + running, lp_out
 
     carry = (jnp.int32(0), state, stopped, out, jnp.zeros((B,), jnp.int32), lp_out)
@@ -262,32 +284,79 @@ def decode_loop(params, state: DecodeState, rows: RowParams, *, cfg: ModelConfig
     return state, out, num_out, stopped, lp_out
 
 
+def _run_if(pred: jax.Array, fn, operand, default):
+    """fn(operand) -> (operand', out) when pred, else (operand, default): a while loop that
+    runs at most once. XLA updates a while loop's buffers in place, but copies a cache passed
+    into lax.cond's branches at every write (two full copies per layer)."""
+    def body(carry):
+        _, x, _ = carry
+        return (jnp.bool_(False),) + fn(x)
+
+    _, operand, out = jax.lax.while_loop(lambda c: c[0], body, (pred, operand, default))
+    return operand, out
+
+
+def _draft_model_steps(draft_params, draft_cfg: ModelConfig, state: DecodeState,
+                       sampling: SamplingArrays, running: jax.Array, steps: int, *,
+                       kv_view: int | None):
+    """`steps` single-token steps of the draft model on state.draft_cache: the first feeds each
+    running row's last token, each later one the token drawn from the step before. Returns
+    (drafts [B, steps-1], their distributions q [B, steps-1, V], draft cache): the last step's
+    draw is discarded (it only writes the last draft's K/V)."""
+    def body(carry, i):
+        cache, token, seen = carry
+        h, cache = llama.forward(draft_params, draft_cfg, token[:, None], cache,
+                                 running.astype(jnp.int32), kv_view=kv_view)
+        logits = llama.lm_head(draft_params, h[:, 0])
+        drawn, q = draw_draft(logits, sampling, seen, state.num_generated + i)
+        seen = mark_seen(seen, drawn[:, None], running[:, None])
+        return (cache, drawn, seen), (drawn, q)
+
+    (cache, _, _), (drafts, q) = jax.lax.scan(
+        body, (state.draft_cache, state.last_token, state.seen),
+        jnp.arange(steps, dtype=jnp.int32))
+    return drafts[:-1].T, jnp.swapaxes(q[:-1], 0, 1), cache
+
+
+def _emitted(drafts: jax.Array, accepted: jax.Array, token: jax.Array) -> jax.Array:
+    """[B, k+1]: a verification step's tokens, the accepted drafts then the redrawn or bonus
+    token (entries past it are filler)."""
+    j = jnp.arange(drafts.shape[1] + 1, dtype=jnp.int32)[None, :]
+    return jnp.where(j < accepted[:, None], jnp.concatenate([drafts, drafts[:, :1]], axis=1),
+                     token[:, None])
+
+
 @flax.struct.dataclass
 class SpecCounts:
     """Per-row speculation counts of one dispatch, [B] int32 each."""
 
-    steps: jax.Array     # verification steps in which the row was allowed to draft
+    steps: jax.Array     # verification steps in which the row had drafts
     drafted: jax.Array   # tokens proposed
     accepted: jax.Array  # proposals accepted
 
 
 @functools.partial(jax.jit,
                    static_argnames=("cfg", "num_steps", "num_draft", "ngram_max", "ngram_min",
-                                    "kv_view", "attn_impl"),
+                                    "kv_view", "attn_impl", "draft_cfg"),
                    donate_argnums=(1,))
 def speculative_loop(params, state: DecodeState, rows: RowParams, history: jax.Array,
                      draft_on: jax.Array, *, cfg: ModelConfig, num_steps: int, num_draft: int,
-                     ngram_max: int, ngram_min: int = 1, kv_view: int | None = None,
-                     attn_impl: str = "reference", exit_on_stop: jax.Array | bool = False):
-    """decode_loop with n-gram speculation: up to num_steps verification steps, each emitting
-    1 to num_draft + 1 tokens per row.
+                     ngram_max: int = 3, ngram_min: int = 1, kv_view: int | None = None,
+                     attn_impl: str = "reference", exit_on_stop: jax.Array | bool = False,
+                     draft_params=None, draft_cfg: ModelConfig | None = None):
+    """decode_loop with speculation: up to num_steps verification steps, each emitting 1 to
+    num_draft + 1 tokens per row.
 
-    Each step proposes up to k = num_draft tokens per row by prompt lookup in history
-    (speculative.ngram_propose; rows where draft_on [B] is False propose none), runs the row's
+    Each step proposes up to k = num_draft tokens per row (rows where draft_on [B] is False
+    propose none): by prompt lookup in history (speculative.ngram_propose), or with draft_cfg
+    by k single-token steps of the draft model on state.draft_cache (drawn from its q with the
+    row's sampling parameters; a (k+1)-th step feeds the last draft, so the draft cache holds
+    whatever the target keeps). It then runs the row's
     last token and its drafts through the target in one forward, accepts a prefix of them by
     exact rejection sampling (speculative.verify) and rolls the cache back past the first
-    rejected position (lengths only: nothing is copied). Stop ids and max_new cut a step's
-    tokens where they occur.
+    rejected position (lengths only: nothing is copied). A step in which no row has a draft
+    runs decode_loop's single-token step instead. Stop ids and max_new cut a step's tokens
+    where they occur.
 
     history [B, L] int32: row b's prompt and generated tokens, the first cache.lengths[b] + 1
     entries (the last is last_token); L >= the cache capacity. Returns (state, out_tokens
@@ -312,19 +381,51 @@ def speculative_loop(params, state: DecodeState, rows: RowParams, history: jax.A
         step, state, stopped, history, out, num_out, lp_out, counts = carry
         running = ~stopped
         length = state.cache.lengths
-        drafts, num = ngram_propose(history, length + 1, k, ngram_max, ngram_min)
         room = jnp.maximum(rows.max_new - state.num_generated - 1, 0)  # the last token is free
+        want_lp = rows.logprobs & running
+        draft_cache = state.draft_cache
+        if draft_cfg is None:
+            drafts, num = ngram_propose(history, length + 1, k, ngram_max, ngram_min)
+            draft_probs = None
+        else:
+            drafts, draft_probs, draft_cache = _draft_model_steps(
+                draft_params, draft_cfg, state, rows.sampling, running, k + 1,
+                kv_view=kv_view)
+            num = jnp.full((B,), k, jnp.int32)
         num = jnp.where(running & draft_on, jnp.minimum(num, room), 0)
-        tokens = jnp.concatenate([state.last_token[:, None], drafts], axis=1)   # [B, k+1]
-        h, cache = llama.forward(params, cfg, tokens, state.cache,
-                                 jnp.where(running, 1 + num, 0), kv_view=kv_view,
-                                 attn_impl=attn_impl)
-        logits = llama.lm_head(params, h)                                       # [B, k+1, V]
-        accepted, token = verify(logits, drafts, num, rows.sampling, state.seen,
-                                 state.num_generated)
-        # The step's tokens: the accepted drafts, then the redrawn or bonus token.
-        emitted = jnp.where(j < accepted[:, None],
-                            jnp.concatenate([drafts, drafts[:, :1]], axis=1), token[:, None])
+
+        def verify_drafts(cache):
+            """The last token and the drafts through the target; exact acceptance."""
+            tokens = jnp.concatenate([state.last_token[:, None], drafts], axis=1)  # [B, k+1]
+            h, cache = llama.forward(params, cfg, tokens, cache, jnp.where(running, 1 + num, 0),
+                                     kv_view=kv_view, attn_impl=attn_impl)
+            logits = llama.lm_head(params, h)                                   # [B, k+1, V]
+            accepted, token = verify(logits, drafts, num, rows.sampling, state.seen,
+                                     state.num_generated, draft_probs)
+            emitted = _emitted(drafts, accepted, token)
+            lp = maybe_top_logprobs(want_lp, lambda x: x, logits, emitted)
+            return cache, (accepted, token, lp)
+
+        def plain_step(cache):
+            """No row drafted: one token per row, as decode_loop (a (k+1)-token forward would
+            cost more for nothing)."""
+            h, cache = llama.forward(params, cfg, state.last_token[:, None], cache,
+                                     running.astype(jnp.int32), kv_view=kv_view,
+                                     attn_impl=attn_impl)
+            logits = llama.lm_head(params, h[:, 0])
+            token = sample(logits, rows.sampling, state.seen, state.num_generated)
+            lp = maybe_top_logprobs(want_lp, lambda x: x, logits, token)
+            lp = jax.tree.map(lambda x: jnp.pad(x[:, None], [(0, 0), (0, k)] +
+                                                [(0, 0)] * (x.ndim - 1)), lp)
+            return cache, (zeros, token, lp)
+
+        any_draft = jnp.any(num > 0)
+        none = (zeros, zeros, no_logprobs((B, k + 1)))
+        cache, drafted_out = _run_if(any_draft, verify_drafts, state.cache, none)
+        cache, plain_out = _run_if(~any_draft, plain_step, cache, none)
+        accepted, token, lp = jax.tree.map(lambda a, b: jnp.where(any_draft, a, b),
+                                           drafted_out, plain_out)
+        emitted = _emitted(drafts, accepted, token)
         n = jnp.minimum(accepted + 1, rows.max_new - state.num_generated)
         is_stop = jnp.any(emitted[..., None] == rows.stop_ids[:, None, :], axis=-1) & (
             j < n[:, None])
@@ -334,23 +435,23 @@ def speculative_loop(params, state: DecodeState, rows: RowParams, history: jax.A
         keep = j < n[:, None]
         # The cache keeps the last token and the emitted tokens but the newest (fed next step).
         cache = cache.rollback(length + n)
+        if draft_cache is not None:
+            draft_cache = draft_cache.rollback(length + n)
         new_last = jnp.take_along_axis(emitted, jnp.maximum(n - 1, 0)[:, None], axis=1)[:, 0]
         rows_ix = jnp.broadcast_to(jnp.arange(B)[:, None], emitted.shape)
         out = out.at[rows_ix, jnp.where(keep, num_out[:, None] + j, W)].set(emitted, mode="drop")
         history = history.at[rows_ix, jnp.where(keep, length[:, None] + 1 + j, history.shape[1])
                              ].set(emitted, mode="drop")
-        lp = maybe_top_logprobs(rows.logprobs & running, lambda x: x, logits, emitted)
         lp_out = jax.tree.map(
             lambda buf, x: buf.at[rows_ix, jnp.where(keep, num_out[:, None] + j, W)].set(
                 x, mode="drop"), lp_out, lp)
         num_generated = state.num_generated + n
         state = DecodeState(cache=cache, last_token=jnp.where(running, new_last, state.last_token),
                             num_generated=num_generated,
-                            seen=mark_seen(state.seen, emitted, keep))
+                            seen=mark_seen(state.seen, emitted, keep), draft_cache=draft_cache)
         stopped = stopped | (running & (hit_stop | (num_generated >= rows.max_new)))
-        on = running & draft_on
-        counts = SpecCounts(steps=counts.steps + on, drafted=counts.drafted + num,
-                            accepted=counts.accepted + jnp.where(on, accepted, 0))
+        counts = SpecCounts(steps=counts.steps + (num > 0), drafted=counts.drafted + num,
+                            accepted=counts.accepted + accepted)
         return step + 1, state, stopped, history, out, num_out + n, lp_out, counts
 
     carry = (jnp.int32(0), state, stopped, history, jnp.zeros((B, W), jnp.int32), zeros,

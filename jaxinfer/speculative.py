@@ -94,6 +94,25 @@ def _keys(seed: jax.Array, index: jax.Array) -> jax.Array:
                     )(seed, index)
 
 
+def draw_draft(logits: jax.Array, sp: SamplingArrays, seen: jax.Array, token_index: jax.Array):
+    """A draft model's proposal for output index token_index [B]: (token [B] int32, q [B, V]),
+    q the distribution it is drawn from (the same transforms as the target's p; one-hot at the
+    argmax for greedy rows). Its noise comes from fold_in(key(seed, index), 2), apart from the
+    verification's."""
+    q = sampling_probs(logits, sp, seen)
+    greedy = jnp.argmax(q, axis=-1).astype(jnp.int32)
+
+    def stochastic(q):
+        keys = jax.vmap(lambda key: jax.random.fold_in(key, 2))(
+            _keys(sp.seed, token_index[:, None])[:, 0])
+        gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (q.shape[-1],), jnp.float32))(keys)
+        drawn = jnp.argmax(jnp.log(q) + gumbel, axis=-1).astype(jnp.int32)
+        return jnp.where(sp.temperature > 0, drawn, greedy)
+
+    token = jax.lax.cond(jnp.any(sp.temperature > 0), stochastic, lambda _: greedy, q)
+    return token, q
+
+
 def verify(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array, sp: SamplingArrays,
            seen: jax.Array, token_index: jax.Array,
            draft_probs: Optional[jax.Array] = None):

@@ -167,23 +167,29 @@ def test_verify_greedy_is_prefix_matching():
 PAGE = 4
 
 
-def _prefill(cfg, params, prompts, cache, rows):
-    """State after prefilling ragged prompts (first tokens sampled)."""
+def _prefill(cfg, params, prompts, cache, rows, draft=None):
+    """State after prefilling ragged prompts (first tokens sampled); draft: (params, cfg) of a
+    draft model, whose cache (128 slots a row) is prefilled too."""
     B, T = len(prompts), max(len(p) for p in prompts)
     toks = np.zeros((B, T), np.int32)
     for b, p in enumerate(prompts):
         toks[b, :len(p)] = p
-    state = decode.DecodeState.create(cfg, B, 0, cache=cache)
+    draft_params, draft_cfg = draft or (None, None)
+    state = decode.DecodeState.create(cfg, B, 0, cache=cache, draft_cfg=draft_cfg,
+                                      draft_capacity=128)
     lens = np.array([len(p) for p in prompts], np.int32)
     state, first, *_ = decode.prefill_chunk(params, state, toks, lens, np.ones(B, bool),
-                                            np.full((B, T), -1, np.int32), rows, cfg=cfg)
+                                            np.full((B, T), -1, np.int32), rows, cfg=cfg,
+                                            draft_params=draft_params, draft_cfg=draft_cfg)
     return state, [[int(t)] for t in np.asarray(first)]
 
 
-def _generate(cfg, params, prompts, cache, rows, spec, draft_on=None, steps=4, k=4):
+def _generate(cfg, params, prompts, cache, rows, spec, draft_on=None, steps=4, k=4, draft=None):
     """Every row to its end through decode_loop or speculative_loop (host-side history between
-    dispatches, as the engine keeps it). Returns (tokens per row, summed SpecCounts)."""
-    state, out_ids = _prefill(cfg, params, prompts, cache, rows)
+    dispatches, as the engine keeps it; n-gram drafts, or draft = (params, cfg) of a draft
+    model). Returns (tokens per row, summed SpecCounts, final state)."""
+    state, out_ids = _prefill(cfg, params, prompts, cache, rows, draft)
+    draft_params, draft_cfg = draft or (None, None)
     B = len(prompts)
     counts = np.zeros((3, B), int)
     rows = rows.replace(active=np.ones(B, bool))
@@ -196,7 +202,7 @@ def _generate(cfg, params, prompts, cache, rows, spec, draft_on=None, steps=4, k
             on = np.ones(B, bool) if draft_on is None else draft_on
             state, out, num, done, _, c = decode.speculative_loop(
                 params, state, rows, hist, on, cfg=cfg, num_steps=steps, num_draft=k,
-                ngram_max=3, ngram_min=1)
+                ngram_max=3, ngram_min=1, draft_params=draft_params, draft_cfg=draft_cfg)
             counts += np.stack([np.asarray(c.steps), np.asarray(c.drafted),
                                 np.asarray(c.accepted)])
         else:
@@ -227,13 +233,25 @@ def _loop_prompts(rng, V):
            [rng.integers(0, V, n).tolist() for n in (13, 6)]
 
 
-@pytest.mark.parametrize("cache_kind", ["ring", "ring_window", "paged"])
-def test_speculative_loop_greedy_equals_decode_loop(cache_kind):
+def _draft_of(cfg, params, seed):
+    """A one-layer draft sharing the target's embedding and head, its layer the target's first
+    with noise: it agrees with the target often, not always."""
+    draft_cfg = cfg.replace(num_layers=1)
+    noisy = jax.tree.map(lambda w: w + 0.3 * jnp.std(w) * jax.random.normal(
+        jax.random.key(seed), w.shape), params.layers[0])
+    return params.replace(layers=(noisy,)), draft_cfg
+
+
+@pytest.mark.parametrize("cache_kind,drafter", [("ring", "ngram"), ("ring_window", "ngram"),
+                                                ("paged", "ngram"), ("ring", "draft"),
+                                                ("ring_window", "draft"), ("paged", "draft")])
+def test_speculative_loop_greedy_equals_decode_loop(cache_kind, drafter):
     cfg = TINY.replace(vocab_size=97)
     k = 4
     if cache_kind == "ring_window":  # capacity = window + k: the ring wraps many times
         cfg = cfg.replace(sliding_window=6)
     params = llama.init_params(cfg, jax.random.key(3))
+    draft = _draft_of(cfg, params, 9) if drafter == "draft" else None
     rng = np.random.default_rng(3)
     prompts = _loop_prompts(rng, cfg.vocab_size)
     B = len(prompts)
@@ -246,13 +264,17 @@ def test_speculative_loop_greedy_equals_decode_loop(cache_kind):
         return decode.DecodeState.create(cfg, B, capacity).cache
 
     plain, _, _ = _generate(cfg, params, prompts, cache(), rows, spec=False)
-    spec, counts, state = _generate(cfg, params, prompts, cache(), rows, spec=True, k=k)
+    spec, counts, state = _generate(cfg, params, prompts, cache(), rows, spec=True, k=k,
+                                    draft=draft)
     assert spec == plain
     steps, drafted, accepted = counts
     # Some rows accepted everything they drafted, others only part of it: rollback ran.
     assert (accepted > 0).any() and (accepted < drafted).any(), counts
     assert np.asarray(state.cache.lengths).tolist() == [
         len(p) + 40 - 1 for p in prompts]
+    if draft is not None:
+        assert np.asarray(state.draft_cache.lengths).tolist() == [
+            len(p) + 40 - 1 for p in prompts]
 
 
 def test_stop_ids_end_rows_as_in_decode_loop():
@@ -270,11 +292,15 @@ def test_stop_ids_end_rows_as_in_decode_loop():
     assert got == want and want[3][-1] == stop and len(want[3]) < 40
 
 
-def test_sampled_speculation_follows_the_models_joint_distribution():
+@pytest.mark.parametrize("drafter", ["ngram", "draft"])
+def test_sampled_speculation_follows_the_models_joint_distribution(drafter):
     """The first two tokens after a fixed context, drawn through speculative_loop with drafts
-    on, against the exact joint p(x) p(y | x) from full forwards (V=16: 256 outcomes)."""
+    on, against the exact joint p(x) p(y | x) from full forwards (V=16: 256 outcomes). The
+    draft model's proposals are sampled from its own q (top_k=0, temperature 1)."""
     cfg = TINY
     params = llama.init_params(cfg, jax.random.key(5))
+    draft = _draft_of(cfg, params, 11) if drafter == "draft" else None
+    draft_params, draft_cfg = draft or (None, None)
     # The prompt "a b a b a b a b a": n-gram drafts "b a b". Of all pairs, the one whose draft
     # the model likes best (p(b) about 0.6), so drafts are often accepted and often rejected.
     V = cfg.vocab_size
@@ -294,14 +320,14 @@ def test_sampled_speculation_follows_the_models_joint_distribution():
         rows = rows.replace(sampling=rows.sampling.replace(
             seed=np.arange(start, start + B, dtype=np.uint32)))
         state, _ = _prefill(cfg, params, [prompt[:-1]] * B,
-                            decode.DecodeState.create(cfg, B, 16).cache, rows)
+                            decode.DecodeState.create(cfg, B, 16).cache, rows, draft)
         state = state.replace(last_token=jnp.full((B,), prompt[-1], jnp.int32),
                               num_generated=jnp.zeros((B,), jnp.int32))
         hist = np.zeros((B, 16), np.int32)
         hist[:, :len(prompt)] = prompt
         state, out, num, done, _, c = decode.speculative_loop(
             params, state, rows, hist, np.ones(B, bool), cfg=cfg, num_steps=2, num_draft=3,
-            ngram_max=3, ngram_min=1)
+            ngram_max=3, ngram_min=1, draft_params=draft_params, draft_cfg=draft_cfg)
         out, num = np.asarray(out), np.asarray(num)
         assert (num == 2).all()
         np.add.at(counts, (out[:, 0], out[:, 1]), 1)

@@ -227,11 +227,18 @@ class Engine:
                              completes=np.zeros(G, bool),
                              next_tokens=np.zeros((G, T), np.int32), rows=np.zeros(G, np.int32))
         common = dict(cfg=self.cfg, kv_view=kv_view, attn_impl=self.ecfg.attention)
-        programs = [
-            decode.mixed_step.lower(self.params, state, chunk, rows, **common),
-            decode.decode_loop.lower(self.params, state, rows, num_steps=self.ecfg.decode_steps,
-                                     exit_on_stop=np.bool_(False), decode_pages=decode_pages,
-                                     **common)]
+        programs = [decode.mixed_step.lower(self.params, state, chunk, rows, **common)]
+        if self.spec is None:
+            programs.append(decode.decode_loop.lower(
+                self.params, state, rows, num_steps=self.ecfg.decode_steps,
+                exit_on_stop=np.bool_(False), decode_pages=decode_pages, **common))
+        else:
+            k = self.spec.num_draft_tokens
+            programs.append(decode.speculative_loop.lower(
+                self.params, state, rows, np.zeros((B, self.ecfg.max_seq_len), np.int32),
+                np.zeros(B, bool), num_steps=self.ecfg.decode_steps, num_draft=k,
+                ngram_max=self.spec.ngram_max, ngram_min=self.spec.ngram_min,
+                exit_on_stop=np.bool_(False), **common))
         return max(p.compile().memory_analysis().temp_size_in_bytes for p in programs)
 
     def set_num_pages(self, num_pages: int) -> None:
@@ -453,8 +460,8 @@ class Engine:
         self.waiting.appendleft(req)
 
     def _decode(self, decoding: np.ndarray) -> list[Request]:
-        """One decode_loop dispatch of up to decode_steps tokens per decoding row (or steps of
-        speculation, when a decoding row drafts)."""
+        """One decode_loop dispatch of up to decode_steps tokens per decoding row (with
+        speculation on, a speculative_loop of decode_steps steps)."""
         steps = self.ecfg.decode_steps
         draft_on = self._drafting(decoding)
         per_step = self.spec.num_draft_tokens + 1 if draft_on.any() else 1
@@ -465,7 +472,7 @@ class Engine:
             draft_on &= decoding
         lengths = [len(r.prompt_ids) + len(r.token_ids) + steps * per_step
                    for r, d in zip(self.slots, decoding) if d]
-        if draft_on.any():
+        if self.spec is not None:
             return self._speculate(decoding, draft_on, _pick(self.kv_buckets, max(lengths)))
         kv_view, decode_pages = _pick(self.kv_buckets, max(lengths)), None
         if self._ragged_decode(len(self.slots)):
@@ -500,7 +507,8 @@ class Engine:
 
     def _speculate(self, decoding: np.ndarray, draft_on: np.ndarray,
                    kv_view: int) -> list[Request]:
-        """One speculative_loop dispatch: decode_steps verification steps per decoding row."""
+        """One speculative_loop dispatch: decode_steps steps per decoding row (single-token
+        steps while no row drafts, so it also serves an engine whose rows all paused)."""
         rows = self._row_params(decoding)
         self.state, out, num_out, done, lp, counts = self._speculative_loop(rows, draft_on,
                                                                             kv_view)
@@ -548,7 +556,7 @@ class Engine:
         SmolLM2), and all of them must stay inside Linux's default 65530 maps a process
         (warmup at max_num_seqs=16, max_seq_len=2048: about 57,800)."""
         return (self.paged is not None and self.ecfg.attention == "reference"
-                and B == self.batch_buckets[-1])
+                and B == self.batch_buckets[-1] and self.spec is None)
 
     def _decode_page_buckets(self, B: int) -> tuple[int, ...]:
         """Page-list lengths of a B-row ragged decode (from 8 pages a row up to every row's
@@ -628,7 +636,7 @@ class Engine:
                         attn_impl=self.ecfg.attention)
                 if self.spec is not None:
                     self.state, *_ = self._speculative_loop(rows, np.zeros(B, bool), kv_view)
-                if not self._ragged_decode(B):
+                elif not self._ragged_decode(B):
                     self.state, *_ = decode.decode_loop(
                         self.params, self.state, rows, cfg=self.cfg,
                         num_steps=self.ecfg.decode_steps, kv_view=kv_view,

@@ -85,7 +85,7 @@ class RequestMetrics:
     generated_tokens: int = 0
     preemptions: int = 0
     prefix_cache_hit_tokens: int = 0  # prompt tokens served from the prefix cache (admissions)
-    spec_steps: int = 0       # speculative verification steps in which the request could draft
+    spec_steps: int = 0       # speculative verification steps in which the request had drafts
     draft_tokens: int = 0     # tokens proposed for it
     accepted_tokens: int = 0  # proposals accepted (each saved a target step)
     token_times: list = dataclasses.field(default_factory=list, repr=False)
