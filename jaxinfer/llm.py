@@ -73,9 +73,6 @@ class LLM:
             if not isinstance(speculative, SpeculativeConfig):
                 raise ValueError(f"speculative must be a ji.SpeculativeConfig, got "
                                  f"{type(speculative).__name__}")
-            if speculative.method == "draft":
-                raise NotImplementedError("speculative method 'draft' (a draft model) is not "
-                                          "implemented yet; method 'ngram' is")
         if mesh is not None and (mesh.data, mesh.tensor, mesh.sequence) != (1, 1, 1):
             raise NotImplementedError(f"mesh={mesh}: sharding over a mesh is not implemented yet")
         if attention not in _ATTENTION:
@@ -98,6 +95,15 @@ class LLM:
         enable_compilation_cache()
         loaded = load_model(model, dtype=_DTYPES[dtype])
         cfg = loaded.config
+        draft = None
+        if speculative is not None and speculative.method == "draft":
+            drafter = load_model(speculative.draft_model, dtype=_DTYPES[dtype])
+            if drafter.config.vocab_size != cfg.vocab_size:
+                raise ValueError(
+                    f"draft_model {speculative.draft_model!r} has a vocabulary of "
+                    f"{drafter.config.vocab_size} tokens; the target's has {cfg.vocab_size} "
+                    "(a draft must share the target's vocabulary)")
+            draft = (drafter.params, drafter.config)
         limit = cfg.max_position_embeddings
         if max_seq_len is None:
             max_seq_len = min(limit, 2048)
@@ -139,7 +145,10 @@ class LLM:
                     f"num_pages={num_pages!r} cannot hold one max_seq_len ({max_seq_len}) "
                     f"request: it needs {per_request} pages of {page_size} tokens plus the "
                     f"null page, so num_pages >= {per_request + 1}")
-            paged = PagedSlots(num_pages, page_size, max_seq_len)
+            # A draft model's cache is not paged: its rows must be prefilled from the start, so
+            # prompts are not served from the prefix cache.
+            paged = PagedSlots(num_pages, page_size, max_seq_len,
+                               enable_prefix_caching=draft is None)
         elif num_pages is not None:
             raise NotImplementedError("num_pages: sliding-window models run on the ring-buffer "
                                       "cache; the paged cache serves full attention only")
@@ -150,7 +159,7 @@ class LLM:
                                           speculative=speculative)
         self._engine = Engine(cfg, loaded.params, loaded.tokenizer, self.engine_config,
                               capacity=capacity, dtype=_DTYPES[dtype], paged=paged,
-                              num_pages=num_pages or 0)
+                              num_pages=num_pages or 0, draft=draft)
         if memory_left:
             self._engine.set_num_pages(self._pages_from_memory(memory_left, page_size))
         self._ids = itertools.count()

@@ -115,7 +115,7 @@ class Engine:
 
     def __init__(self, cfg: ModelConfig, params, tokenizer, engine_cfg: EngineConfig,
                  capacity: int, dtype, paged: Optional[PagedSlots] = None,
-                 num_pages: int = 0):
+                 num_pages: int = 0, draft: Optional[tuple] = None):
         self.cfg = cfg
         self.params = params
         self.tokenizer = tokenizer
@@ -141,6 +141,11 @@ class Engine:
         self.slots: list[Optional[Request]] = []
         self.state: Optional[decode.DecodeState] = None
         self.spec = engine_cfg.speculative
+        # A draft model (params, config): its ring cache rides in DecodeState and every step
+        # that feeds the target feeds it too. Passed to every step (None without one), so the
+        # jitted functions always see the same keyword arguments.
+        self.draft_kw = {"draft_params": draft[0] if draft else None,
+                         "draft_cfg": draft[1] if draft else None}
         self.eos_ids = tuple(getattr(tokenizer, "eos_token_ids", None) or
                              ([cfg.eos_token_id] if cfg.eos_token_id is not None else []))
         self.stats_counters = collections.Counter()
@@ -198,8 +203,9 @@ class Engine:
     def _new_state(self, B: int) -> decode.DecodeState:
         """A state for B slots. A paged cache keeps the previous state's page pool (pages still
         hold prefix-cache entries); only the per-row parts are new."""
+        draft = dict(draft_cfg=self.draft_kw["draft_cfg"], draft_capacity=self.ecfg.max_seq_len)
         if self.paged is None:
-            return decode.DecodeState.create(self.cfg, B, self.capacity, self.dtype)
+            return decode.DecodeState.create(self.cfg, B, self.capacity, self.dtype, **draft)
         if self.state is not None:
             k, v = self.state.cache.k, self.state.cache.v
         else:
@@ -210,7 +216,8 @@ class Engine:
         cache = PagedKVCache(k=k, v=v,
                              block_tables=np.zeros((B, self.paged.table_width), np.int32),
                              lengths=np.zeros(B, np.int32), page_size=self.paged.page_size)
-        return decode.DecodeState.create(self.cfg, B, self.capacity, self.dtype, cache=cache)
+        return decode.DecodeState.create(self.cfg, B, self.capacity, self.dtype, cache=cache,
+                                         **draft)
 
     def step_scratch_bytes(self) -> int:
         """Scratch (temporary) bytes of the largest compiled programs the engine dispatches,
@@ -227,7 +234,8 @@ class Engine:
                              completes=np.zeros(G, bool),
                              next_tokens=np.zeros((G, T), np.int32), rows=np.zeros(G, np.int32))
         common = dict(cfg=self.cfg, kv_view=kv_view, attn_impl=self.ecfg.attention)
-        programs = [decode.mixed_step.lower(self.params, state, chunk, rows, **common)]
+        programs = [decode.mixed_step.lower(self.params, state, chunk, rows, **common,
+                                            **self.draft_kw)]
         if self.spec is None:
             programs.append(decode.decode_loop.lower(
                 self.params, state, rows, num_steps=self.ecfg.decode_steps,
@@ -238,14 +246,15 @@ class Engine:
                 self.params, state, rows, np.zeros((B, self.ecfg.max_seq_len), np.int32),
                 np.zeros(B, bool), num_steps=self.ecfg.decode_steps, num_draft=k,
                 ngram_max=self.spec.ngram_max, ngram_min=self.spec.ngram_min,
-                exit_on_stop=np.bool_(False), **common))
+                exit_on_stop=np.bool_(False), **common, **self.draft_kw))
         return max(p.compile().memory_analysis().temp_size_in_bytes for p in programs)
 
     def set_num_pages(self, num_pages: int) -> None:
         """Resizes the (not yet allocated) page pool."""
         assert self.state is None, "the pool is already allocated"
         self.num_pages = num_pages
-        self.paged = PagedSlots(num_pages, self.paged.page_size, self.paged.max_seq_len)
+        self.paged = PagedSlots(num_pages, self.paged.page_size, self.paged.max_seq_len,
+                                self.paged.allocator.enable_prefix_caching)
 
     def _row_params(self, decoding: np.ndarray) -> decode.RowParams:
         B = len(self.slots)
@@ -387,7 +396,7 @@ class Engine:
                              next_tokens=next_tokens, rows=rows)
         self.state, out, lp, first, first_lp, prompt_lp = decode.mixed_step(
             self.params, self.state, chunk, params, cfg=self.cfg, kv_view=kv_view,
-            attn_impl=self.ecfg.attention)
+            attn_impl=self.ecfg.attention, **self.draft_kw)
         self.stats_counters["prompt_tokens"] += int(num_new.sum())
         progressed = []
         if decoding.any():
@@ -526,7 +535,8 @@ class Engine:
             self.params, self.state, rows, self._history(), draft_on, cfg=self.cfg,
             num_steps=self.ecfg.decode_steps, num_draft=self.spec.num_draft_tokens,
             ngram_max=self.spec.ngram_max, ngram_min=self.spec.ngram_min, kv_view=kv_view,
-            attn_impl=self.ecfg.attention, exit_on_stop=np.bool_(bool(self.waiting)))
+            attn_impl=self.ecfg.attention, exit_on_stop=np.bool_(bool(self.waiting)),
+            **self.draft_kw)
 
     def _judge_speculation(self, req: Request, steps: int, drafted: int, accepted: int) -> None:
         """Books a dispatch's speculation counts; pauses drafting when acceptance stays low."""
@@ -633,7 +643,7 @@ class Engine:
                                          rows=np.full(G, B, np.int32))
                     self.state, *_ = decode.mixed_step(
                         self.params, self.state, chunk, rows, cfg=self.cfg, kv_view=kv_view,
-                        attn_impl=self.ecfg.attention)
+                        attn_impl=self.ecfg.attention, **self.draft_kw)
                 if self.spec is not None:
                     self.state, *_ = self._speculative_loop(rows, np.zeros(B, bool), kv_view)
                 elif not self._ragged_decode(B):

@@ -1,0 +1,210 @@
+"""Distils a small draft model from a target model, for speculative decoding.
+
+    python -m jaxinfer.launch.train_draft --out /tmp/smollm2-draft [--model smollm2-135m]
+        [--prompts_file configs/draft_prompts.txt] [--num_layers 2] [--steps 150]
+    then: ji.LLM("smollm2-135m", speculative=ji.SpeculativeConfig("draft",
+                 draft_model="/tmp/smollm2-draft"))
+
+1. Data: the target answers every prompt of --prompts_file itself (chat template unless
+   --nochat, --gen_tokens tokens at --gen_temperature, seeded), so the draft learns the text it
+   will be asked to predict. The last --eval_prompts prompts are held out.
+2. Draft: --num_layers decoder layers, initialised from evenly spaced layers of the target
+   (the first and the last among them); it shares the target's embedding, head and final norm,
+   which stay frozen.
+3. Training: optax AdamW (--learning_rate, cosine decay, gradient clipping at 1.0) on the
+   forward KL(p_target || q_draft) over the full vocabulary at every position of prompt and
+   answer, --batch_size sequences of at most --seq_len tokens per step.
+4. Saved as a jaxinfer (orbax) checkpoint with the target's tokenizer: usable as draft_model.
+5. With --eval (default), the acceptance of the trained draft and of the untrained one (the
+   same layers before training) in greedy speculative decoding of the held-out prompts,
+   through the public API (SpeculativeConfig("draft", num_draft_tokens=--num_draft)).
+
+Prints the loss every --log_every steps and, at the end, a JSON summary (also written to
+<out>/train_summary.json).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import app, flags
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.models import llama
+
+CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "configs")
+
+_MODEL = flags.DEFINE_string("model", "smollm2-135m", "Target model (alias or path).")
+_OUT = flags.DEFINE_string("out", None, "Directory for the draft checkpoint.", required=True)
+_PROMPTS = flags.DEFINE_string("prompts_file", os.path.join(CONFIGS_DIR, "draft_prompts.txt"),
+                               "Text file, one prompt per line (blank lines skipped).")
+_CHAT = flags.DEFINE_bool("chat", True, "Send prompts through the model's chat template.")
+_NUM_LAYERS = flags.DEFINE_integer("num_layers", 2, "Decoder layers of the draft.")
+_GEN_TOKENS = flags.DEFINE_integer("gen_tokens", 128, "Tokens the target generates per prompt.")
+_GEN_TEMP = flags.DEFINE_float("gen_temperature", 0.7, "Temperature of the generated text.")
+_STEPS = flags.DEFINE_integer("steps", 150, "Optimizer steps.")
+_BATCH = flags.DEFINE_integer("batch_size", 8, "Sequences per step.")
+_SEQ_LEN = flags.DEFINE_integer("seq_len", 192, "Longest training sequence (longer ones are cut).")
+_LR = flags.DEFINE_float("learning_rate", 1e-3, "Peak AdamW learning rate.")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of the generation and of the batch order.")
+_EVAL_PROMPTS = flags.DEFINE_integer("eval_prompts", 8, "Prompts held out for the evaluation.")
+_EVAL = flags.DEFINE_bool("eval", True, "Measure acceptance, trained against untrained.")
+_NUM_DRAFT = flags.DEFINE_integer("num_draft", 4, "Draft tokens per step in the evaluation.")
+_EVAL_TOKENS = flags.DEFINE_integer("eval_tokens", 96, "Tokens generated per held-out prompt.")
+_LOG_EVERY = flags.DEFINE_integer("log_every", 10, "Steps between loss lines.")
+
+
+def draft_from_target(params: llama.LlamaParams, cfg: ModelConfig, num_layers: int):
+    """A num_layers draft: the target's layers at evenly spaced depths (first and last
+    included), its embedding, head and final norm shared. Returns (params, config)."""
+    if not 1 <= num_layers <= cfg.num_layers:
+        raise ValueError(f"num_layers must be in [1, {cfg.num_layers}], got {num_layers}")
+    picks = np.unique(np.round(np.linspace(0, cfg.num_layers - 1, num_layers)).astype(int))
+    draft_cfg = cfg.replace(num_layers=num_layers)
+    return params.replace(layers=tuple(params.layers[i] for i in picks)), draft_cfg
+
+
+def kl_loss(trainable, frozen, draft_cfg: ModelConfig, tokens, mask, target_logp):
+    """Mean over mask [B, T] of KL(p_target || q_draft) at each position; trainable = (layers,
+    final_norm), frozen = the draft's params otherwise; target_logp [B, T, V]."""
+    layers, final_norm = trainable
+    params = frozen.replace(layers=layers, final_norm=final_norm)
+    logq = jax.nn.log_softmax(llama.sequence_logits(params, draft_cfg, tokens), axis=-1)
+    kl = jnp.sum(jnp.exp(target_logp) * (target_logp - logq), axis=-1)
+    return jnp.sum(kl * mask) / jnp.maximum(jnp.sum(mask), 1)
+
+
+def make_train_step(draft_cfg: ModelConfig, target_cfg: ModelConfig, optimizer):
+    @jax.jit
+    def step(trainable, opt_state, frozen, target_params, tokens, mask):
+        target_logp = jax.nn.log_softmax(
+            llama.sequence_logits(target_params, target_cfg, tokens), axis=-1)
+        loss, grads = jax.value_and_grad(kl_loss)(trainable, frozen, draft_cfg, tokens, mask,
+                                                  target_logp)
+        updates, opt_state = optimizer.update(grads, opt_state, trainable)
+        return optax.apply_updates(trainable, updates), opt_state, loss
+    return step
+
+
+def batches(seqs: list[list[int]], batch_size: int, seq_len: int, rng: np.random.Generator):
+    """Endless padded batches (tokens [B, T] int32, mask [B, T] float32), reshuffled per pass."""
+    while True:
+        order = rng.permutation(len(seqs))
+        for i in range(0, len(order) - batch_size + 1, batch_size):
+            chosen = [seqs[j][:seq_len] for j in order[i:i + batch_size]]
+            T = max(len(s) for s in chosen)
+            tokens = np.zeros((batch_size, T), np.int32)
+            mask = np.zeros((batch_size, T), np.float32)
+            for b, s in enumerate(chosen):
+                tokens[b, :len(s)] = s
+                mask[b, :len(s) - 1] = 1.0  # position t predicts token t + 1
+            yield tokens, mask
+
+
+def train(target_params, target_cfg: ModelConfig, seqs: list[list[int]], *, num_layers: int,
+          steps: int, batch_size: int, seq_len: int, learning_rate: float, seed: int,
+          log_every: int = 10, log=print):
+    """Distils a draft on token sequences; returns (draft params, draft config, losses)."""
+    draft, draft_cfg = draft_from_target(target_params, target_cfg, num_layers)
+    trainable = (draft.layers, draft.final_norm)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, min(10, steps), steps)
+    optimizer = optax.chain(optax.clip_by_global_norm(1.0),
+                            optax.adamw(schedule, weight_decay=0.0))
+    opt_state = optimizer.init(trainable)
+    step_fn = make_train_step(draft_cfg, target_cfg, optimizer)
+    data = batches(seqs, min(batch_size, len(seqs)), seq_len, np.random.default_rng(seed))
+    losses = []
+    t0 = time.perf_counter()
+    for i in range(steps):
+        tokens, mask = next(data)
+        trainable, opt_state, loss = step_fn(trainable, opt_state, draft, target_params, tokens,
+                                             mask)
+        losses.append(float(loss))
+        if log_every and (i % log_every == 0 or i == steps - 1):
+            log(f"step {i:4d}  KL {losses[-1]:.4f}  ({time.perf_counter() - t0:.0f} s)")
+    layers, final_norm = trainable
+    return draft.replace(layers=layers, final_norm=final_norm), draft_cfg, losses
+
+
+def read_prompts(path: str) -> list[str]:
+    with open(path, encoding="utf-8") as f:
+        prompts = [line.strip() for line in f if line.strip()]
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts")
+    return prompts
+
+
+def acceptance(model: str, draft_dir: str, prompts: list[str], *, num_draft: int,
+               max_tokens: int) -> dict:
+    """Greedy speculative decoding of prompts with a draft checkpoint, through the public API:
+    acceptance rate and accepted drafts per verification step."""
+    import jaxinfer as ji
+
+    llm = ji.LLM(model, max_seq_len=512, max_num_seqs=min(8, len(prompts)),
+                 speculative=ji.SpeculativeConfig("draft", num_draft_tokens=num_draft,
+                                                  draft_model=draft_dir))
+    llm.generate(prompts, ji.SamplingParams(max_tokens=max_tokens))
+    s = llm.stats()
+    return {"acceptance_rate": round(s["acceptance_rate"], 4),
+            "accepted_per_step": round(s["mean_accepted_tokens"], 4),
+            "draft_tokens": s["draft_tokens"]}
+
+
+def main(argv) -> None:
+    del argv
+    import jaxinfer as ji
+    from jaxinfer.loading.checkpoint import save_checkpoint
+
+    prompts = read_prompts(_PROMPTS.value)
+    n_eval = min(_EVAL_PROMPTS.value, len(prompts) - 1) if _EVAL.value else 0
+    train_prompts, eval_prompts = prompts[:len(prompts) - n_eval], prompts[len(prompts) - n_eval:]
+    llm = ji.LLM(_MODEL.value, max_seq_len=512)
+    tok = llm.tokenizer
+    render = (lambda p: tok.apply_chat_template([{"role": "user", "content": p}],
+                                                add_generation_prompt=True)) if _CHAT.value \
+        else (lambda p: p)
+    t0 = time.perf_counter()
+    outs = llm.generate([render(p) for p in train_prompts],
+                        [ji.SamplingParams(max_tokens=_GEN_TOKENS.value,
+                                           temperature=_GEN_TEMP.value, seed=_SEED.value + i)
+                         for i in range(len(train_prompts))])
+    seqs = [o.prompt_token_ids + o.token_ids for o in outs]
+    print(f"generated {sum(len(o.token_ids) for o in outs)} tokens for {len(seqs)} prompts "
+          f"in {time.perf_counter() - t0:.0f} s", flush=True)
+    target_params, target_cfg = llm._engine.params, llm.model_config
+    del llm
+    draft, draft_cfg, losses = train(
+        target_params, target_cfg, seqs, num_layers=_NUM_LAYERS.value, steps=_STEPS.value,
+        batch_size=_BATCH.value, seq_len=_SEQ_LEN.value, learning_rate=_LR.value,
+        seed=_SEED.value, log_every=_LOG_EVERY.value, log=lambda m: print(m, flush=True))
+    save_checkpoint(_OUT.value, draft_cfg, draft, tok)
+    summary = {"model": _MODEL.value, "num_layers": _NUM_LAYERS.value, "steps": _STEPS.value,
+               "train_sequences": len(seqs), "kl_first": losses[0], "kl_last": losses[-1],
+               "out": os.path.abspath(_OUT.value)}
+    if eval_prompts:
+        eval_texts = [render(p) for p in eval_prompts]
+        untrained, _ = draft_from_target(target_params, target_cfg, _NUM_LAYERS.value)
+        with tempfile.TemporaryDirectory() as tmp:
+            save_checkpoint(tmp, draft_cfg, untrained, tok)
+            summary["untrained"] = acceptance(_MODEL.value, tmp, eval_texts,
+                                              num_draft=_NUM_DRAFT.value,
+                                              max_tokens=_EVAL_TOKENS.value)
+        summary["trained"] = acceptance(_MODEL.value, _OUT.value, eval_texts,
+                                        num_draft=_NUM_DRAFT.value,
+                                        max_tokens=_EVAL_TOKENS.value)
+        summary["eval_prompts"] = len(eval_prompts)
+    with open(os.path.join(_OUT.value, "train_summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    app.run(main)
