@@ -1,8 +1,8 @@
 """Speculative decoding: wall-clock speedup and acceptance, against the same engine without it.
 
     python benchmarks/speculative.py [--batch 1,16] [--max-tokens 128] [--num-draft 4]
-        [--ngram-max 3] [--prompts-b1 4] [--runs 2] [--threads 2] [--model smollm2-135m]
-        [--max-seq-len 1024] [--json PATH]
+        [--ngram-max 3] [--draft-model PATH] [--prompts-b1 4] [--runs 2] [--threads 2]
+        [--model smollm2-135m] [--max-seq-len 1024] [--json PATH]
 
 Workloads (chat-templated, greedy, EOS ends a request, at most --max-tokens new tokens):
   grounded  the answer is in the prompt: repeat a paragraph, summarise it, or return it with its
@@ -12,9 +12,10 @@ Workloads (chat-templated, greedy, EOS ends a request, at most --max-tokens new 
 Batch 1 serves the first --prompts-b1 prompts of a workload one after another through one slot
 (max_num_seqs=1); batch 16 submits 16 at once (max_num_seqs=16).
 
-Each batch size runs in its own subprocess (this file with --worker), pinned to the first
---threads CPUs, holding two engines: plain and n-gram speculation (SpeculativeConfig("ngram",
-num_draft_tokens, ngram_max)). Both serve every workload twice untimed (compiling the shapes it
+Each batch size and method runs in its own subprocess (this file with --worker), pinned to the
+first --threads CPUs, holding two engines: plain, and n-gram speculation
+(SpeculativeConfig("ngram", num_draft_tokens, ngram_max)) or, with --draft-model (a checkpoint
+from `python -m jaxinfer.launch.train_draft`), draft-model speculation. Both serve every workload twice untimed (compiling the shapes it
 uses, also with its prompts in the prefix cache), then --runs times alternately, plain then speculative; each reports its fastest run, so
 the speedup (plain seconds / speculative seconds) compares runs taken side by side. Greedy
 speculation is exact, so both produce the same tokens (checked; a mismatch is reported).
@@ -119,9 +120,11 @@ def worker(args) -> dict:
         return ji.LLM(args.model, max_seq_len=args.max_seq_len, max_num_seqs=args.batch,
                       speculative=spec)
 
-    engines = {"plain": engine(None),
-               "ngram": engine(ji.SpeculativeConfig("ngram", num_draft_tokens=args.num_draft,
-                                                    ngram_max=args.ngram_max))}
+    spec = (ji.SpeculativeConfig("ngram", num_draft_tokens=args.num_draft,
+                                 ngram_max=args.ngram_max) if args.method == "ngram" else
+            ji.SpeculativeConfig("draft", num_draft_tokens=args.num_draft,
+                                 draft_model=args.draft_model))
+    engines = {"plain": engine(None), "spec": engine(spec)}
     tok = engines["plain"].tokenizer
     n = args.batch if args.batch > 1 else args.prompts_b1
     workloads = {"grounded": grounded_prompts()[:n], "open": OPEN_PROMPTS[:n]}
@@ -144,31 +147,31 @@ def worker(args) -> dict:
     results = {}
     for wl in workloads:
         best = {name: None for name in engines}
-        before = engines["ngram"].stats()
+        before = engines["spec"].stats()
         for _ in range(args.runs):
             for name in engines:
                 secs, outs = serve(name, wl)
                 if best[name] is None or secs < best[name][0]:
                     best[name] = (secs, outs)
-        after = engines["ngram"].stats()
-        plain_outs, spec_outs = best["plain"][1], best["ngram"][1]
+        after = engines["spec"].stats()
+        plain_outs, spec_outs = best["plain"][1], best["spec"][1]
         tokens = sum(len(o.token_ids) for o in spec_outs)
         drafted = after["draft_tokens"] - before["draft_tokens"]
         accepted = after["accepted_tokens"] - before["accepted_tokens"]
         steps = after["spec_steps"] - before["spec_steps"]
         results[wl] = {
             "requests": len(spec_outs), "output_tokens": tokens,
-            "plain_s": round(best["plain"][0], 3), "ngram_s": round(best["ngram"][0], 3),
+            "plain_s": round(best["plain"][0], 3), "spec_s": round(best["spec"][0], 3),
             "plain_tok_per_s": round(tokens / best["plain"][0], 1),
-            "ngram_tok_per_s": round(tokens / best["ngram"][0], 1),
-            "speedup": round(best["plain"][0] / best["ngram"][0], 3),
+            "spec_tok_per_s": round(tokens / best["spec"][0], 1),
+            "speedup": round(best["plain"][0] / best["spec"][0], 3),
             "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
             "accepted_per_step": round(accepted / steps, 3) if steps else None,
             "mismatched_requests": sum(a.token_ids != b.token_ids
                                        for a, b in zip(plain_outs, spec_outs)),
         }
-    return {"batch": args.batch, "device": str(jax.devices()[0]), "jax": jax.__version__,
-            "workloads": results}
+    return {"batch": args.batch, "method": args.method, "device": str(jax.devices()[0]),
+            "jax": jax.__version__, "workloads": results}
 
 
 def main() -> None:
@@ -177,6 +180,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--num-draft", type=int, default=4)
     ap.add_argument("--ngram-max", type=int, default=3)
+    ap.add_argument("--draft-model", help="a draft checkpoint: also measure draft speculation")
     ap.add_argument("--prompts-b1", type=int, default=4)
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
@@ -185,6 +189,7 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
+    ap.add_argument("--method", default="ngram", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         args.batch = int(args.batch)
@@ -192,28 +197,30 @@ def main() -> None:
             json.dump(worker(args), f)
         return
 
-    report = {"args": {k: v for k, v in vars(args).items() if k not in ("worker", "out")},
-              "batches": []}
-    for batch in [int(b) for b in args.batch.split(",")]:
+    report = {"args": {k: v for k, v in vars(args).items()
+                       if k not in ("worker", "out", "method")}, "runs": []}
+    methods = ["ngram"] + (["draft"] if args.draft_model else [])
+    for batch, method in [(int(b), m) for b in args.batch.split(",") for m in methods]:
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
             out = f.name
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--out", out,
-               "--batch", str(batch)] + [a for k, v in vars(args).items()
-                                         if k not in ("worker", "out", "batch", "json")
-                                         for a in (f"--{k.replace('_', '-')}", str(v))]
+               "--batch", str(batch), "--method", method] + [
+            a for k, v in vars(args).items()
+            if k not in ("worker", "out", "batch", "json", "method") and v is not None
+            for a in (f"--{k.replace('_', '-')}", str(v))]
         if hasattr(os, "sched_setaffinity"):
             cmd = ["taskset", "-c", f"0-{args.threads - 1}"] + cmd
         subprocess.run(cmd, check=True)
         with open(out) as f:
             result = json.load(f)
         os.unlink(out)
-        report["batches"].append(result)
-        print(f"\nbatch {batch} ({result['device']}):")
-        print(f"{'workload':<10} {'tokens':>6} {'plain tok/s':>11} {'ngram tok/s':>11} "
+        report["runs"].append(result)
+        print(f"\nbatch {batch}, {method} ({result['device']}):")
+        print(f"{'workload':<10} {'tokens':>6} {'plain tok/s':>11} {'spec tok/s':>11} "
               f"{'speedup':>7} {'accept':>6} {'acc/step':>8} {'mismatch':>8}")
         for wl, r in result["workloads"].items():
             print(f"{wl:<10} {r['output_tokens']:>6} {r['plain_tok_per_s']:>11} "
-                  f"{r['ngram_tok_per_s']:>11} {r['speedup']:>7} "
+                  f"{r['spec_tok_per_s']:>11} {r['speedup']:>7} "
                   f"{r['acceptance_rate'] if r['acceptance_rate'] is not None else '-':>6} "
                   f"{r['accepted_per_step'] if r['accepted_per_step'] is not None else '-':>8} "
                   f"{r['mismatched_requests']:>8}")

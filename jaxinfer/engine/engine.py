@@ -23,6 +23,7 @@ import numpy as np
 
 from jaxinfer import decode
 from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.engine import memory
 from jaxinfer.engine.paged import PagedSlots
 from jaxinfer.engine.request import RequestMetrics, RequestOutput, SamplingParams
 from jaxinfer.engine.textstream import TextStream
@@ -117,7 +118,12 @@ class Engine:
                  capacity: int, dtype, paged: Optional[PagedSlots] = None,
                  num_pages: int = 0, draft: Optional[tuple] = None):
         self.cfg = cfg
-        self.params = params
+        # Weights and state are committed to the device: jit keys its compiled programs on
+        # whether each argument is, and weights restored from orbax arrive committed while
+        # weights from GGUF do not, so a state that went through a step would otherwise stop
+        # matching a fresh one and recompile.
+        self.device = jax.devices()[0]
+        self.params = jax.device_put(params, self.device)
         self.tokenizer = tokenizer
         self.ecfg = engine_cfg
         self.capacity = capacity
@@ -144,7 +150,7 @@ class Engine:
         # A draft model (params, config): its ring cache rides in DecodeState and every step
         # that feeds the target feeds it too. Passed to every step (None without one), so the
         # jitted functions always see the same keyword arguments.
-        self.draft_kw = {"draft_params": draft[0] if draft else None,
+        self.draft_kw = {"draft_params": jax.device_put(draft[0], self.device) if draft else None,
                          "draft_cfg": draft[1] if draft else None}
         self.eos_ids = tuple(getattr(tokenizer, "eos_token_ids", None) or
                              ([cfg.eos_token_id] if cfg.eos_token_id is not None else []))
@@ -205,7 +211,9 @@ class Engine:
         hold prefix-cache entries); only the per-row parts are new."""
         draft = dict(draft_cfg=self.draft_kw["draft_cfg"], draft_capacity=self.ecfg.max_seq_len)
         if self.paged is None:
-            return decode.DecodeState.create(self.cfg, B, self.capacity, self.dtype, **draft)
+            return jax.device_put(
+                decode.DecodeState.create(self.cfg, B, self.capacity, self.dtype, **draft),
+                self.device)
         if self.state is not None:
             k, v = self.state.cache.k, self.state.cache.v
         else:
@@ -216,8 +224,8 @@ class Engine:
         cache = PagedKVCache(k=k, v=v,
                              block_tables=np.zeros((B, self.paged.table_width), np.int32),
                              lengths=np.zeros(B, np.int32), page_size=self.paged.page_size)
-        return decode.DecodeState.create(self.cfg, B, self.capacity, self.dtype, cache=cache,
-                                         **draft)
+        return jax.device_put(decode.DecodeState.create(self.cfg, B, self.capacity, self.dtype,
+                                                        cache=cache, **draft), self.device)
 
     def step_scratch_bytes(self) -> int:
         """Scratch (temporary) bytes of the largest compiled programs the engine dispatches,
@@ -625,6 +633,14 @@ class Engine:
         if self.has_unfinished():
             raise RuntimeError("warmup() needs an engine with no unfinished requests")
         t0 = time.perf_counter()
+        budget = memory.MapBudget()
+        left = self.num_programs()
+
+        def compiled():
+            nonlocal left
+            left -= 1
+            budget.check(left)
+
         for B in self.batch_buckets:
             self.slots = [None] * B
             self.state = self._new_state(B)
@@ -644,14 +660,17 @@ class Engine:
                     self.state, *_ = decode.mixed_step(
                         self.params, self.state, chunk, rows, cfg=self.cfg, kv_view=kv_view,
                         attn_impl=self.ecfg.attention, **self.draft_kw)
+                    compiled()
                 if self.spec is not None:
                     self.state, *_ = self._speculative_loop(rows, np.zeros(B, bool), kv_view)
+                    compiled()
                 elif not self._ragged_decode(B):
                     self.state, *_ = decode.decode_loop(
                         self.params, self.state, rows, cfg=self.cfg,
                         num_steps=self.ecfg.decode_steps, kv_view=kv_view,
                         attn_impl=self.ecfg.attention, exit_on_stop=np.bool_(False),
                         decode_pages=None)
+                    compiled()
             for decode_pages in (self._decode_page_buckets(B) if self._ragged_decode(B)
                                  else ()):
                 self.state, *_ = decode.decode_loop(
@@ -659,7 +678,9 @@ class Engine:
                     num_steps=self.ecfg.decode_steps, kv_view=None,
                     attn_impl=self.ecfg.attention, exit_on_stop=np.bool_(False),
                     decode_pages=decode_pages)
+                compiled()
             jax.block_until_ready(self.state)
+        assert left == 0, f"num_programs() is off by {left}"
         for i, small in enumerate(self.batch_buckets):  # growing a running batch
             for B in self.batch_buckets[i + 1:]:
                 self.slots = [None] * small
@@ -667,6 +688,15 @@ class Engine:
                 self._grow(B)
         jax.block_until_ready(self.state)
         return time.perf_counter() - t0
+
+    def num_programs(self) -> int:
+        """The model programs warmup compiles: mixed steps, and decode (or speculative) loops."""
+        n = 0
+        for B in self.batch_buckets:
+            loops = 0 if self._ragged_decode(B) else len(self.kv_buckets)
+            pages = len(self._decode_page_buckets(B)) if self._ragged_decode(B) else 0
+            n += len(self.kv_buckets) * len(self.chunk_shapes(B)) + loops + pages
+        return n
 
     def stats(self) -> dict:
         elapsed = time.perf_counter() - self.start_time

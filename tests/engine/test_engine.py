@@ -23,6 +23,29 @@ def _prompts(n, seed):
 
 
 def test_no_compilation_after_warmup(llm, compile_recorder):
+    _no_compilation_after_warmup(llm, compile_recorder)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_no_compilation_after_warmup_with_speculation(method, tmp_path, compile_recorder):
+    from jaxinfer.launch.train_draft import draft_from_target
+    from jaxinfer.loading import load_model
+    from jaxinfer.loading.checkpoint import save_checkpoint
+
+    spec = ji.SpeculativeConfig("ngram", num_draft_tokens=3)
+    if method == "draft":
+        target = load_model(TINY)
+        draft, draft_cfg = draft_from_target(target.params, target.config, 1)
+        save_checkpoint(str(tmp_path / "draft"), draft_cfg, draft)
+        spec = ji.SpeculativeConfig("draft", num_draft_tokens=3,
+                                    draft_model=str(tmp_path / "draft"))
+    llm = ji.LLM(TINY, max_seq_len=128, max_num_seqs=4, prefill_chunk=32, decode_steps=4,
+                 speculative=spec)
+    _no_compilation_after_warmup(llm, compile_recorder)
+    assert llm.stats()["draft_tokens"] > 0
+
+
+def _no_compilation_after_warmup(llm, compile_recorder):
     llm.warmup()
     with compile_recorder() as rec:
         # Mixed lengths (chunked prefill over 1..3 chunks), more requests than slots, each
