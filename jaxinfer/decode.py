@@ -297,25 +297,27 @@ def _run_if(pred: jax.Array, fn, operand, default):
 
 
 def _draft_model_steps(draft_params, draft_cfg: ModelConfig, state: DecodeState,
-                       sampling: SamplingArrays, running: jax.Array, steps: int, *,
+                       sampling: SamplingArrays, running: jax.Array, k: int, *,
                        kv_view: int | None):
-    """`steps` single-token steps of the draft model on state.draft_cache: the first feeds each
-    running row's last token, each later one the token drawn from the step before. Returns
-    (drafts [B, steps-1], their distributions q [B, steps-1, V], draft cache): the last step's
-    draw is discarded (it only writes the last draft's K/V)."""
+    """k single-token steps of the draft model on state.draft_cache, the first feeding each
+    running row's last token and each later one the token drawn before, then one more feeding
+    the last draft (its K/V only: no head). Returns (drafts [B, k], their distributions
+    q [B, k, V], draft cache)."""
+    fed = running.astype(jnp.int32)
+
     def body(carry, i):
         cache, token, seen = carry
-        h, cache = llama.forward(draft_params, draft_cfg, token[:, None], cache,
-                                 running.astype(jnp.int32), kv_view=kv_view)
+        h, cache = llama.forward(draft_params, draft_cfg, token[:, None], cache, fed,
+                                 kv_view=kv_view)
         logits = llama.lm_head(draft_params, h[:, 0])
         drawn, q = draw_draft(logits, sampling, seen, state.num_generated + i)
         seen = mark_seen(seen, drawn[:, None], running[:, None])
         return (cache, drawn, seen), (drawn, q)
 
-    (cache, _, _), (drafts, q) = jax.lax.scan(
-        body, (state.draft_cache, state.last_token, state.seen),
-        jnp.arange(steps, dtype=jnp.int32))
-    return drafts[:-1].T, jnp.swapaxes(q[:-1], 0, 1), cache
+    (cache, last, _), (drafts, q) = jax.lax.scan(
+        body, (state.draft_cache, state.last_token, state.seen), jnp.arange(k, dtype=jnp.int32))
+    _, cache = llama.forward(draft_params, draft_cfg, last[:, None], cache, fed, kv_view=kv_view)
+    return drafts.T, jnp.swapaxes(q, 0, 1), cache
 
 
 def _emitted(drafts: jax.Array, accepted: jax.Array, token: jax.Array) -> jax.Array:
@@ -383,19 +385,23 @@ def speculative_loop(params, state: DecodeState, rows: RowParams, history: jax.A
         length = state.cache.lengths
         room = jnp.maximum(rows.max_new - state.num_generated - 1, 0)  # the last token is free
         want_lp = rows.logprobs & running
-        draft_cache = state.draft_cache
+        can_draft = running & draft_on & (room > 0)
         if draft_cfg is None:
-            drafts, num = ngram_propose(history, length + 1, k, ngram_max, ngram_min)
-            draft_probs = None
+            ngram_drafts, num = ngram_propose(history, length + 1, k, ngram_max, ngram_min)
+            num = jnp.where(can_draft, jnp.minimum(num, room), 0)
         else:
-            drafts, draft_probs, draft_cache = _draft_model_steps(
-                draft_params, draft_cfg, state, rows.sampling, running, k + 1,
-                kv_view=kv_view)
-            num = jnp.full((B,), k, jnp.int32)
-        num = jnp.where(running & draft_on, jnp.minimum(num, room), 0)
+            num = jnp.where(can_draft, jnp.minimum(k, room), 0)
 
-        def verify_drafts(cache):
-            """The last token and the drafts through the target; exact acceptance."""
+        def verify_drafts(caches):
+            """Drafts (the draft model's k + 1 steps, or the n-gram ones), then the last token
+            and the drafts through the target; exact acceptance."""
+            cache, draft_cache = caches
+            if draft_cfg is None:
+                drafts, draft_probs = ngram_drafts, None
+            else:
+                drafts, draft_probs, draft_cache = _draft_model_steps(
+                    draft_params, draft_cfg, state.replace(draft_cache=draft_cache),
+                    rows.sampling, running, k, kv_view=kv_view)
             tokens = jnp.concatenate([state.last_token[:, None], drafts], axis=1)  # [B, k+1]
             h, cache = llama.forward(params, cfg, tokens, cache, jnp.where(running, 1 + num, 0),
                                      kv_view=kv_view, attn_impl=attn_impl)
@@ -404,27 +410,33 @@ def speculative_loop(params, state: DecodeState, rows: RowParams, history: jax.A
                                      state.num_generated, draft_probs)
             emitted = _emitted(drafts, accepted, token)
             lp = maybe_top_logprobs(want_lp, lambda x: x, logits, emitted)
-            return cache, (accepted, token, lp)
+            return (cache, draft_cache), (drafts, accepted, token, lp)
 
-        def plain_step(cache):
-            """No row drafted: one token per row, as decode_loop (a (k+1)-token forward would
-            cost more for nothing)."""
-            h, cache = llama.forward(params, cfg, state.last_token[:, None], cache,
-                                     running.astype(jnp.int32), kv_view=kv_view,
-                                     attn_impl=attn_impl)
+        def plain_step(caches):
+            """No row drafts: one token per row, as decode_loop (a (k+1)-token forward would
+            cost more for nothing); a draft model's cache only takes the last token's K/V."""
+            cache, draft_cache = caches
+            fed = running.astype(jnp.int32)
+            h, cache = llama.forward(params, cfg, state.last_token[:, None], cache, fed,
+                                     kv_view=kv_view, attn_impl=attn_impl)
+            if draft_cfg is not None:
+                _, draft_cache = llama.forward(draft_params, draft_cfg,
+                                               state.last_token[:, None], draft_cache, fed,
+                                               kv_view=kv_view)
             logits = llama.lm_head(params, h[:, 0])
             token = sample(logits, rows.sampling, state.seen, state.num_generated)
             lp = maybe_top_logprobs(want_lp, lambda x: x, logits, token)
             lp = jax.tree.map(lambda x: jnp.pad(x[:, None], [(0, 0), (0, k)] +
                                                 [(0, 0)] * (x.ndim - 1)), lp)
-            return cache, (zeros, token, lp)
+            return (cache, draft_cache), (jnp.zeros((B, k), jnp.int32), zeros, token, lp)
 
         any_draft = jnp.any(num > 0)
-        none = (zeros, zeros, no_logprobs((B, k + 1)))
-        cache, drafted_out = _run_if(any_draft, verify_drafts, state.cache, none)
-        cache, plain_out = _run_if(~any_draft, plain_step, cache, none)
-        accepted, token, lp = jax.tree.map(lambda a, b: jnp.where(any_draft, a, b),
-                                           drafted_out, plain_out)
+        none = (jnp.zeros((B, k), jnp.int32), zeros, zeros, no_logprobs((B, k + 1)))
+        caches, drafted_out = _run_if(any_draft, verify_drafts,
+                                      (state.cache, state.draft_cache), none)
+        (cache, draft_cache), plain_out = _run_if(~any_draft, plain_step, caches, none)
+        drafts, accepted, token, lp = jax.tree.map(lambda a, b: jnp.where(any_draft, a, b),
+                                                   drafted_out, plain_out)
         emitted = _emitted(drafts, accepted, token)
         n = jnp.minimum(accepted + 1, rows.max_new - state.num_generated)
         is_stop = jnp.any(emitted[..., None] == rows.stop_ids[:, None, :], axis=-1) & (

@@ -11,9 +11,13 @@ p_{k}. Every emitted token then follows the target's distribution exactly. p is 
 `sampling.sample` draws from (repetition penalty, temperature, top-k, top-p, min-p; one-hot at
 the argmax for greedy rows), so at temperature 0 verification is prefix matching.
 
-Randomness: the decision about the request's token at index i (its acceptance uniform and, where
-it is redrawn, its Gumbel noise) comes from fold_in(key(seed), i) alone, as in plain sampling; a
-row that proposes nothing draws exactly the token plain sampling would.
+Randomness comes from fold_in(key(seed), i) for the request's token at index i alone, as in
+plain sampling. For n-gram drafts (q one-hot) the acceptance test is coupled to the sampler's own
+Gumbel noise (see verify), so speculation emits exactly the tokens plain sampling would, for
+every seed: a seeded request gives the same tokens with or without speculation, alone or in a
+crowd. With a draft model, acceptance takes a uniform from fold_in(key, 1) and the draft its
+noise from fold_in(key, 2): outputs follow the target's distribution and repeat for a seed, but
+are other draws than plain sampling's.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.sampling import SamplingArrays, apply_repetition_penalty, mark_seen, sampling_probs
+from jaxinfer.sampling import (SamplingArrays, apply_repetition_penalty, mark_seen, sample,
+                               sampling_probs)
 
 _METHODS = ("ngram", "draft")
 
@@ -141,6 +146,16 @@ def verify(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array, sp: Samp
     def leading(ok):  # number of leading True entries of ok [B, k] among the valid drafts
         return jnp.sum(jnp.cumprod(ok & valid, axis=1), axis=1).astype(jnp.int32)
 
+    index = token_index[:, None] + jnp.arange(S, dtype=jnp.int32)[None, :]     # [B, S]
+    if draft_probs is None:
+        # q is one-hot at the draft, so the rule is: accept with probability p(d), else draw
+        # from p without d. "The token the sampler draws at this index with its own noise is d"
+        # has exactly that law, and on a mismatch that token is the redraw. Coupled so, the
+        # emitted tokens are the ones plain sampling emits, whatever was drafted.
+        target = sample(flat, sp_rep, seen_s, index.reshape(-1)).reshape(B, S)
+        a = leading(drafts == target[:, :k])
+        return a, jnp.take_along_axis(target, a[:, None], axis=1)[:, 0]
+
     def greedy(_):
         target = jnp.argmax(apply_repetition_penalty(flat, seen_s, sp_rep.repetition_penalty),
                             axis=-1).astype(jnp.int32).reshape(B, S)
@@ -149,16 +164,11 @@ def verify(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array, sp: Samp
 
     def stochastic(_):
         p = sampling_probs(flat, sp_rep, seen_s).reshape(B, S, V)
-        index = token_index[:, None] + jnp.arange(S, dtype=jnp.int32)[None, :]
         keys = _keys(sp.seed, index)                                        # [B, S]
         u = jax.vmap(jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1))))(keys)
         p_d = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]
-        if draft_probs is None:
-            q = jax.nn.one_hot(drafts, V, dtype=jnp.float32)
-            q_d = jnp.ones_like(p_d)
-        else:
-            q = draft_probs.astype(jnp.float32)
-            q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+        q = draft_probs.astype(jnp.float32)
+        q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
         a = leading(u[:, :k] * q_d < p_d)
         p_a = jnp.take_along_axis(p, a[:, None, None], axis=1)[:, 0]        # [B, V]
         q_pad = jnp.concatenate([q, jnp.zeros((B, 1, V), jnp.float32)], axis=1)

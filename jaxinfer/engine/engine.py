@@ -41,6 +41,42 @@ SPEC_PAUSE_TOKENS = 32
 SPEC_MAX_PAUSE_TOKENS = 1024
 
 
+class SpeculationRates:
+    """Whether drafting pays at a batch size, measured: the output tokens/s of recent decode
+    dispatches with drafting and without (moving averages, per slot-batch size). Verifying k
+    drafts per row costs about what a single-token step costs where a step is bound by reading
+    the weights (a GPU at small batch, a CPU at batch 1), and several times that where it is
+    bound by compute (a CPU at 16 rows); measuring covers both. The losing mode is tried again
+    every PROBE_EVERY dispatches, as acceptance changes with the text."""
+
+    PROBE_EVERY = 16
+    ALPHA = 0.3
+
+    def __init__(self):
+        self.rates: dict[tuple[int, bool], float] = {}
+        self.since_probe: collections.Counter = collections.Counter()
+
+    def draft(self, batch: int) -> bool:
+        """Should the next dispatch at this batch size draft (for rows that may)?"""
+        spec, plain = self.rates.get((batch, True)), self.rates.get((batch, False))
+        if spec is None or plain is None:
+            return spec is None  # measure each mode once, drafting first
+        if spec >= plain:
+            return True
+        self.since_probe[batch] += 1
+        if self.since_probe[batch] >= self.PROBE_EVERY:
+            self.since_probe[batch] = 0
+            return True
+        return False
+
+    def record(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
+        if seconds <= 0 or tokens <= 0:
+            return
+        rate, key = tokens / seconds, (batch, drafted)
+        old = self.rates.get(key)
+        self.rates[key] = rate if old is None else (1 - self.ALPHA) * old + self.ALPHA * rate
+
+
 def _buckets(limit: int, base: int, factor: int) -> tuple[int, ...]:
     out, b = [], base
     while b < limit:
@@ -147,6 +183,7 @@ class Engine:
         self.slots: list[Optional[Request]] = []
         self.state: Optional[decode.DecodeState] = None
         self.spec = engine_cfg.speculative
+        self.spec_rates = SpeculationRates()
         # A draft model (params, config): its ring cache rides in DecodeState and every step
         # that feeds the target feeds it too. Passed to every step (None without one), so the
         # jitted functions always see the same keyword arguments.
@@ -481,6 +518,8 @@ class Engine:
         speculation on, a speculative_loop of decode_steps steps)."""
         steps = self.ecfg.decode_steps
         draft_on = self._drafting(decoding)
+        if draft_on.any() and not self.spec_rates.draft(len(self.slots)):
+            draft_on[:] = False
         per_step = self.spec.num_draft_tokens + 1 if draft_on.any() else 1
         if self.paged is not None:
             decoding = self._grow_or_preempt(decoding, steps * per_step)
@@ -527,9 +566,12 @@ class Engine:
         """One speculative_loop dispatch: decode_steps steps per decoding row (single-token
         steps while no row drafts, so it also serves an engine whose rows all paused)."""
         rows = self._row_params(decoding)
+        t0 = time.perf_counter()
         self.state, out, num_out, done, lp, counts = self._speculative_loop(rows, draft_on,
                                                                             kv_view)
         out, num_out, done, counts = jax.device_get((out, num_out, done, counts))
+        self.spec_rates.record(len(self.slots), bool(draft_on.any()), int(num_out.sum()),
+                               time.perf_counter() - t0)
         lp = jax.device_get(lp) if (rows.logprobs & decoding).any() else None
         drafting = [(b, r) for b, r in enumerate(self.slots) if draft_on[b]]
         progressed = self._take_decoded(decoding, out, num_out, done, lp)

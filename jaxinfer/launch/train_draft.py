@@ -5,9 +5,9 @@
     then: ji.LLM("smollm2-135m", speculative=ji.SpeculativeConfig("draft",
                  draft_model="/tmp/smollm2-draft"))
 
-1. Data: the target answers every prompt of --prompts_file itself (chat template unless
-   --nochat, --gen_tokens tokens at --gen_temperature, seeded), so the draft learns the text it
-   will be asked to predict. The last --eval_prompts prompts are held out.
+1. Data: the target answers every prompt of --prompts_file itself, --samples_per_prompt times
+   (chat template unless --nochat, --gen_tokens tokens at --gen_temperature, seeded), so the
+   draft learns the text it will be asked to predict. The last --eval_prompts prompts are held out.
 2. Draft: --num_layers decoder layers, initialised from evenly spaced layers of the target
    (the first and the last among them); it shares the target's embedding, head and final norm,
    which stay frozen.
@@ -50,6 +50,8 @@ _CHAT = flags.DEFINE_bool("chat", True, "Send prompts through the model's chat t
 _NUM_LAYERS = flags.DEFINE_integer("num_layers", 2, "Decoder layers of the draft.")
 _GEN_TOKENS = flags.DEFINE_integer("gen_tokens", 128, "Tokens the target generates per prompt.")
 _GEN_TEMP = flags.DEFINE_float("gen_temperature", 0.7, "Temperature of the generated text.")
+_SAMPLES = flags.DEFINE_integer("samples_per_prompt", 1, "Answers generated per training prompt "
+                                "(each with its own seed).")
 _STEPS = flags.DEFINE_integer("steps", 150, "Optimizer steps.")
 _BATCH = flags.DEFINE_integer("batch_size", 8, "Sequences per step.")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 192, "Longest training sequence (longer ones are cut).")
@@ -172,12 +174,13 @@ def main(argv) -> None:
                                                 add_generation_prompt=True)) if _CHAT.value \
         else (lambda p: p)
     t0 = time.perf_counter()
-    outs = llm.generate([render(p) for p in train_prompts],
-                        [ji.SamplingParams(max_tokens=_GEN_TOKENS.value,
-                                           temperature=_GEN_TEMP.value, seed=_SEED.value + i)
-                         for i in range(len(train_prompts))])
+    texts = [render(p) for p in train_prompts for _ in range(_SAMPLES.value)]
+    outs = llm.generate(texts, [ji.SamplingParams(max_tokens=_GEN_TOKENS.value,
+                                                  temperature=_GEN_TEMP.value,
+                                                  seed=_SEED.value + i)
+                                for i in range(len(texts))])
     seqs = [o.prompt_token_ids + o.token_ids for o in outs]
-    print(f"generated {sum(len(o.token_ids) for o in outs)} tokens for {len(seqs)} prompts "
+    print(f"generated {sum(len(o.token_ids) for o in outs)} tokens in {len(seqs)} answers "
           f"in {time.perf_counter() - t0:.0f} s", flush=True)
     target_params, target_cfg = llm._engine.params, llm.model_config
     del llm
