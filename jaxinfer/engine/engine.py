@@ -31,6 +31,7 @@ from jaxinfer.kv_cache import PagedKVCache
 from jaxinfer.sampling import SamplingArrays
 
 MAX_STOP_IDS = 8
+RAGGED_MIN_BATCH = 8  # smallest batch decoded through page lists (Engine._ragged_decode)
 
 # Adaptive speculation: every SPEC_JUDGE_STEPS verification steps a request's accepted drafts per
 # step are judged; below SPEC_MIN_ACCEPTED its drafting pauses for SPEC_PAUSE_TOKENS generated
@@ -281,7 +282,7 @@ class Engine:
         common = dict(cfg=self.cfg, kv_view=kv_view, attn_impl=self.ecfg.attention)
         programs = [decode.mixed_step.lower(self.params, state, chunk, rows, **common,
                                             **self.draft_kw)]
-        if self.spec is None:
+        if not self._speculative(B):
             programs.append(decode.decode_loop.lower(
                 self.params, state, rows, num_steps=self.ecfg.decode_steps,
                 exit_on_stop=np.bool_(False), decode_pages=decode_pages, **common))
@@ -517,7 +518,8 @@ class Engine:
         """One decode_loop dispatch of up to decode_steps tokens per decoding row (with
         speculation on, a speculative_loop of decode_steps steps)."""
         steps = self.ecfg.decode_steps
-        draft_on = self._drafting(decoding)
+        speculative = self._speculative(len(self.slots))
+        draft_on = self._drafting(decoding) & speculative
         if draft_on.any() and not self.spec_rates.draft(len(self.slots)):
             draft_on[:] = False
         per_step = self.spec.num_draft_tokens + 1 if draft_on.any() else 1
@@ -528,7 +530,7 @@ class Engine:
             draft_on &= decoding
         lengths = [len(r.prompt_ids) + len(r.token_ids) + steps * per_step
                    for r, d in zip(self.slots, decoding) if d]
-        if self.spec is not None:
+        if speculative:
             return self._speculate(decoding, draft_on, _pick(self.kv_buckets, max(lengths)))
         kv_view, decode_pages = _pick(self.kv_buckets, max(lengths)), None
         if self._ragged_decode(len(self.slots)):
@@ -614,9 +616,20 @@ class Engine:
         row's view: 64 instead of 96 ms a step for 16 rows of 144-400 tokens. Smaller batches
         keep kv_view: every compiled program maps three memory areas per kernel (about 940 for
         SmolLM2), and all of them must stay inside Linux's default 65530 maps a process
-        (warmup at max_num_seqs=16, max_seq_len=2048: about 57,800)."""
+        (warmup at max_num_seqs=16, max_seq_len=2048: about 57,800). Below RAGGED_MIN_BATCH
+        rows there is little raggedness to save. A speculative engine decodes this batch the
+        same way and does not draft in it (see _speculative)."""
         return (self.paged is not None and self.ecfg.attention == "reference"
-                and B == self.batch_buckets[-1] and self.spec is None)
+                and B == self.batch_buckets[-1] and B >= RAGGED_MIN_BATCH)
+
+    def _speculative(self, B: int) -> bool:
+        """Does a B-slot batch decode through speculative_loop? With speculation on, yes, except
+        where it decodes through page lists (the CPU reference path at its largest batch):
+        there a step is bound by compute, so verifying k drafts per row costs several single
+        steps and drafting lost even at 84% acceptance (0.94x at 16 rows), while the page-list
+        decode it would give up is 1.5x faster than the view speculative_loop attends over.
+        Compiling both would not fit the process map limit."""
+        return self.spec is not None and not self._ragged_decode(B)
 
     def _decode_page_buckets(self, B: int) -> tuple[int, ...]:
         """Page-list lengths of a B-row ragged decode (from 8 pages a row up to every row's
@@ -703,7 +716,7 @@ class Engine:
                         self.params, self.state, chunk, rows, cfg=self.cfg, kv_view=kv_view,
                         attn_impl=self.ecfg.attention, **self.draft_kw)
                     compiled()
-                if self.spec is not None:
+                if self._speculative(B):
                     self.state, *_ = self._speculative_loop(rows, np.zeros(B, bool), kv_view)
                     compiled()
                 elif not self._ragged_decode(B):
