@@ -87,3 +87,14 @@ def compile_recorder():
 
     return recording
 
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drops every compiled program after each test module. A CPU process may hold only
+    vm.max_map_count memory maps (65530 by default) and each compiled program of the real model
+    holds about a thousand (three per kernel), so the whole suite's engines together would
+    exhaust them (a segfault while loading a program). Modules that come later recompile
+    what they need, mostly from the persistent compilation cache."""
+    yield
+    jax.clear_caches()

@@ -141,13 +141,15 @@ def test_bad_prompts_raise_before_device_work_and_llm_keeps_working(llm):
 def test_unimplemented_arguments_are_refused():
     for kwargs, feature in [(dict(quantization="int8"), "quantization"),
                             (dict(kv_cache_dtype="int8"), "KV-cache"),
-                            (dict(speculative=ji.SpeculativeConfig("draft", draft_model="x")),
-                             "draft"),
                             (dict(mesh=ji.MeshConfig(tensor=2)), "mesh")]:
         with pytest.raises(NotImplementedError, match=feature):
             ji.LLM("smollm2-135m", **kwargs)
     with pytest.raises(ValueError, match="attention"):
         ji.LLM("smollm2-135m", attention="flash")
+    with pytest.raises(ValueError, match="unknown model 'x'"):
+        ji.LLM("smollm2-135m", speculative=ji.SpeculativeConfig("draft", draft_model="x"))
+    with pytest.raises(ValueError, match="speculative must be a ji.SpeculativeConfig"):
+        ji.LLM("smollm2-135m", speculative="ngram")
     with pytest.raises(ValueError, match=r"num_pages=64 cannot hold one max_seq_len \(2048\) "
                                          r"request: it needs 128 pages"):
         ji.LLM("smollm2-135m", num_pages=64)
