@@ -363,18 +363,23 @@ def test_ngram_speculation_samples_the_tokens_of_decode_loop(drafting):
 
 # ---- the public API on the real model -----------------------------------------------------------
 
-def test_llm_ngram_speculation_matches_hf_greedy_goldens(data_dir):
+def _generate_goldens(data_dir, spec):
+    """SmolLM2 with `spec` on every HF golden prompt: asserts the golden greedy tokens and
+    returns (outputs, llm.stats())."""
     with open(os.path.join(data_dir, "smollm2_greedy.json")) as f:
         golden = json.load(f)
-    llm = ji.LLM("smollm2-135m", max_seq_len=256, max_num_seqs=4,
-                 speculative=ji.SpeculativeConfig("ngram", num_draft_tokens=4))
+    llm = ji.LLM("smollm2-135m", max_seq_len=256, max_num_seqs=4, speculative=spec)
     cases = golden["cases"]
     outs = llm.generate([c["prompt_ids"] for c in cases],
                         ji.SamplingParams(max_tokens=golden["max_new_tokens"]))
     for case, out in zip(cases, outs):
         want = case["greedy_ids"][:-1] if case["hit_eos"] else case["greedy_ids"]
         assert out.token_ids == want, case["name"]
-    stats = llm.stats()
+    return outs, llm.stats()
+
+
+def test_llm_ngram_speculation_matches_hf_greedy_goldens(data_dir):
+    outs, stats = _generate_goldens(data_dir, ji.SpeculativeConfig("ngram", num_draft_tokens=4))
     assert stats["draft_tokens"] > 0 and 0 < stats["acceptance_rate"] <= 1
     assert sum(o.metrics.accepted_tokens for o in outs) == stats["accepted_tokens"]
 
@@ -388,20 +393,10 @@ def test_llm_draft_model_speculation_matches_hf_greedy_goldens(data_dir, tmp_pat
     from jaxinfer.loading import load_model
     from jaxinfer.loading.checkpoint import save_checkpoint
 
-    with open(os.path.join(data_dir, "smollm2_greedy.json")) as f:
-        golden = json.load(f)
     target = load_model("smollm2-135m")
     draft, draft_cfg = draft_from_target(target.params, target.config, 24)
     save_checkpoint(str(tmp_path / "draft"), draft_cfg, draft)
     del target, draft
-    llm = ji.LLM("smollm2-135m", max_seq_len=256, max_num_seqs=4,
-                 speculative=ji.SpeculativeConfig("draft", num_draft_tokens=3,
-                                                  draft_model=str(tmp_path / "draft")))
-    cases = golden["cases"]
-    outs = llm.generate([c["prompt_ids"] for c in cases],
-                        ji.SamplingParams(max_tokens=golden["max_new_tokens"]))
-    for case, out in zip(cases, outs):
-        want = case["greedy_ids"][:-1] if case["hit_eos"] else case["greedy_ids"]
-        assert out.token_ids == want, case["name"]
-    stats = llm.stats()
+    _, stats = _generate_goldens(data_dir, ji.SpeculativeConfig(
+        "draft", num_draft_tokens=3, draft_model=str(tmp_path / "draft")))
     assert stats["draft_tokens"] > stats["accepted_tokens"] > 0
