@@ -389,7 +389,7 @@ def test_llm_draft_model_speculation_matches_hf_greedy_goldens(data_dir, tmp_pat
     """A draft of 24 of SmolLM2's 30 layers (the rest dropped, nothing trained): its argmax
     agrees with the target's on about a third of the golden tokens, so drafts are accepted and
     rejected; the output must be the HF goldens all the same."""
-    from jaxinfer.launch.train_draft import draft_from_target
+    from jaxinfer.draft_train import draft_from_target
     from jaxinfer.loading import load_model
     from jaxinfer.loading.checkpoint import save_checkpoint
 

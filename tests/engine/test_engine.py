@@ -28,7 +28,7 @@ def test_no_compilation_after_warmup(llm, compile_recorder):
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_no_compilation_after_warmup_with_speculation(method, tmp_path, compile_recorder):
-    from jaxinfer.launch.train_draft import draft_from_target
+    from jaxinfer.draft_train import draft_from_target
     from jaxinfer.loading import load_model
     from jaxinfer.loading.checkpoint import save_checkpoint
 

@@ -1,95 +1,34 @@
-"""Draft distillation (jaxinfer.launch.train_draft) on the tiny HF llama (2 layers, vocab 256).
+"""`python -m jaxinfer.launch.train_draft` end to end on the real SmolLM2-135M, kept small:
+4 training prompts answered in 16 tokens, 3 optimizer steps, 2 held-out prompts evaluated."""
 
-- draft_from_target picks evenly spaced layers and shares embedding, head and final norm;
-- training lowers the KL(target || draft) it minimises, measured on the training batches by
-  an independent float64 numpy computation before and after;
-- the saved checkpoint works as draft_model through the public API, and greedy speculative
-  output equals plain greedy output token by token.
-"""
-
+import json
 import os
+import subprocess
+import sys
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
 
-import jaxinfer as ji
-from jaxinfer.launch import train_draft
-from jaxinfer.loading import load_model
-from jaxinfer.loading.checkpoint import save_checkpoint
-from jaxinfer.models import llama
+from jaxinfer.loading.checkpoint import is_checkpoint_dir, read_checkpoint_config
 
-TINY = os.path.join(os.path.dirname(__file__), "..", "data", "tiny_models", "llama")
+PROMPTS = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "draft_prompts.txt")
 
 
-@pytest.fixture(scope="module")
-def target():
-    loaded = load_model(TINY)
-    return loaded.params, loaded.config
-
-
-def _kl_numpy(target_params, draft_params, cfg, draft_cfg, seqs):
-    """Mean KL(p || q) over next-token positions, float64 from each model's logits."""
-    total, count = 0.0, 0
-    for s in seqs:
-        x = jnp.asarray([s])
-        lp = np.asarray(llama.sequence_logits(target_params, cfg, x), np.float64)[0, :-1]
-        lq = np.asarray(llama.sequence_logits(draft_params, draft_cfg, x), np.float64)[0, :-1]
-        lp = lp - np.log(np.exp(lp - lp.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
-            - lp.max(-1, keepdims=True)
-        lq = lq - np.log(np.exp(lq - lq.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
-            - lq.max(-1, keepdims=True)
-        total += (np.exp(lp) * (lp - lq)).sum()
-        count += len(lp)
-    return total / count
-
-
-def test_draft_from_target_layers(target):
-    params, cfg = target
-    draft, draft_cfg = train_draft.draft_from_target(params, cfg, 1)
-    assert draft_cfg.num_layers == 1 and draft.layers[0] is params.layers[0]
-    assert draft.embed is params.embed and draft.final_norm is params.final_norm
-    both, _ = train_draft.draft_from_target(params, cfg, 2)
-    assert [id(x) for x in both.layers] == [id(x) for x in params.layers]
-    with pytest.raises(ValueError, match=r"num_layers must be in \[1, 2\], got 3"):
-        train_draft.draft_from_target(params, cfg, 3)
-
-
-def test_training_lowers_kl_and_the_draft_serves_speculation(target, tmp_path):
-    params, cfg = target
-    rng = np.random.default_rng(0)
-    # The target's own greedy continuations of random prompts: the text a draft must predict.
-    llm = ji.LLM(TINY, max_seq_len=128, max_num_seqs=4)
-    prompts = [rng.integers(3, cfg.vocab_size, int(n)).tolist() for n in rng.integers(4, 12, 12)]
-    outs = llm.generate(prompts, ji.SamplingParams(max_tokens=24, ignore_eos=True))
-    seqs = [o.prompt_token_ids + o.token_ids for o in outs]
-    untrained, draft_cfg = train_draft.draft_from_target(params, cfg, 1)
-    draft, draft_cfg2, losses = train_draft.train(
-        params, cfg, seqs, num_layers=1, steps=40, batch_size=4, seq_len=64,
-        learning_rate=3e-3, seed=0, log_every=0)
-    assert draft_cfg2 == draft_cfg and len(losses) == 40
-    before = _kl_numpy(params, untrained, cfg, draft_cfg, seqs)
-    after = _kl_numpy(params, draft, cfg, draft_cfg, seqs)
-    assert after < 0.7 * before, (before, after)
-    assert draft.embed is params.embed  # frozen and shared
-
-    save_checkpoint(str(tmp_path / "draft"), draft_cfg, draft)
-    spec = ji.LLM(TINY, max_seq_len=128, max_num_seqs=4,
-                  speculative=ji.SpeculativeConfig("draft", num_draft_tokens=3,
-                                                   draft_model=str(tmp_path / "draft")))
-    params_out = ji.SamplingParams(max_tokens=20, ignore_eos=True)
-    test_prompts = prompts[:4] + [rng.integers(3, cfg.vocab_size, 9).tolist()]
-    want = [o.token_ids for o in llm.generate(test_prompts, params_out)]
-    got = spec.generate(test_prompts, params_out)
-    assert [o.token_ids for o in got] == want
-    stats = spec.stats()
-    assert stats["draft_tokens"] > 0 and stats["accepted_tokens"] > 0
-    assert stats["prefix_cache_query_tokens"] == 0  # a draft model turns prefix caching off
-
-
-def test_draft_with_another_vocabulary_is_refused(tmp_path):
-    small = load_model(TINY).config.replace(vocab_size=64, num_layers=1)
-    save_checkpoint(str(tmp_path / "d"), small, llama.init_params(small, jax.random.key(0)))
-    with pytest.raises(ValueError, match="vocabulary of 64 tokens; the target's has 256"):
-        ji.LLM(TINY, speculative=ji.SpeculativeConfig("draft", draft_model=str(tmp_path / "d")))
+@pytest.mark.slow
+def test_train_draft_writes_a_draft_and_reports_acceptance(tmp_path):
+    with open(PROMPTS) as f:
+        (tmp_path / "prompts.txt").write_text("".join(f.readlines()[:6]))
+    out = tmp_path / "draft"
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxinfer.launch.train_draft", "--out", str(out),
+         "--prompts_file", str(tmp_path / "prompts.txt"), "--eval_prompts", "2", "--steps", "3",
+         "--gen_tokens", "16", "--eval_tokens", "8", "--batch_size", "2", "--log_every", "1"],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert summary["train_sequences"] == 4 and summary["eval_prompts"] == 2
+    assert summary["kl_last"] < summary["kl_first"]
+    for which in ("untrained", "trained"):
+        assert summary[which]["draft_tokens"] > 0
+        assert 0 <= summary[which]["acceptance_rate"] <= 1
+    assert is_checkpoint_dir(str(out)) and read_checkpoint_config(str(out)).num_layers == 2
+    assert os.path.isdir(out / "tokenizer")
