@@ -538,10 +538,7 @@ class Engine:
             pages = sum(min(-(-n // Z), M) for n in lengths)
             kv_view, decode_pages = None, _pick(self._decode_page_buckets(len(self.slots)), pages)
         rows = self._row_params(decoding)
-        self.state, out, num_out, done, lp = decode.decode_loop(
-            self.params, self.state, rows, cfg=self.cfg, num_steps=steps, kv_view=kv_view,
-            attn_impl=self.ecfg.attention, exit_on_stop=np.bool_(bool(self.waiting)),
-            decode_pages=decode_pages)
+        self.state, out, num_out, done, lp = self._decode_loop(rows, kv_view, decode_pages)
         out, num_out, done = jax.device_get((out, num_out, done))
         lp = jax.device_get(lp) if (rows.logprobs & decoding).any() else None
         return self._take_decoded(decoding, out, num_out, done, lp)
@@ -555,8 +552,11 @@ class Engine:
                          for r, d in zip(self.slots, decoding)])
 
     def _history(self) -> np.ndarray:
-        """[B, max_seq_len] int32: each slot's prompt and generated tokens (n-gram lookup)."""
+        """[B, max_seq_len] int32: each slot's prompt and generated tokens (n-gram lookup; a
+        draft model does not read it)."""
         hist = np.zeros((len(self.slots), self.ecfg.max_seq_len), np.int32)
+        if self.spec.method != "ngram":
+            return hist
         for b, req in enumerate(self.slots):
             if req is not None:
                 ids = req.prompt_ids + req.token_ids
@@ -581,6 +581,15 @@ class Engine:
             self._judge_speculation(req, int(counts.steps[b]), int(counts.drafted[b]),
                                     int(counts.accepted[b]))
         return progressed
+
+    def _decode_loop(self, rows: decode.RowParams, kv_view: Optional[int],
+                     decode_pages: Optional[int]):
+        """decode_loop on the engine's state; every call passes the same keywords (a missing
+        one would compile a second program)."""
+        return decode.decode_loop(
+            self.params, self.state, rows, cfg=self.cfg, num_steps=self.ecfg.decode_steps,
+            kv_view=kv_view, attn_impl=self.ecfg.attention,
+            exit_on_stop=np.bool_(bool(self.waiting)), decode_pages=decode_pages)
 
     def _speculative_loop(self, rows: decode.RowParams, draft_on: np.ndarray, kv_view: int):
         return decode.speculative_loop(
@@ -720,19 +729,11 @@ class Engine:
                     self.state, *_ = self._speculative_loop(rows, np.zeros(B, bool), kv_view)
                     compiled()
                 elif not self._ragged_decode(B):
-                    self.state, *_ = decode.decode_loop(
-                        self.params, self.state, rows, cfg=self.cfg,
-                        num_steps=self.ecfg.decode_steps, kv_view=kv_view,
-                        attn_impl=self.ecfg.attention, exit_on_stop=np.bool_(False),
-                        decode_pages=None)
+                    self.state, *_ = self._decode_loop(rows, kv_view, None)
                     compiled()
             for decode_pages in (self._decode_page_buckets(B) if self._ragged_decode(B)
                                  else ()):
-                self.state, *_ = decode.decode_loop(
-                    self.params, self.state, rows, cfg=self.cfg,
-                    num_steps=self.ecfg.decode_steps, kv_view=None,
-                    attn_impl=self.ecfg.attention, exit_on_stop=np.bool_(False),
-                    decode_pages=decode_pages)
+                self.state, *_ = self._decode_loop(rows, None, decode_pages)
                 compiled()
             jax.block_until_ready(self.state)
         assert left == 0, f"num_programs() is off by {left}"
