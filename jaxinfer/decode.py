@@ -17,6 +17,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from jaxinfer import sharding
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache import PagedKVCache, RingKVCache
 from jaxinfer.models import llama
@@ -48,6 +49,18 @@ class DecodeState:
                    num_generated=jnp.zeros((batch,), jnp.int32),
                    seen=jnp.zeros((batch, cfg.vocab_size), bool), draft_cache=draft)
 
+    def logical_axes(self) -> "DecodeState":
+        """Each array's logical axes (jaxinfer.sharding), in the state's own structure."""
+        return DecodeState(cache=self.cache.logical_axes(), last_token=("batch",),
+                           num_generated=("batch",), seen=("batch", "vocab"),
+                           draft_cache=None if self.draft_cache is None
+                           else self.draft_cache.logical_axes())
+
+    def constrained(self) -> "DecodeState":
+        """The state pinned to its sharding on the context mesh (identity without one): every
+        jitted step returns this, so its output sharding equals its input's."""
+        return sharding.constrain_tree(self, self.logical_axes())
+
 
 @flax.struct.dataclass
 class RowParams:
@@ -77,7 +90,7 @@ def reset_rows(state: DecodeState, mask: jax.Array, start: jax.Array,
     return state.replace(cache=cache,
                          last_token=jnp.where(mask, 0, state.last_token),
                          num_generated=jnp.where(mask, 0, state.num_generated),
-                         seen=state.seen & ~mask[:, None])
+                         seen=state.seen & ~mask[:, None]).constrained()
 
 
 def grow_rows(state: DecodeState, batch: int) -> DecodeState:
@@ -97,13 +110,13 @@ def _grow_rows(state: DecodeState, batch: int) -> DecodeState:
     return DecodeState(cache=state.cache.pad_rows(batch), last_token=pad(state.last_token, 0),
                        num_generated=pad(state.num_generated, 0), seen=pad(state.seen, False),
                        draft_cache=None if state.draft_cache is None
-                       else state.draft_cache.pad_rows(batch))
+                       else state.draft_cache.pad_rows(batch)).constrained()
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 def set_block_tables(state: DecodeState, block_tables: jax.Array) -> DecodeState:
     """A paged cache's block tables [B, M] after the host grew or freed rows' pages."""
-    return state.replace(cache=state.cache.replace(block_tables=block_tables))
+    return state.replace(cache=state.cache.replace(block_tables=block_tables)).constrained()
 
 
 @flax.struct.dataclass
@@ -187,7 +200,7 @@ def _step(params, state: DecodeState, chunk: Chunk, rows: RowParams, *, cfg: Mod
                            jnp.where(done, prow.start_index + 1,
                                      _take(num_generated, chunk.rows))),
         seen=_put(seen, chunk.rows, seen_p), draft_cache=draft_cache)
-    return state, decoded, first, first_lp, prompt_lp
+    return state.constrained(), decoded, first, first_lp, prompt_lp
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "kv_view", "attn_impl", "draft_cfg"),
@@ -277,11 +290,11 @@ def decode_loop(params, state: DecodeState, rows: RowParams, *, cfg: ModelConfig
         stopped = stopped | (running & (hit_stop | (num_generated >= rows.max_new)))
         state = state.replace(cache=cache, last_token=token, num_generated=num_generated,
                               seen=seen)
-        return step + 1, state, stopped, out, num_out + running, lp_out
+        return step + 1, state.constrained(), stopped, out, num_out + running, lp_out
 
     carry = (jnp.int32(0), state, stopped, out, jnp.zeros((B,), jnp.int32), lp_out)
     _, state, stopped, out, num_out, lp_out = jax.lax.while_loop(cond, body, carry)
-    return state, out, num_out, stopped, lp_out
+    return state.constrained(), out, num_out, stopped, lp_out
 
 
 def _run_if(pred: jax.Array, fn, operand, default):
@@ -464,9 +477,9 @@ def speculative_loop(params, state: DecodeState, rows: RowParams, history: jax.A
         stopped = stopped | (running & (hit_stop | (num_generated >= rows.max_new)))
         counts = SpecCounts(steps=counts.steps + (num > 0), drafted=counts.drafted + num,
                             accepted=counts.accepted + accepted)
-        return step + 1, state, stopped, history, out, num_out + n, lp_out, counts
+        return step + 1, state.constrained(), stopped, history, out, num_out + n, lp_out, counts
 
     carry = (jnp.int32(0), state, stopped, history, jnp.zeros((B, W), jnp.int32), zeros,
              no_logprobs((B, W)), SpecCounts(steps=zeros, drafted=zeros, accepted=zeros))
     _, state, stopped, _, out, num_out, lp_out, counts = jax.lax.while_loop(cond, body, carry)
-    return state, out, num_out, stopped, lp_out, counts
+    return state.constrained(), out, num_out, stopped, lp_out, counts

@@ -42,6 +42,12 @@ class RingKVCache:
     def capacity(self) -> int:
         return self.k.shape[2]
 
+    def logical_axes(self) -> "RingKVCache":
+        """Each array's logical axes (jaxinfer.sharding), in the cache's own structure (the
+        same for every ring: callable on the class as RingKVCache.logical_axes(None))."""
+        kv = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
+        return RingKVCache(k=kv, v=kv, positions=("batch", "cache_seq"), lengths=("batch",))
+
     def plan_write(self, num_new: jax.Array, T: int, rows: jax.Array | None = None) -> "WritePlan":
         """Where the first num_new[g] of T new tokens of query row g go (positions lengths + t).
 
@@ -190,6 +196,12 @@ class PagedKVCache:
     @property
     def num_pages(self) -> int:
         return self.k.shape[1] // self.page_size
+
+    def logical_axes(self) -> "PagedKVCache":
+        """Each array's logical axes (jaxinfer.sharding), in the cache's own structure."""
+        kv = ("layers", "pages", "kv_heads", "head_dim")
+        return PagedKVCache(k=None if self.k is None else kv, v=None if self.v is None else kv, block_tables=("batch", "table"), lengths=("batch",),
+                            page_size=self.page_size)
 
     @property
     def capacity(self) -> int:

@@ -16,6 +16,7 @@ from typing import Iterator, Optional, Sequence, Union
 import jax
 import jax.numpy as jnp
 
+from jaxinfer import sharding
 from jaxinfer.config import EngineConfig, MeshConfig
 from jaxinfer.engine import memory
 from jaxinfer.engine.engine import Engine, Request
@@ -73,8 +74,15 @@ class LLM:
             if not isinstance(speculative, SpeculativeConfig):
                 raise ValueError(f"speculative must be a ji.SpeculativeConfig, got "
                                  f"{type(speculative).__name__}")
-        if mesh is not None and (mesh.data, mesh.tensor, mesh.sequence) != (1, 1, 1):
-            raise NotImplementedError(f"mesh={mesh}: sharding over a mesh is not implemented yet")
+        partitioner = None
+        if mesh is not None:
+            if not isinstance(mesh, MeshConfig):
+                raise ValueError(f"mesh must be a ji.MeshConfig, got {type(mesh).__name__}")
+            if isinstance(max_num_seqs, int) and max_num_seqs % mesh.data:
+                raise ValueError(f"max_num_seqs {max_num_seqs} is not a multiple of the data "
+                                 f"degree {mesh.data} (each replica decodes its share of rows)")
+            if (mesh.data, mesh.tensor, mesh.sequence) != (1, 1, 1):
+                partitioner = sharding.Partitioner(sharding.make_mesh(mesh))
         if attention not in _ATTENTION:
             raise ValueError(f"attention must be one of {_ATTENTION}, got {attention!r}")
         dtype = dtype or _default_dtype()
@@ -93,11 +101,12 @@ class LLM:
         from jaxinfer.loading import load_model
 
         enable_compilation_cache()
-        loaded = load_model(model, dtype=_DTYPES[dtype])
+        loaded = load_model(model, dtype=_DTYPES[dtype], partitioner=partitioner)
         cfg = loaded.config
         draft = None
         if speculative is not None and speculative.method == "draft":
-            drafter = load_model(speculative.draft_model, dtype=_DTYPES[dtype])
+            drafter = load_model(speculative.draft_model, dtype=_DTYPES[dtype],
+                                 partitioner=partitioner)
             if drafter.config.vocab_size != cfg.vocab_size:
                 raise ValueError(
                     f"draft_model {speculative.draft_model!r} has a vocabulary of "
@@ -132,6 +141,9 @@ class LLM:
             max_seq_len, cfg.sliding_window + extra)
         # Full attention runs on the paged cache; a sliding-window model keeps its ring.
         paged, memory_left = None, None
+        # The page pool is split over the data and sequence axes, the kv heads over tensor.
+        pool_split = mesh.data * mesh.sequence if partitioner is not None else 1
+        self._pool_split = (pool_split, mesh.tensor if partitioner is not None else 1)
         if cfg.sliding_window is None:
             per_request = -(-max_seq_len // page_size)
             if num_pages is None:
@@ -139,12 +151,16 @@ class LLM:
                 # Sized below from the compiled step when the device reports its memory; on
                 # CPU: room for every slot at max_seq_len, plus the null page.
                 num_pages = per_request + 1 if memory_left else max_num_seqs * per_request + 1
+                num_pages = -(-num_pages // pool_split) * pool_split
             elif isinstance(num_pages, bool) or not isinstance(num_pages, int) \
                     or num_pages < per_request + 1:
                 raise ValueError(
                     f"num_pages={num_pages!r} cannot hold one max_seq_len ({max_seq_len}) "
                     f"request: it needs {per_request} pages of {page_size} tokens plus the "
                     f"null page, so num_pages >= {per_request + 1}")
+            elif num_pages % pool_split:
+                raise ValueError(f"num_pages {num_pages} is not a multiple of data * sequence "
+                                 f"= {pool_split}, the devices the page pool is split over")
             # A draft model's cache is not paged: its rows must be prefilled from the start, so
             # prompts are not served from the prefix cache.
             paged = PagedSlots(num_pages, page_size, max_seq_len,
@@ -159,7 +175,7 @@ class LLM:
                                           speculative=speculative)
         self._engine = Engine(cfg, loaded.params, loaded.tokenizer, self.engine_config,
                               capacity=capacity, dtype=_DTYPES[dtype], paged=paged,
-                              num_pages=num_pages or 0, draft=draft)
+                              num_pages=num_pages or 0, draft=draft, partitioner=partitioner)
         if memory_left:
             self._engine.set_num_pages(self._pages_from_memory(memory_left, page_size))
         self._ids = itertools.count()
@@ -171,8 +187,11 @@ class LLM:
         hold one max_seq_len request."""
         limit, in_use = memory_left
         step = self._engine.step_scratch_bytes()
-        page = memory.kv_page_bytes(self.model_config, page_size, self._engine.dtype)
+        # Per device: each holds 1/(data*sequence) of the pool's pages, 1/tensor of kv heads.
+        page = memory.kv_page_bytes(self.model_config, page_size,
+                                    self._engine.dtype) // (self._pool_split[0] * self._pool_split[1])
         pages = memory.pages_for_memory(limit, in_use, step, page)
+        pages -= pages % self._pool_split[0]
         need = -(-self.max_seq_len // page_size) + 1
         if pages < need:
             raise ValueError(

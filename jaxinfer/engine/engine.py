@@ -14,6 +14,7 @@ decode_steps tokens per row. Finished rows free their slot for the next waiting 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import time
 from typing import Optional
@@ -21,14 +22,15 @@ from typing import Optional
 import jax
 import numpy as np
 
-from jaxinfer import decode
+from jaxinfer import decode, sharding
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine import memory
 from jaxinfer.engine.paged import PagedSlots
 from jaxinfer.engine.request import RequestMetrics, RequestOutput, SamplingParams
 from jaxinfer.engine.textstream import TextStream
-from jaxinfer.kv_cache import PagedKVCache
+from jaxinfer.kv_cache import PagedKVCache, RingKVCache
 from jaxinfer.sampling import SamplingArrays
+from jaxinfer.sharding import Partitioner
 
 MAX_STOP_IDS = 8
 RAGGED_MIN_BATCH = 8  # smallest batch decoded through page lists (Engine._ragged_decode)
@@ -153,20 +155,24 @@ class Engine:
 
     def __init__(self, cfg: ModelConfig, params, tokenizer, engine_cfg: EngineConfig,
                  capacity: int, dtype, paged: Optional[PagedSlots] = None,
-                 num_pages: int = 0, draft: Optional[tuple] = None):
+                 num_pages: int = 0, draft: Optional[tuple] = None,
+                 partitioner: Optional[Partitioner] = None):
         self.cfg = cfg
-        # Weights and state are committed to the device: jit keys its compiled programs on
-        # whether each argument is, and weights restored from orbax arrive committed while
-        # weights from GGUF do not, so a state that went through a step would otherwise stop
-        # matching a fresh one and recompile.
+        # Weights and state are committed to the device (or to their shardings on the mesh):
+        # jit keys its compiled programs on whether each argument is, and weights restored from
+        # orbax arrive committed while weights from GGUF do not, so a state that went through a
+        # step would otherwise stop matching a fresh one and recompile.
         self.device = jax.devices()[0]
-        self.params = jax.device_put(params, self.device)
+        self.partitioner = partitioner
+        self.params = self._place_params(params, cfg)
         self.tokenizer = tokenizer
         self.ecfg = engine_cfg
         self.capacity = capacity
         self.dtype = dtype
         B = engine_cfg.max_num_seqs
-        self.batch_buckets = _buckets(B, 1, 4)
+        # With a data axis, the smallest batch already gives every replica a row.
+        data = partitioner.mesh_config.data if partitioner is not None else 1
+        self.batch_buckets = _buckets(B, min(data, B), 4)
         self.chunk_buckets = _buckets(engine_cfg.prefill_chunk, min(16, engine_cfg.prefill_chunk), 8)
         self.paged = paged
         self.num_pages = num_pages
@@ -188,7 +194,7 @@ class Engine:
         # A draft model (params, config): its ring cache rides in DecodeState and every step
         # that feeds the target feeds it too. Passed to every step (None without one), so the
         # jitted functions always see the same keyword arguments.
-        self.draft_kw = {"draft_params": jax.device_put(draft[0], self.device) if draft else None,
+        self.draft_kw = {"draft_params": self._place_params(*draft) if draft else None,
                          "draft_cfg": draft[1] if draft else None}
         self.eos_ids = tuple(getattr(tokenizer, "eos_token_ids", None) or
                              ([cfg.eos_token_id] if cfg.eos_token_id is not None else []))
@@ -248,27 +254,60 @@ class Engine:
         """A state for B slots. A paged cache keeps the previous state's page pool (pages still
         hold prefix-cache entries); only the per-row parts are new."""
         draft = dict(draft_cfg=self.draft_kw["draft_cfg"], draft_capacity=self.ecfg.max_seq_len)
+        L, K, H = self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim
         if self.paged is None:
-            return jax.device_put(
-                decode.DecodeState.create(self.cfg, B, self.capacity, self.dtype, **draft),
-                self.device)
+            axes = RingKVCache.logical_axes(None)
+            shape = (L, B, self.capacity, K, H)
+            cache = RingKVCache(k=self._zeros(shape, axes.k), v=self._zeros(shape, axes.v),
+                                positions=np.full((B, self.capacity), -1, np.int32),
+                                lengths=np.zeros(B, np.int32))
+            return self._place_state(decode.DecodeState.create(
+                self.cfg, B, self.capacity, self.dtype, cache=cache, **draft))
         if self.state is not None:
             k, v = self.state.cache.k, self.state.cache.v
         else:
-            shape = (self.cfg.num_layers, self.num_pages * self.paged.page_size,
-                     self.cfg.num_kv_heads, self.cfg.head_dim)
-            k, v = jax.numpy.zeros(shape, self.dtype), jax.numpy.zeros(shape, self.dtype)
+            shape = (L, self.num_pages * self.paged.page_size, K, H)
+            axes = ("layers", "pages", "kv_heads", "head_dim")
+            k, v = self._zeros(shape, axes), self._zeros(shape, axes)
         self.paged.resize(B)
         cache = PagedKVCache(k=k, v=v,
                              block_tables=np.zeros((B, self.paged.table_width), np.int32),
                              lengths=np.zeros(B, np.int32), page_size=self.paged.page_size)
-        return jax.device_put(decode.DecodeState.create(self.cfg, B, self.capacity, self.dtype,
-                                                        cache=cache, **draft), self.device)
+        return self._place_state(decode.DecodeState.create(self.cfg, B, self.capacity, self.dtype,
+                                                           cache=cache, **draft))
+
+    def _zeros(self, shape: tuple[int, ...], axes) -> jax.Array:
+        """A cache buffer of zeros, made where it lives: on the device, or shard by shard."""
+        if self.partitioner is None:
+            return jax.numpy.zeros(shape, self.dtype)
+        return self.partitioner.zeros(shape, self.dtype, axes)
+
+    def _place_params(self, params, cfg: ModelConfig):
+        if self.partitioner is None:
+            return jax.device_put(params, self.device)
+        from jaxinfer.models import get_model
+        return self.partitioner.put_tree(
+            params, sharding.param_axes(cfg, params, get_model(cfg.architecture).param_specs))
+
+    def _place_state(self, state: decode.DecodeState) -> decode.DecodeState:
+        if self.partitioner is None:
+            return jax.device_put(state, self.device)
+        return self.partitioner.put_tree(state, state.logical_axes())
+
+    def _on_mesh(self):
+        """The context of every dispatch: the mesh, whose rules the jitted steps' sharding
+        constraints resolve against (nothing without one)."""
+        return self.partitioner.active() if self.partitioner is not None \
+            else contextlib.nullcontext()
 
     def step_scratch_bytes(self) -> int:
         """Scratch (temporary) bytes of the largest compiled programs the engine dispatches,
         from XLA's memory analysis: the biggest batch and kv_view, for the largest prefill
         group and for the decode loop. Compiles them with abstract inputs (nothing runs)."""
+        with self._on_mesh():
+            return self._step_scratch_bytes()
+
+    def _step_scratch_bytes(self) -> int:
         B, kv_view = self.batch_buckets[-1], self.kv_buckets[-1]
         decode_pages = self._decode_page_buckets(B)[-1] if self._ragged_decode(B) else None
         self.slots = [None] * B
@@ -341,6 +380,10 @@ class Engine:
         Rows still prefilling get chunks within the token budget, run together with one token
         for every decoding row (mixed_step). With nothing to prefill, one decode_loop dispatch
         runs up to decode_steps tokens, ending early when a row stops and a request waits."""
+        with self._on_mesh():
+            return self._step()
+
+    def _step(self) -> list[Request]:
         self._ensure_batch()
         self._admit()
         decoding = np.array([r is not None and r.prefilled == len(r.prefill_ids)
@@ -696,6 +739,10 @@ class Engine:
         engine (the rows it runs are all inactive, so the cache contents are kept)."""
         if self.has_unfinished():
             raise RuntimeError("warmup() needs an engine with no unfinished requests")
+        with self._on_mesh():
+            return self._warmup()
+
+    def _warmup(self) -> float:
         t0 = time.perf_counter()
         budget = memory.MapBudget()
         left = self.num_programs()

@@ -26,8 +26,14 @@ class LoadedModel:
     source: str             # resolved path
 
 
-def load_model(spec: str, dtype=jnp.float32) -> LoadedModel:
-    """Loads a model from a spec. Raises ValueError (ModelFileError) for anything unusable."""
+def load_model(spec: str, dtype=jnp.float32, partitioner=None) -> LoadedModel:
+    """Loads a model from a spec. Raises ValueError (ModelFileError) for anything unusable.
+
+    partitioner (jaxinfer.sharding.Partitioner): weights go straight into their shardings on
+    its mesh (each device receives its own shard, from host memory or from the checkpoint);
+    a tensor degree that does not split the model raises ValueError first. Where the tensor
+    degree exceeds the kv heads they are replicated (the returned config says how many).
+    """
     from jaxinfer.models import get_model
 
     if not isinstance(spec, (str, os.PathLike)):
@@ -48,11 +54,12 @@ def load_model(spec: str, dtype=jnp.float32) -> LoadedModel:
         from jaxinfer.loading import checkpoint, safetensors
 
         if checkpoint.is_checkpoint_dir(path):
-            cfg, params, tokenizer = checkpoint.load_checkpoint(path, dtype=dtype)
+            cfg, params, tokenizer = checkpoint.load_checkpoint(path, dtype=dtype,
+                                                                partitioner=partitioner)
             return LoadedModel(cfg, params, tokenizer, path)
         if os.path.exists(os.path.join(path, "config.json")):
             cfg, weights = safetensors.load_hf_dir(path)
-            params = get_model(cfg.architecture).params_from_weights(cfg, weights, dtype)
+            cfg, params = _build(cfg, weights, dtype, partitioner)
             tokenizer = None
             if os.path.exists(os.path.join(path, "tokenizer.json")):
                 from jaxinfer.loading.tokenizer import Tokenizer
@@ -66,5 +73,19 @@ def load_model(spec: str, dtype=jnp.float32) -> LoadedModel:
     from jaxinfer.loading.tokenizer import Tokenizer
 
     cfg, weights, meta = load_gguf(path)
-    params = get_model(cfg.architecture).params_from_weights(cfg, weights, dtype)
+    cfg, params = _build(cfg, weights, dtype, partitioner)
     return LoadedModel(cfg, params, Tokenizer.from_gguf_metadata(meta), path)
+
+
+def _build(cfg: ModelConfig, weights: dict, dtype, partitioner):
+    """(config, params) from host weights, placed by the partitioner when there is one."""
+    from jaxinfer.models import get_model
+
+    model = get_model(cfg.architecture)
+    if partitioner is None:
+        return cfg, model.params_from_weights(cfg, weights, dtype)
+    from jaxinfer import sharding
+
+    sharding.check_divisible(cfg, partitioner.mesh_config)
+    cfg, weights = sharding.replicate_kv_heads(cfg, weights, partitioner.mesh_config.tensor)
+    return cfg, model.params_from_weights(cfg, weights, dtype, place=partitioner.place)

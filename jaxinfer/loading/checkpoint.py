@@ -127,11 +127,30 @@ def _leaf_shapes(tree) -> dict[str, tuple[int, ...]]:
     return {name(p): tuple(leaf.shape) for p, leaf in jax.tree_util.tree_leaves_with_path(tree)}
 
 
-def load_checkpoint(path: str, dtype=jnp.float32) -> tuple[ModelConfig, Any, Optional[Any]]:
+def _replicated_kv_heads(cfg: ModelConfig, params, model, partitioner):
+    """Restored params with kv heads replicated for a tensor degree above their count
+    (sharding.replicate_kv_heads on device; only wk, wv and their biases change)."""
+    from jaxinfer import sharding
+
+    layers = []
+    for lp in params.layers:
+        fields = {k: v for k, v in vars(lp).items() if k in ("wk", "wv", "bk", "bv")
+                  and v is not None}
+        new_cfg, fields = sharding.replicate_kv_heads(cfg, fields, partitioner.mesh_config.tensor,
+                                                      xp=jnp)
+        layers.append(lp.replace(**fields))
+    params = params.replace(layers=tuple(layers))
+    axes = sharding.param_axes(new_cfg, params, model.param_specs)
+    return new_cfg, partitioner.put_tree(params, axes)
+
+
+def load_checkpoint(path: str, dtype=jnp.float32,
+                    partitioner=None) -> tuple[ModelConfig, Any, Optional[Any]]:
     """Restores (config, params cast to dtype, Tokenizer or None) from a checkpoint directory.
 
     Params come back as the model family's pytree (LlamaParams for the llama family) on the
-    default device.
+    default device, or with a partitioner (jaxinfer.sharding) restored straight into their
+    shardings on its mesh, kv heads replicated where the tensor degree exceeds them.
     """
     import orbax.checkpoint as ocp
 
@@ -143,11 +162,19 @@ def load_checkpoint(path: str, dtype=jnp.float32) -> tuple[ModelConfig, Any, Opt
     if not os.path.isdir(params_dir):
         raise ModelFileError(f"checkpoint {path!r} has no {PARAMS_DIR}/ directory")
     model = get_model(cfg.architecture)
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     # Orbax casts each stored array to the dtype of its target leaf.
     abstract = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0), dtype))
+    if partitioner is None:
+        single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: single, abstract)
+    else:
+        from jaxinfer import sharding
+
+        sharding.check_divisible(cfg, partitioner.mesh_config)
+        shardings = jax.tree.map(lambda s, axes: partitioner.sharding(s.shape, axes), abstract,
+                                 sharding.param_axes(cfg, abstract, model.param_specs))
     abstract = jax.tree.map(
-        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), abstract)
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), abstract, shardings)
     try:
         with ocp.StandardCheckpointer() as ckptr:
             stored = _leaf_shapes(ckptr.metadata(params_dir).item_metadata)
@@ -164,6 +191,8 @@ def load_checkpoint(path: str, dtype=jnp.float32) -> tuple[ModelConfig, Any, Opt
     except Exception as e:  # orbax/tensorstore raise many kinds for damaged or mismatched data
         raise ModelFileError(
             f"cannot restore params from {params_dir!r}: {type(e).__name__}: {e}") from e
+    if partitioner is not None and partitioner.mesh_config.tensor > cfg.num_kv_heads:
+        cfg, params = _replicated_kv_heads(cfg, params, model, partitioner)
 
     tokenizer = None
     tok_dir = os.path.join(path, TOKENIZER_DIR)

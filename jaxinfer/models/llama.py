@@ -116,16 +116,22 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32) -> LlamaPar
 
 
 def params_from_weights(cfg: ModelConfig, weights: dict[str, np.ndarray],
-                        dtype=jnp.float32) -> LlamaParams:
-    """Builds LlamaParams from named weights ("layers.{i}.{name}", linear weights [in, out])."""
+                        dtype=jnp.float32, place=None) -> LlamaParams:
+    """Builds LlamaParams from named weights ("layers.{i}.{name}", linear weights [in, out]).
+
+    place(array, logical_axes, dtype) -> jax.Array puts each weight where it belongs (e.g.
+    `sharding.Partitioner.place`: each device receives only its shard); default: the default
+    device.
+    """
     arrays = {}
-    for name, (shape, _) in _expanded_specs(cfg):
+    for name, (shape, axes) in _expanded_specs(cfg):
         if name not in weights:
             raise ValueError(f"weight {name!r} is missing")
         arr = weights[name]
         if arr.shape != shape:
             raise ValueError(f"weight {name!r} has shape {arr.shape}; config implies {shape}")
-        arrays[name] = jnp.asarray(arr, dtype=dtype)
+        arrays[name] = (jnp.asarray(arr, dtype=dtype) if place is None
+                        else place(arr, axes, dtype))
     return _assemble(cfg, arrays)
 
 
