@@ -140,8 +140,7 @@ def test_bad_prompts_raise_before_device_work_and_llm_keeps_working(llm):
 
 def test_unimplemented_arguments_are_refused():
     for kwargs, feature in [(dict(quantization="int8"), "quantization"),
-                            (dict(kv_cache_dtype="int8"), "KV-cache"),
-                            (dict(mesh=ji.MeshConfig(tensor=2)), "mesh")]:
+                            (dict(kv_cache_dtype="int8"), "KV-cache")]:
         with pytest.raises(NotImplementedError, match=feature):
             ji.LLM("smollm2-135m", **kwargs)
     with pytest.raises(ValueError, match="attention"):

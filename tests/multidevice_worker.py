@@ -1,0 +1,176 @@
+"""Runs sharded checks on simulated CPU devices, in its own process (the device count is fixed
+when jax starts): `python tests/multidevice_worker.py MODE` prints one JSON line of results,
+which tests/test_sharding.py checks. XLA_FLAGS must set the device count before this runs.
+
+Modes:
+  meshes   the real model's HF greedy goldens on several meshes, per-device parameter bytes,
+           shardings, a bad tensor degree, and no compile after warmup on one mesh;
+  kvrep    a random model whose kv heads (2) are fewer than the tensor degree (4), loaded
+           from an orbax checkpoint, against the same model on one device;
+  big      per-device bytes of Llama-3-8B and -70B (abstract: jax.eval_shape, nothing
+           allocated) with a paged KV cache on a (1, 8, 1) mesh.
+"""
+
+import json
+import logging
+import os
+import sys
+import tempfile
+
+import jax
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+MESHES = [(1, 3, 1), (2, 3, 1), (1, 1, 2), (2, 1, 2)]  # (data, tensor, sequence)
+
+
+def device_bytes(tree) -> tuple[int, int]:
+    """(bytes on device 0, bytes of the whole arrays) of a pytree of arrays."""
+    dev = jax.devices()[0]
+    local = total = 0
+    for leaf in jax.tree.leaves(tree):
+        total += leaf.nbytes
+        local += sum(s.data.nbytes for s in leaf.addressable_shards if s.device == dev)
+    return local, total
+
+
+class Compiles(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.seen = []
+
+    def emit(self, record):
+        if record.getMessage().startswith("Compiling"):
+            self.seen.append(record.getMessage()[:120])
+
+
+def meshes() -> dict:
+    import jaxinfer as ji
+
+    with open(os.path.join(HERE, "data", "smollm2_greedy.json")) as f:
+        golden = json.load(f)
+    prompts = [c["prompt_ids"] for c in golden["cases"]]
+    params = ji.SamplingParams(max_tokens=golden["max_new_tokens"])
+    out = {"runs": {}}
+    for d, t, s in MESHES:
+        llm = ji.LLM("smollm2-135m", max_seq_len=256, max_num_seqs=4,
+                     mesh=ji.MeshConfig(data=d, tensor=t, sequence=s))
+        eng = llm._engine
+        local, total = device_bytes(eng.params)
+        outs = llm.generate(prompts, params)
+        eng._ensure_batch()
+        out["runs"][f"{d},{t},{s}"] = {
+            "tokens": [o.token_ids for o in outs],
+            "finish": [o.finish_reason for o in outs],
+            "param_bytes_device0": local, "param_bytes_total": total,
+            "wq_spec": str(eng.params.layers[0].wq.sharding.spec),
+            "wo_spec": str(eng.params.layers[0].wo.sharding.spec),
+            "embed_spec": str(eng.params.embed.sharding.spec),
+            "pool_spec": str(eng.state.cache.k.sharding.spec),
+            "rows_spec": str(eng.state.last_token.sharding.spec),
+        }
+        del llm, eng
+        jax.clear_caches()
+    try:
+        ji.LLM("smollm2-135m", mesh=ji.MeshConfig(tensor=2))
+        out["bad_tensor"] = None
+    except ValueError as e:
+        out["bad_tensor"] = str(e)
+    # Steady state: after warmup, a mixed workload compiles nothing.
+    llm = ji.LLM("smollm2-135m", max_seq_len=128, max_num_seqs=4, prefill_chunk=32,
+                 mesh=ji.MeshConfig(data=2, tensor=3))
+    llm.warmup()
+    handler = Compiles()
+    logger = logging.getLogger("jax")
+    logger.addHandler(handler)
+    logger.setLevel(logging.WARNING)
+    jax.config.update("jax_log_compiles", True)
+    mixed = [ji.SamplingParams(max_tokens=n, temperature=temp, top_k=k, seed=seed)
+             for n, temp, k, seed in [(5, 0.0, 0, None), (9, 0.8, 20, 1), (3, 1.0, 0, 2),
+                                      (12, 0.5, 5, 3), (7, 0.0, 0, None)]]
+    llm.generate([[1, 2, 3], list(range(10, 50)), [5] * 70, [7, 8], list(range(100, 117))],
+                 mixed)
+    jax.config.update("jax_log_compiles", False)
+    out["compiles_after_warmup"] = handler.seen
+    return out
+
+
+def kvrep() -> dict:
+    import jax.numpy as jnp
+
+    import jaxinfer as ji
+    from jaxinfer.loading.checkpoint import save_checkpoint
+    from jaxinfer.loading.safetensors import config_from_hf
+    from jaxinfer.models import llama
+
+    with open(os.path.join(ROOT, "configs", "llama-3-8b.json")) as f:
+        hf = json.load(f)
+    hf.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256)
+    cfg = config_from_hf(hf)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (5, 17, 33, 2)]
+    params = ji.SamplingParams(max_tokens=16, logprobs=1)
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        save_checkpoint(tmp, cfg, llama.init_params(cfg, jax.random.key(0), jnp.float32))
+        for name, mesh in (("single", None), ("tensor4", ji.MeshConfig(tensor=4))):
+            llm = ji.LLM(tmp, max_seq_len=64, max_num_seqs=4, mesh=mesh)
+            outs = llm.generate(prompts, params)
+            out[name] = {"tokens": [o.token_ids for o in outs],
+                         "logprobs": [[lp[t] for lp, t in zip(o.logprobs, o.token_ids)]
+                                      for o in outs],
+                         "kv_heads": llm.model_config.num_kv_heads,
+                         "wk_spec": str(getattr(llm._engine.params.layers[0].wk.sharding, "spec", None))}
+    return out
+
+
+def big() -> dict:
+    import jax.numpy as jnp
+
+    from jaxinfer import decode, sharding
+    from jaxinfer.config import MeshConfig
+    from jaxinfer.kv_cache import PagedKVCache
+    from jaxinfer.loading.safetensors import config_from_hf
+    from jaxinfer.models import llama
+
+    part = sharding.Partitioner(sharding.make_mesh(MeshConfig(tensor=8)))
+    out = {}
+    # The stated KV budget: 64 sequences of 8,192 tokens in 16-token pages, bfloat16.
+    seqs, seq_len, page = 64, 8192, 16
+    for name in ("llama-3-8b", "llama-3-70b"):
+        with open(os.path.join(ROOT, "configs", f"{name}.json")) as f:
+            cfg = config_from_hf(json.load(f))
+        params = jax.eval_shape(lambda: llama.init_params(cfg, jax.random.key(0), jnp.bfloat16))
+        axes = sharding.param_axes(cfg, params, llama.param_specs)
+        pages = seqs * seq_len // page + 1
+        cache = PagedKVCache(
+            k=jax.ShapeDtypeStruct((cfg.num_layers, pages * page, cfg.num_kv_heads,
+                                    cfg.head_dim), jnp.bfloat16),
+            v=jax.ShapeDtypeStruct((cfg.num_layers, pages * page, cfg.num_kv_heads,
+                                    cfg.head_dim), jnp.bfloat16),
+            block_tables=jax.ShapeDtypeStruct((seqs, seq_len // page), jnp.int32),
+            lengths=jax.ShapeDtypeStruct((seqs,), jnp.int32), page_size=page)
+        state = jax.eval_shape(lambda: decode.DecodeState.create(cfg, seqs, seq_len,
+                                                                 jnp.bfloat16, cache=cache))
+
+        def per_device(tree, axes_tree):
+            leaves = jax.tree.leaves(jax.tree.map(
+                lambda x, a: int(np.prod(part.sharding(x.shape, a).shard_shape(x.shape)))
+                * x.dtype.itemsize, tree, axes_tree))
+            whole = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+            return sum(leaves), whole
+
+        p_dev, p_all = per_device(params, axes)
+        s_dev, s_all = per_device(state, state.logical_axes())
+        out[name] = {"params_device": p_dev, "params_total": p_all, "state_device": s_dev,
+                     "state_total": s_all, "kv_budget": f"{seqs} x {seq_len} tokens, bf16",
+                     "q_heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads}
+    return out
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, ROOT)
+    result = {"meshes": meshes, "kvrep": kvrep, "big": big}[sys.argv[1]]()
+    print(json.dumps(result))
