@@ -20,10 +20,13 @@ kernels run in interpret mode.
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+
+from jaxinfer import sharding
 
 KVSegment = tuple  # (k [B, S, K, H], v [B, S, K, H], k_positions [B, S])
 
@@ -56,19 +59,53 @@ def attention(q: jax.Array, q_positions: jax.Array, segments: Sequence[KVSegment
     interpret = jax.default_backend() == "cpu"
     T = q.shape[1]
     use_paged = implementation == "paged" or (implementation == "pallas" and T == 1)
+    heads = "q_heads" if _heads_split_evenly(q.shape[-2], k.shape[-2]) else None
+    kv_heads = "kv_heads" if heads else None
     if use_paged and T == 1 and pages is not None:
         from pallas_kernels import paged_attention
 
         k_pages, v_pages, block_tables = pages
-        out = paged_attention(q[:, 0], k_pages, v_pages, kv_lengths, block_tables,
-                              sliding_window=sliding_window, softcap=softcap, sm_scale=sm_scale,
-                              interpret=interpret)
+        kernel = functools.partial(paged_attention, sliding_window=sliding_window,
+                                   softcap=softcap, sm_scale=sm_scale, interpret=interpret)
+        page_axes = (None, None, kv_heads, None)
+        out = _on_shards(kernel, ("batch", heads, None),
+                         ("batch", heads, None), page_axes, page_axes, ("batch",),
+                         ("batch", None))(q[:, 0], k_pages, v_pages, kv_lengths, block_tables)
         return out[:, None]
     from pallas_kernels import flash_attention
 
-    return flash_attention(q, k, v, causal=True, q_offset=q_offset, kv_lengths=kv_lengths,
-                           sliding_window=sliding_window, softcap=softcap, sm_scale=sm_scale,
-                           interpret=interpret)
+    kernel = functools.partial(flash_attention, causal=True, sliding_window=sliding_window,
+                               softcap=softcap, sm_scale=sm_scale, interpret=interpret)
+    q_axes, kv_axes = ("batch", None, heads, None), ("batch", None, kv_heads, None)
+    return _on_shards(lambda q, k, v, off, n: kernel(q, k, v, q_offset=off, kv_lengths=n),
+                      q_axes, q_axes, kv_axes, kv_axes, ("batch",), ("batch",))(
+        q, k, v, q_offset, kv_lengths)
+
+
+def _heads_split_evenly(num_heads: int, num_kv_heads: int) -> bool:
+    """Whether query and kv heads both split over the context mesh's tensor axis (otherwise a
+    kernel shard would pair its query heads with the wrong kv heads: both stay whole)."""
+    mesh_shape = sharding.context_mesh_shape()
+    t = mesh_shape.get("tensor", 1) if mesh_shape else 1
+    return num_heads % t == 0 and num_kv_heads % t == 0
+
+
+def _on_shards(kernel, out_axes, *in_axes):
+    """The kernel under jax.shard_map on the context mesh, with specs from the logical axes of
+    its output and inputs (each shard: its batch rows and heads; keys whole along their
+    sequence); the kernel itself without a mesh."""
+    mesh_shape = sharding.context_mesh_shape()
+    if mesh_shape is None:
+        return kernel
+
+    def run(*args):
+        specs = tuple(sharding.spec_for(a.shape, axes, mesh_shape)
+                      for a, axes in zip(args, in_axes))
+        out_shape = jax.eval_shape(kernel, *args).shape
+        return jax.shard_map(kernel, in_specs=specs,
+                             out_specs=sharding.spec_for(out_shape, out_axes, mesh_shape),
+                             check_vma=False)(*args)
+    return run
 
 
 def reference_attention(q, q_positions, segments, *, sliding_window=None, softcap=None,

@@ -182,7 +182,7 @@ def spec_for(shape: Sequence[int], axes: Sequence[Optional[str]],
     return PartitionSpec(*spec)
 
 
-def _context_mesh_shape() -> Optional[dict[str, int]]:
+def context_mesh_shape() -> Optional[dict[str, int]]:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty or set(mesh.axis_names) != set(MESH_AXES):
         return None
@@ -192,7 +192,7 @@ def _context_mesh_shape() -> Optional[dict[str, int]]:
 def constrain(x: jax.Array, axes: Sequence[Optional[str]]) -> jax.Array:
     """Pins x (inside jit) to the sharding its logical axes give on the context mesh; the
     identity when no jaxinfer mesh is active (single-device runs trace exactly as before)."""
-    mesh_shape = _context_mesh_shape()
+    mesh_shape = context_mesh_shape()
     if mesh_shape is None or x is None:
         return x
     return jax.lax.with_sharding_constraint(x, spec_for(x.shape, axes, mesh_shape))
@@ -200,7 +200,7 @@ def constrain(x: jax.Array, axes: Sequence[Optional[str]]) -> jax.Array:
 
 def constrain_tree(tree, axes_tree):
     """constrain() over a pytree and the matching tree of logical axes."""
-    if _context_mesh_shape() is None:
+    if context_mesh_shape() is None:
         return tree
     return jax.tree.map(constrain, tree, axes_tree)
 

@@ -7,6 +7,8 @@ Modes:
            shardings, a bad tensor degree, and no compile after warmup on one mesh;
   kvrep    a random model whose kv heads (2) are fewer than the tensor degree (4), loaded
            from an orbax checkpoint, against the same model on one device;
+  kernels  the Pallas kernels (interpret mode) under shard_map on a (2, 2, 1) mesh against
+           the reference attention on one device;
   big      per-device bytes of Llama-3-8B and -70B (abstract: jax.eval_shape, nothing
            allocated) with a paged KV cache on a (1, 8, 1) mesh.
 """
@@ -96,7 +98,10 @@ def meshes() -> dict:
     return out
 
 
-def kvrep() -> dict:
+def random_model_runs(shape: dict, variants: dict) -> dict:
+    """A random float32 model of Llama-3-8B's config with `shape` overrides, saved as an orbax
+    checkpoint and served under each variant's LLM keywords: greedy tokens, their logprobs,
+    the kv heads the engine uses and wk's sharding."""
     import jax.numpy as jnp
 
     import jaxinfer as ji
@@ -106,23 +111,59 @@ def kvrep() -> dict:
 
     with open(os.path.join(ROOT, "configs", "llama-3-8b.json")) as f:
         hf = json.load(f)
-    hf.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256)
+    hf.update(shape)
     cfg = config_from_hf(hf)
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, 256, n).tolist() for n in (5, 17, 33, 2)]
+    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (5, 17, 33, 2)]
     params = ji.SamplingParams(max_tokens=16, logprobs=1)
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         save_checkpoint(tmp, cfg, llama.init_params(cfg, jax.random.key(0), jnp.float32))
-        for name, mesh in (("single", None), ("tensor4", ji.MeshConfig(tensor=4))):
-            llm = ji.LLM(tmp, max_seq_len=64, max_num_seqs=4, mesh=mesh)
+        for name, kw in variants.items():
+            llm = ji.LLM(tmp, max_seq_len=64, max_num_seqs=4, **kw)
             outs = llm.generate(prompts, params)
+            wk = llm._engine.params.layers[0].wk.sharding
             out[name] = {"tokens": [o.token_ids for o in outs],
                          "logprobs": [[lp[t] for lp, t in zip(o.logprobs, o.token_ids)]
                                       for o in outs],
                          "kv_heads": llm.model_config.num_kv_heads,
-                         "wk_spec": str(getattr(llm._engine.params.layers[0].wk.sharding, "spec", None))}
+                         "attention": llm.engine_config.attention,
+                         "wk_spec": str(getattr(wk, "spec", None))}
+            del llm
+            jax.clear_caches()
+    return out
+
+
+def kvrep() -> dict:
+    import jaxinfer as ji
+
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256)
+    return random_model_runs(shape, {"single": {}, "tensor4": {"mesh": ji.MeshConfig(tensor=4)}})
+
+
+def kernels() -> dict:
+    import jaxinfer as ji
+
+    from jaxinfer import attention, sharding
+
+    shape = dict(hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=256)
+    out = random_model_runs(shape, {
+        "single": {"attention": "reference"},
+        "pallas_mesh": {"attention": "pallas", "mesh": ji.MeshConfig(data=2, tensor=2)}})
+    # The flash kernel's call, traced on the mesh: a shard_map over batch rows and heads.
+    q = jax.ShapeDtypeStruct((4, 8, 4, 32), np.float32)
+    k = jax.ShapeDtypeStruct((4, 16, 2, 32), np.float32)
+    pos = jax.ShapeDtypeStruct((4, 8), np.int32)
+    kpos = jax.ShapeDtypeStruct((4, 16), np.int32)
+    n = jax.ShapeDtypeStruct((4,), np.int32)
+    part = sharding.Partitioner(sharding.make_mesh(ji.MeshConfig(data=2, tensor=2)))
+    with part.active():
+        jaxpr = jax.make_jaxpr(lambda q, k, v, p, kp, o, n: attention.attention(
+            q, p, [(k, v, kp)], implementation="flash", lengths=(o, n)))(q, k, k, pos, kpos, n, n)
+    text = str(jaxpr)
+    out["flash_shard_map"] = "shard_map" in text and "in_specs=(P('data', None, 'tensor'" in text
     return out
 
 
@@ -172,5 +213,5 @@ def big() -> dict:
 
 if __name__ == "__main__":
     sys.path.insert(0, ROOT)
-    result = {"meshes": meshes, "kvrep": kvrep, "big": big}[sys.argv[1]]()
+    result = {"meshes": meshes, "kvrep": kvrep, "kernels": kernels, "big": big}[sys.argv[1]]()
     print(json.dumps(result))

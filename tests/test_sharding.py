@@ -154,3 +154,15 @@ def test_meshes_give_the_golden_greedy_tokens(data_dir):
         assert run["rows_spec"] == ("P('data',)" if d == 2 else "P(None,)")
     assert got["bad_tensor"] == "tensor degree 2 does not divide the 9 query heads"
     assert got["compiles_after_warmup"] == []
+
+
+def test_pallas_kernels_run_under_shard_map_on_a_mesh():
+    """attention="pallas" (flash prefill, paged decode; interpret mode) on a (data 2, tensor 2)
+    mesh, each kernel under jax.shard_map over batch rows and heads: the greedy tokens and
+    logprobs of the reference attention on one device (float32, 1e-5)."""
+    got = run_worker("kernels")
+    one, mesh = got["single"], got["pallas_mesh"]
+    assert mesh["attention"] == "pallas" and mesh["wk_spec"] == "P(None, 'tensor')"
+    assert got["flash_shard_map"]
+    assert mesh["tokens"] == one["tokens"]
+    np.testing.assert_allclose(mesh["logprobs"], one["logprobs"], atol=1e-5, rtol=0)
