@@ -216,3 +216,17 @@ def param_axes(cfg: ModelConfig, params, specs: Callable[[ModelConfig], dict]):
         key = f"layers.{field}" if names[0] == "layers" else field
         return table[key]
     return jax.tree_util.tree_map_with_path(axes_of, params)
+
+
+def fetch(tree):
+    """Device arrays -> numpy on the host, in every process. An array spread over devices of
+    other processes (a multi-process mesh) is gathered from them: every process must call this
+    for the same arrays in the same order, as the engine's identical host loop in each does."""
+    def get(x):
+        if not isinstance(x, jax.Array) or x.is_fully_addressable:
+            return np.asarray(x)
+        if x.is_fully_replicated:
+            return np.asarray(x.addressable_data(0))
+        from jax.experimental import multihost_utils
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return jax.tree.map(get, tree)

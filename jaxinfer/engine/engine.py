@@ -30,7 +30,7 @@ from jaxinfer.engine.request import RequestMetrics, RequestOutput, SamplingParam
 from jaxinfer.engine.textstream import TextStream
 from jaxinfer.kv_cache import PagedKVCache, RingKVCache
 from jaxinfer.sampling import SamplingArrays
-from jaxinfer.sharding import Partitioner
+from jaxinfer.sharding import Partitioner, fetch
 
 MAX_STOP_IDS = 8
 RAGGED_MIN_BATCH = 8  # smallest batch decoded through page lists (Engine._ragged_decode)
@@ -162,7 +162,7 @@ class Engine:
         # jit keys its compiled programs on whether each argument is, and weights restored from
         # orbax arrive committed while weights from GGUF do not, so a state that went through a
         # step would otherwise stop matching a fresh one and recompile.
-        self.device = jax.devices()[0]
+        self.device = jax.local_devices()[0]
         self.partitioner = partitioner
         self.params = self._place_params(params, cfg)
         self.tokenizer = tokenizer
@@ -489,9 +489,9 @@ class Engine:
         self.stats_counters["prompt_tokens"] += int(num_new.sum())
         progressed = []
         if decoding.any():
-            lp = (tuple(x[:, None] for x in jax.device_get(lp))
+            lp = (tuple(x[:, None] for x in fetch(lp))
                   if (params.logprobs & decoding).any() else None)
-            progressed += self._take_decoded(decoding, np.asarray(out)[:, None],
+            progressed += self._take_decoded(decoding, fetch(out)[:, None],
                                              np.ones(B, np.int32), np.zeros(B, bool), lp)
         progressed += self._take_prefilled(chosen, chunk, params, first, first_lp, prompt_lp)
         return progressed
@@ -500,7 +500,7 @@ class Engine:
                         first_lp, prompt_lp) -> list[Request]:
         """Books a prefill group's results: prompt logprobs, progress, first tokens."""
         if any(r.prompt_logprobs is not None for r, _ in chosen):
-            ids, vals, chosen_lp = jax.device_get(prompt_lp)
+            ids, vals, chosen_lp = fetch(prompt_lp)
             for g, (req, n) in enumerate(chosen):
                 if req.prompt_logprobs is None:
                     continue
@@ -518,9 +518,9 @@ class Engine:
                 self.paged.computed(req, req.prefilled)
         if not chunk.completes.any():
             return []
-        first = np.asarray(first)
+        first = fetch(first)
         want_lp = any(params.logprobs[r.slot] for r, _ in chosen)
-        first_lp = jax.device_get(first_lp) if want_lp else None
+        first_lp = fetch(first_lp) if want_lp else None
         done = []
         for g, (req, _) in enumerate(chosen):
             if chunk.completes[g]:
@@ -582,8 +582,8 @@ class Engine:
             kv_view, decode_pages = None, _pick(self._decode_page_buckets(len(self.slots)), pages)
         rows = self._row_params(decoding)
         self.state, out, num_out, done, lp = self._decode_loop(rows, kv_view, decode_pages)
-        out, num_out, done = jax.device_get((out, num_out, done))
-        lp = jax.device_get(lp) if (rows.logprobs & decoding).any() else None
+        out, num_out, done = fetch((out, num_out, done))
+        lp = fetch(lp) if (rows.logprobs & decoding).any() else None
         return self._take_decoded(decoding, out, num_out, done, lp)
 
     def _drafting(self, decoding: np.ndarray) -> np.ndarray:
@@ -614,10 +614,10 @@ class Engine:
         t0 = time.perf_counter()
         self.state, out, num_out, done, lp, counts = self._speculative_loop(rows, draft_on,
                                                                             kv_view)
-        out, num_out, done, counts = jax.device_get((out, num_out, done, counts))
+        out, num_out, done, counts = fetch((out, num_out, done, counts))
         self.spec_rates.record(len(self.slots), bool(draft_on.any()), int(num_out.sum()),
                                time.perf_counter() - t0)
-        lp = jax.device_get(lp) if (rows.logprobs & decoding).any() else None
+        lp = fetch(lp) if (rows.logprobs & decoding).any() else None
         drafting = [(b, r) for b, r in enumerate(self.slots) if draft_on[b]]
         progressed = self._take_decoded(decoding, out, num_out, done, lp)
         for b, req in drafting:

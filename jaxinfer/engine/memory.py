@@ -25,7 +25,7 @@ def kv_page_bytes(cfg: ModelConfig, page_size: int, dtype) -> int:
 
 def free_device_memory(device: Optional[jax.Device] = None) -> Optional[tuple[int, int]]:
     """(bytes_limit, bytes_in_use) of the device, or None where the backend reports neither."""
-    device = device or jax.devices()[0]
+    device = device or jax.local_devices()[0]
     stats = device.memory_stats()
     if not stats or "bytes_limit" not in stats:
         return None

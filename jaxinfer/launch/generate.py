@@ -3,6 +3,10 @@
     python -m jaxinfer.launch.generate --prompt "The capital of France is" [--prompt ...]
     python -m jaxinfer.launch.generate --config smollm2-chat --chat --prompt "Tell me a joke."
     python -m jaxinfer.launch.generate --prompts_file prompts.txt --max_tokens 32 --temperature 0.7
+    python -m jaxinfer.launch.generate --tensor 2 --data 2 --prompt ...        # on a mesh
+    # one of N processes (each host runs this with its own --process_id):
+    python -m jaxinfer.launch.generate --coordinator_address host0:1234 --num_processes N \
+        --process_id i --data 2 --sequence 4 --prompt ...
 
 --config takes a preset name (configs/NAME.json at the repository root) or a path to a JSON file
 shaped {"model": {LLM kwargs}, "sampling": {SamplingParams kwargs}, "chat": bool}; flags passed
@@ -27,6 +31,7 @@ from typing import Optional
 from absl import app, flags, logging
 
 from jaxinfer.engine.request import SamplingParams
+from jaxinfer.launch import distributed
 from jaxinfer.llm import LLM
 
 # Defaults come from the library so the command line and the Python API agree.
@@ -182,6 +187,10 @@ def run() -> str:
     params = SamplingParams(**sampling_kwargs)  # checked before the model loads
     model = llm_kwargs.pop("model")
 
+    distributed.initialize()
+    mesh = distributed.mesh_config()
+    if mesh is not None:
+        llm_kwargs["mesh"] = mesh
     t0 = time.perf_counter()
     llm = LLM(model, **llm_kwargs)
     print(f"loaded {model} ({llm.dtype}, max_seq_len {llm.max_seq_len}) in "

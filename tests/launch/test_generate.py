@@ -102,3 +102,45 @@ def test_configs_are_well_formed():
         assert set(preset) <= {"model", "sampling", "chat"}
         ji.SamplingParams(**preset.get("sampling", {}))
         assert preset["model"]["model"] == "smollm2-135m"
+
+
+def _answers(stdout: str) -> list[str]:
+    """The answer text after each '=== [i] prompt' header."""
+    parts = re.split(r"^=== \[\d+\] .*$", stdout.split("\n  0 ")[0], flags=re.M)[1:]
+    return [p.strip("\n").rsplit("\n\nreq", 1)[0].strip("\n") for p in parts]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_processes_of_four_devices_give_the_one_process_tokens(tmp_path, reference):
+    """Two local CPU processes x 4 simulated devices, joined by jax.distributed from the flags
+    into one (data 2, sequence 4) mesh: each prints the greedy answers of one process on one
+    device."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    args = [sys.executable, "-m", "jaxinfer.launch.generate", "--max_tokens", "8",
+            "--max_num_seqs", "4", "--data", "2", "--sequence", "4",
+            "--coordinator_address", f"127.0.0.1:{port}", "--num_processes", "2"]
+    for p in PROMPTS:
+        args += ["--prompt", p]
+    procs = [subprocess.Popen(args + ["--process_id", str(i)], cwd=tmp_path, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    results = [p.communicate(timeout=600) for p in procs]
+    outs, _ = reference
+    for proc, (stdout, stderr) in zip(procs, results):
+        assert proc.returncode == 0, stderr[-3000:]
+        assert _answers(stdout) == [o.text for o in outs], stdout
+        assert [r[2] for r in rows(stdout)] == [len(o.token_ids) for o in outs]
+
+
+def test_distributed_flags_go_together(tmp_path):
+    r = launch(tmp_path, "--prompt", "x", "--coordinator_address", "127.0.0.1:1",
+               "--num_processes", "2")
+    assert r.returncode != 0
+    assert "error: --coordinator_address, --num_processes and --process_id go together (got " \
+           "only --coordinator_address, --num_processes)" in r.stderr

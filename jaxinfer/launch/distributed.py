@@ -1,0 +1,54 @@
+"""Multi-process (multi-host) start-up and mesh flags shared by the launch scripts.
+
+One process per host (or per group of local devices) runs the same script; together they form
+one mesh over every process's devices. `--coordinator_address host:port --num_processes N
+--process_id i` start jax.distributed explicitly; without them, a cluster environment that jax
+recognises (SLURM, Open MPI, Kubernetes JobSet, Cloud TPU) or JAX_COORDINATOR_ADDRESS starts
+it; otherwise the script runs as a single process.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import jax
+from absl import flags
+
+from jaxinfer.config import MeshConfig
+
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None,
+                                   "host:port of process 0's coordinator (multi-process runs).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the run.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index, 0-based.")
+_DATA = flags.DEFINE_integer("data", 1, "Data-parallel degree of the mesh.")
+_TENSOR = flags.DEFINE_integer("tensor", 1, "Tensor-parallel degree of the mesh.")
+_SEQUENCE = flags.DEFINE_integer("sequence", 1, "Sequence-parallel degree of the mesh.")
+
+# Variables by which jax.distributed recognises a cluster it can join without arguments.
+_CLUSTER_ENV = ("JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE",
+                "JOBSET_NAME", "TPU_WORKER_HOSTNAMES")
+
+
+def initialize() -> None:
+    """Starts jax.distributed from the flags or the cluster's environment; a no-op for a
+    single process. Must run before anything touches a device."""
+    given = [f for f in (_COORDINATOR, _NUM_PROCESSES, _PROCESS_ID) if f.value is not None]
+    if given and len(given) != 3:
+        raise ValueError("--coordinator_address, --num_processes and --process_id go together "
+                         f"(got only {', '.join('--' + f.name for f in given)})")
+    if given:
+        if not 0 <= _PROCESS_ID.value < _NUM_PROCESSES.value:
+            raise ValueError(f"--process_id {_PROCESS_ID.value} is outside [0, "
+                             f"{_NUM_PROCESSES.value})")
+        jax.distributed.initialize(coordinator_address=_COORDINATOR.value,
+                                   num_processes=_NUM_PROCESSES.value,
+                                   process_id=_PROCESS_ID.value)
+    elif any(v in os.environ for v in _CLUSTER_ENV):
+        jax.distributed.initialize()
+
+
+def mesh_config() -> Optional[MeshConfig]:
+    """The --data/--tensor/--sequence mesh, or None when every degree is 1."""
+    mesh = MeshConfig(data=_DATA.value, tensor=_TENSOR.value, sequence=_SEQUENCE.value)
+    return None if (mesh.data, mesh.tensor, mesh.sequence) == (1, 1, 1) else mesh
