@@ -42,11 +42,12 @@ class RingKVCache:
     def capacity(self) -> int:
         return self.k.shape[2]
 
+    KV_AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")  # of k and v
+
     def logical_axes(self) -> "RingKVCache":
-        """Each array's logical axes (jaxinfer.sharding), in the cache's own structure (the
-        same for every ring: callable on the class as RingKVCache.logical_axes(None))."""
-        kv = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
-        return RingKVCache(k=kv, v=kv, positions=("batch", "cache_seq"), lengths=("batch",))
+        """Each array's logical axes (jaxinfer.sharding), in the cache's own structure."""
+        return RingKVCache(k=self.KV_AXES, v=self.KV_AXES, positions=("batch", "cache_seq"),
+                           lengths=("batch",))
 
     def plan_write(self, num_new: jax.Array, T: int, rows: jax.Array | None = None) -> "WritePlan":
         """Where the first num_new[g] of T new tokens of query row g go (positions lengths + t).
@@ -197,9 +198,11 @@ class PagedKVCache:
     def num_pages(self) -> int:
         return self.k.shape[1] // self.page_size
 
+    KV_AXES = ("layers", "pages", "kv_heads", "head_dim")  # of k and v
+
     def logical_axes(self) -> "PagedKVCache":
         """Each array's logical axes (jaxinfer.sharding), in the cache's own structure."""
-        kv = ("layers", "pages", "kv_heads", "head_dim")
+        kv = self.KV_AXES
         return PagedKVCache(k=None if self.k is None else kv, v=None if self.v is None else kv, block_tables=("batch", "table"), lengths=("batch",),
                             page_size=self.page_size)
 

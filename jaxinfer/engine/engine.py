@@ -256,9 +256,9 @@ class Engine:
         draft = dict(draft_cfg=self.draft_kw["draft_cfg"], draft_capacity=self.ecfg.max_seq_len)
         L, K, H = self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim
         if self.paged is None:
-            axes = RingKVCache.logical_axes(None)
             shape = (L, B, self.capacity, K, H)
-            cache = RingKVCache(k=self._zeros(shape, axes.k), v=self._zeros(shape, axes.v),
+            cache = RingKVCache(k=self._zeros(shape, RingKVCache.KV_AXES),
+                                v=self._zeros(shape, RingKVCache.KV_AXES),
                                 positions=np.full((B, self.capacity), -1, np.int32),
                                 lengths=np.zeros(B, np.int32))
             return self._place_state(decode.DecodeState.create(
@@ -267,8 +267,8 @@ class Engine:
             k, v = self.state.cache.k, self.state.cache.v
         else:
             shape = (L, self.num_pages * self.paged.page_size, K, H)
-            axes = ("layers", "pages", "kv_heads", "head_dim")
-            k, v = self._zeros(shape, axes), self._zeros(shape, axes)
+            k, v = (self._zeros(shape, PagedKVCache.KV_AXES),
+                    self._zeros(shape, PagedKVCache.KV_AXES))
         self.paged.resize(B)
         cache = PagedKVCache(k=k, v=v,
                              block_tables=np.zeros((B, self.paged.table_width), np.int32),
