@@ -68,8 +68,7 @@ def attention(q: jax.Array, q_positions: jax.Array, segments: Sequence[KVSegment
         kernel = functools.partial(paged_attention, sliding_window=sliding_window,
                                    softcap=softcap, sm_scale=sm_scale, interpret=interpret)
         page_axes = (None, None, kv_heads, None)
-        out = _on_shards(kernel, ("batch", heads, None),
-                         ("batch", heads, None), page_axes, page_axes, ("batch",),
+        out = _on_shards(kernel, ("batch", heads, None), page_axes, page_axes, ("batch",),
                          ("batch", None))(q[:, 0], k_pages, v_pages, kv_lengths, block_tables)
         return out[:, None]
     from pallas_kernels import flash_attention
@@ -78,7 +77,7 @@ def attention(q: jax.Array, q_positions: jax.Array, segments: Sequence[KVSegment
                                softcap=softcap, sm_scale=sm_scale, interpret=interpret)
     q_axes, kv_axes = ("batch", None, heads, None), ("batch", None, kv_heads, None)
     return _on_shards(lambda q, k, v, off, n: kernel(q, k, v, q_offset=off, kv_lengths=n),
-                      q_axes, q_axes, kv_axes, kv_axes, ("batch",), ("batch",))(
+                      q_axes, kv_axes, kv_axes, ("batch",), ("batch",))(
         q, k, v, q_offset, kv_lengths)
 
 
@@ -90,10 +89,10 @@ def _heads_split_evenly(num_heads: int, num_kv_heads: int) -> bool:
     return num_heads % t == 0 and num_kv_heads % t == 0
 
 
-def _on_shards(kernel, out_axes, *in_axes):
+def _on_shards(kernel, *in_axes):
     """The kernel under jax.shard_map on the context mesh, with specs from the logical axes of
-    its output and inputs (each shard: its batch rows and heads; keys whole along their
-    sequence); the kernel itself without a mesh."""
+    its inputs (each shard: its batch rows and heads; keys whole along their sequence); its
+    output is laid out like its first input, the queries. The kernel itself without a mesh."""
     mesh_shape = sharding.context_mesh_shape()
     if mesh_shape is None:
         return kernel
@@ -101,9 +100,7 @@ def _on_shards(kernel, out_axes, *in_axes):
     def run(*args):
         specs = tuple(sharding.spec_for(a.shape, axes, mesh_shape)
                       for a, axes in zip(args, in_axes))
-        out_shape = jax.eval_shape(kernel, *args).shape
-        return jax.shard_map(kernel, in_specs=specs,
-                             out_specs=sharding.spec_for(out_shape, out_axes, mesh_shape),
+        return jax.shard_map(kernel, in_specs=specs, out_specs=specs[0],
                              check_vma=False)(*args)
     return run
 

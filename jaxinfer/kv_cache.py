@@ -203,7 +203,8 @@ class PagedKVCache:
     def logical_axes(self) -> "PagedKVCache":
         """Each array's logical axes (jaxinfer.sharding), in the cache's own structure."""
         kv = self.KV_AXES
-        return PagedKVCache(k=None if self.k is None else kv, v=None if self.v is None else kv, block_tables=("batch", "table"), lengths=("batch",),
+        return PagedKVCache(k=None if self.k is None else kv, v=None if self.v is None else kv,
+                            block_tables=("batch", "table"), lengths=("batch",),
                             page_size=self.page_size)
 
     @property

@@ -141,9 +141,8 @@ class LLM:
             max_seq_len, cfg.sliding_window + extra)
         # Full attention runs on the paged cache; a sliding-window model keeps its ring.
         paged, memory_left = None, None
-        # The page pool is split over the data and sequence axes, the kv heads over tensor.
+        # The page pool is split over the data and sequence axes.
         pool_split = mesh.data * mesh.sequence if partitioner is not None else 1
-        self._pool_split = (pool_split, mesh.tensor if partitioner is not None else 1)
         if cfg.sliding_window is None:
             per_request = -(-max_seq_len // page_size)
             if num_pages is None:
@@ -188,10 +187,12 @@ class LLM:
         limit, in_use = memory_left
         step = self._engine.step_scratch_bytes()
         # Per device: each holds 1/(data*sequence) of the pool's pages, 1/tensor of kv heads.
-        page = memory.kv_page_bytes(self.model_config, page_size,
-                                    self._engine.dtype) // (self._pool_split[0] * self._pool_split[1])
+        partitioner = self._engine.partitioner
+        mesh = partitioner.mesh_config if partitioner is not None else MeshConfig()
+        page = memory.kv_page_bytes(self.model_config, page_size, self._engine.dtype) // (
+            mesh.data * mesh.sequence * mesh.tensor)
         pages = memory.pages_for_memory(limit, in_use, step, page)
-        pages -= pages % self._pool_split[0]
+        pages -= pages % (mesh.data * mesh.sequence)
         need = -(-self.max_seq_len // page_size) + 1
         if pages < need:
             raise ValueError(

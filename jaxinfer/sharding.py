@@ -126,10 +126,8 @@ class Partitioner:
     def place(self, array, axes: Sequence[Optional[str]], dtype=None) -> jax.Array:
         """A host array onto the mesh: each device receives only its own shard (no full copy
         on any one device)."""
-        array = np.asarray(array) if not isinstance(array, jax.Array) else array
+        array = np.asarray(array)
         sharding = self.sharding(array.shape, axes)
-        if isinstance(array, jax.Array):
-            return jax.device_put(array if dtype is None else array.astype(dtype), sharding)
 
         def shard(index):
             part = array[index]
