@@ -143,27 +143,30 @@ class LLM:
         paged, memory_left = None, None
         # The page pool is split over the data and sequence axes.
         pool_split = mesh.data * mesh.sequence if partitioner is not None else 1
+        data = mesh.data if partitioner is not None else 1
         if cfg.sliding_window is None:
             per_request = -(-max_seq_len // page_size)
             if num_pages is None:
                 memory_left = memory.free_device_memory()
                 # Sized below from the compiled step when the device reports its memory; on
                 # CPU: room for every slot at max_seq_len, plus the null page.
-                num_pages = per_request + 1 if memory_left else max_num_seqs * per_request + 1
+                num_pages = data * (per_request + 1) if memory_left \
+                    else max_num_seqs * per_request + 1
                 num_pages = -(-num_pages // pool_split) * pool_split
             elif isinstance(num_pages, bool) or not isinstance(num_pages, int) \
-                    or num_pages < per_request + 1:
+                    or num_pages < data * (per_request + 1):
+                per = " per data replica" if data > 1 else ""
                 raise ValueError(
                     f"num_pages={num_pages!r} cannot hold one max_seq_len ({max_seq_len}) "
-                    f"request: it needs {per_request} pages of {page_size} tokens plus the "
-                    f"null page, so num_pages >= {per_request + 1}")
+                    f"request{per}: it needs {per_request} pages of {page_size} tokens plus the "
+                    f"null page, so num_pages >= {data * (per_request + 1)}")
             elif num_pages % pool_split:
                 raise ValueError(f"num_pages {num_pages} is not a multiple of data * sequence "
                                  f"= {pool_split}, the devices the page pool is split over")
             # A draft model's cache is not paged: its rows must be prefilled from the start, so
             # prompts are not served from the prefix cache.
             paged = PagedSlots(num_pages, page_size, max_seq_len,
-                               enable_prefix_caching=draft is None)
+                               enable_prefix_caching=draft is None, num_partitions=data)
         elif num_pages is not None:
             raise NotImplementedError("num_pages: sliding-window models run on the ring-buffer "
                                       "cache; the paged cache serves full attention only")
@@ -193,7 +196,7 @@ class LLM:
             mesh.data * mesh.sequence * mesh.tensor)
         pages = memory.pages_for_memory(limit, in_use, step, page)
         pages -= pages % (mesh.data * mesh.sequence)
-        need = -(-self.max_seq_len // page_size) + 1
+        need = (-(-self.max_seq_len // page_size) + 1) * mesh.data  # one request per replica
         if pages < need:
             raise ValueError(
                 f"the KV cache does not fit: of {memory.UTILIZATION:.0%} of {limit} device bytes, "

@@ -51,6 +51,8 @@ RULES: dict[str, Optional[str | tuple[str, ...]]] = {
     "head_dim": None,
     "layers": None,
     "tokens": None,
+    "rows": "sequence",        # a step's flattened query tokens, through the matmuls
+    "context": "sequence",     # a prompt's tokens under context-parallel attention
     "table": None,
     "history": None,
 }

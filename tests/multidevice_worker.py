@@ -9,6 +9,9 @@ Modes:
            from an orbax checkpoint, against the same model on one device;
   kernels  the Pallas kernels (interpret mode) under shard_map on a (2, 2, 1) mesh against
            the reference attention on one device;
+  context  sequence parallelism: ring and all-gather context-parallel attention against the
+           reference; a random model on sequence meshes against one device; per-device
+           prefill FLOPs with the chunk's tokens split over `sequence`;
   big      per-device bytes of Llama-3-8B and -70B (abstract: jax.eval_shape, nothing
            allocated) with a paged KV cache on a (1, 8, 1) mesh.
 """
@@ -167,6 +170,84 @@ def kernels() -> dict:
     return out
 
 
+def replica_pages() -> dict:
+    """The real model on a (data 2, sequence 2) mesh: each admitted request's pages, its slot's
+    replica, and the replicas whose devices hold those pages of the pool."""
+    import jaxinfer as ji
+
+    llm = ji.LLM("smollm2-135m", max_seq_len=64, max_num_seqs=4,
+                 mesh=ji.MeshConfig(data=2, sequence=2))
+    eng = llm._engine
+    admitted = []
+    admit = eng.paged.admit
+
+    def record(req, slot, partition=0):
+        cached = admit(req, slot, partition)
+        if cached is not None:
+            admitted.append((slot, eng.paged.allocator.block_table(req.request_id)))
+        return cached
+    eng.paged.admit = record
+    prompts = [list(range(5 + 7 * i, 30 + 9 * i)) for i in range(6)]
+    outs = llm.generate(prompts, ji.SamplingParams(max_tokens=12, ignore_eos=True))
+    # Which data replica holds each pool slot: from the pool's own sharding.
+    k = eng.state.cache.k
+    mesh = eng.partitioner.mesh
+    holder = np.full(k.shape[1], -1)
+    for device, index in k.sharding.devices_indices_map(k.shape).items():
+        data_index = int(np.argwhere(mesh.devices == device)[0][0])
+        holder[index[1]] = data_index
+    Z = eng.paged.page_size
+    B = len(eng.slots)
+    return {"slots": B, "tokens": [len(o.token_ids) for o in outs],
+            "requests": [{"slot": slot, "replica": slot * 2 // B,
+                          "page_holders": sorted({int(holder[p * Z]) for p in pages})}
+                         for slot, pages in admitted]}
+
+
+def context() -> dict:
+    """Sequence parallelism: the two context-parallel attentions against the reference, a
+    random model served on sequence meshes against one device, and the per-device FLOPs of a
+    prefill chunk whose tokens split over `sequence`."""
+    import jax.numpy as jnp
+
+    import jaxinfer as ji
+    from jaxinfer import context_parallel, sharding
+    from jaxinfer.attention import reference_attention
+    from jaxinfer.loading.safetensors import config_from_hf
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import scaling
+
+    B, T, N, K, H = 2, 64, 8, 2, 16
+    key = jax.random.key(0)
+    q, k, v = (jax.random.normal(jax.random.fold_in(key, i), (B, T, n, H))
+               for i, n in enumerate((N, K, K)))
+    pos = jnp.tile(jnp.arange(T, dtype=jnp.int32), (B, 1)).at[1, 50:].set(-1)
+    out = {"attention": {}}
+    for mesh in [(1, 1, 4), (2, 2, 2)]:
+        part = sharding.Partitioner(sharding.make_mesh(ji.MeshConfig(*mesh)))
+        for method in context_parallel.METHODS:
+            for window in (None, 20):
+                ref = reference_attention(q, pos, [(k, v, pos)], sliding_window=window)
+                with part.active():
+                    got = jax.jit(lambda *a: context_parallel.sequence_sharded_attention(
+                        *a, method=method, sliding_window=window))(q, k, v, pos, pos)
+                out["attention"][f"{mesh} {method} {window}"] = float(jnp.max(jnp.abs(got - ref)))
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256)
+    out["runs"] = random_model_runs(shape, {
+        "single": {}, "seq2": {"mesh": ji.MeshConfig(sequence=2)},
+        "data2_seq2": {"mesh": ji.MeshConfig(data=2, sequence=2)}})
+    out["replica_pages"] = replica_pages()
+    with open(os.path.join(ROOT, "configs", "llama-3-8b.json")) as f:
+        hf = json.load(f)
+    hf.update(shape)
+    cfg = config_from_hf(hf)
+    out["prefill_flops"] = {s: scaling.compile_step(cfg, ji.MeshConfig(sequence=s), 1, 64,
+                                                    256, jnp.float32)["flops"] for s in (1, 2)}
+    return out
+
+
 def big() -> dict:
     import jax.numpy as jnp
 
@@ -213,5 +294,6 @@ def big() -> dict:
 
 if __name__ == "__main__":
     sys.path.insert(0, ROOT)
-    result = {"meshes": meshes, "kvrep": kvrep, "kernels": kernels, "big": big}[sys.argv[1]]()
+    result = {"meshes": meshes, "kvrep": kvrep, "kernels": kernels, "big": big,
+              "context": context}[sys.argv[1]]()
     print(json.dumps(result))

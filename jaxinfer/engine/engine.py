@@ -170,9 +170,13 @@ class Engine:
         self.capacity = capacity
         self.dtype = dtype
         B = engine_cfg.max_num_seqs
-        # With a data axis, the smallest batch already gives every replica a row.
+        # With a data axis, the smallest batch already gives every replica a row. A paged
+        # cache keeps one batch of max_num_seqs rows: slot b then always lives on replica
+        # b // (B / data), whose partition of the page pool holds its pages (growing the batch
+        # would move rows to other replicas, away from their pages).
         data = partitioner.mesh_config.data if partitioner is not None else 1
-        self.batch_buckets = _buckets(B, min(data, B), 4)
+        self.data = data
+        self.batch_buckets = [B] if paged is not None and data > 1 else _buckets(B, min(data, B), 4)
         self.chunk_buckets = _buckets(engine_cfg.prefill_chunk, min(16, engine_cfg.prefill_chunk), 8)
         self.paged = paged
         self.num_pages = num_pages
@@ -339,7 +343,8 @@ class Engine:
         assert self.state is None, "the pool is already allocated"
         self.num_pages = num_pages
         self.paged = PagedSlots(num_pages, self.paged.page_size, self.paged.max_seq_len,
-                                self.paged.allocator.enable_prefix_caching)
+                                self.paged.allocator.enable_prefix_caching,
+                                self.paged.allocator.num_partitions)
 
     def _row_params(self, decoding: np.ndarray) -> decode.RowParams:
         B = len(self.slots)
@@ -409,7 +414,7 @@ class Engine:
             req.prefill_ids = req.prompt_ids + req.token_ids
             cached = 0
             if self.paged is not None:
-                cached = self.paged.admit(req, b)
+                cached = self.paged.admit(req, b, b * self.data // len(self.slots))
                 if cached is None:
                     break  # wait for pages
             self.waiting.popleft()

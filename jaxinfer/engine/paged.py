@@ -15,11 +15,13 @@ from jaxinfer.engine.pages import OutOfPages, PageAllocator
 
 class PagedSlots:
     def __init__(self, num_pages: int, page_size: int, max_seq_len: int,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, num_partitions: int = 1):
         self.page_size = page_size
         self.max_seq_len = max_seq_len
         self.table_width = -(-max_seq_len // page_size)           # pages of one full row
-        self.allocator = PageAllocator(num_pages, page_size, enable_prefix_caching)
+        # One partition of the pool per data replica: a slot's pages live on its devices.
+        self.allocator = PageAllocator(num_pages, page_size, enable_prefix_caching,
+                                       num_partitions)
         self.tables = np.zeros((0, self.table_width), np.int32)
         self.dirty = True
 
@@ -41,11 +43,12 @@ class PagedSlots:
             row[:len(table)] = table
             self.dirty = True
 
-    def admit(self, req, slot: int) -> int | None:
-        """Takes pages for req's prefill tokens; returns the number of tokens already cached
-        (the row starts there), or None when there are not enough free pages."""
+    def admit(self, req, slot: int, partition: int = 0) -> int | None:
+        """Takes pages for req's prefill tokens from `partition` (the slot's data replica);
+        returns the number of tokens already cached (the row starts there), or None when there
+        are not enough free pages."""
         try:
-            cached = self.allocator.allocate(req.request_id, req.prefill_ids)
+            cached = self.allocator.allocate(req.request_id, req.prefill_ids, partition)
         except OutOfPages:
             return None
         req.slot = slot

@@ -10,6 +10,12 @@ dropped), *cached* (free, refcount 0, still in the prefix cache, evictable in LR
 *used* (refcount >= 1). Page 0 is reserved as `null_page`: it is never handed out, so fixed-shape
 block tables can be padded with it and padded writes never land in a live page.
 
+Data parallelism: with num_partitions > 1 the pool is split into that many equal, contiguous
+ranges, one per replica (the range whose K/V live on that replica's devices), and a sequence
+takes its pages from the range it was allocated in. Each range has its own free lists and its
+own prefix cache (its hash chains start from a root of their own), so a sequence never reads a
+page of another replica.
+
 No copy-on-write is needed: only registered pages are shared, a page is registered only once it
 is full and computed, and a sequence only writes at positions past its last token, i.e. into its
 own unshared, unregistered last page(s). `append` asserts this.
@@ -62,16 +68,26 @@ class PageAllocator:
 
     null_page = 0
 
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True,
+                 num_partitions: int = 1):
         if num_pages < 2 or page_size < 1:
             raise ValueError(f"need num_pages >= 2 and page_size >= 1, "
                              f"got {num_pages} and {page_size}")
+        if num_partitions < 1 or num_pages % num_partitions or num_pages // num_partitions < 2:
+            raise ValueError(f"{num_pages} pages do not split into {num_partitions} partitions "
+                             "of at least 2 pages each")
         self.num_pages, self.page_size = num_pages, page_size
+        self.num_partitions = num_partitions
+        self.partition_size = num_pages // num_partitions
         self.num_usable_pages = num_pages - 1
         self.enable_prefix_caching = enable_prefix_caching
         self._refcount = [0] * num_pages
-        self._fresh = collections.deque(range(1, num_pages))
-        self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU first
+        # Per partition: fresh pages, and cached-but-evictable ones in LRU order.
+        self._fresh = [collections.deque(p for p in self._range(i) if p != self.null_page)
+                       for i in range(num_partitions)]
+        self._evictable: list[collections.OrderedDict[int, None]] = [
+            collections.OrderedDict() for _ in range(num_partitions)]
+        self._partition_of: dict[object, int] = {}
         self._hash_to_page: dict[bytes, int] = {}
         self._page_to_hash: dict[int, bytes] = {}
         self._seqs: dict[object, _Seq] = {}
@@ -80,16 +96,28 @@ class PageAllocator:
     # ---- queries -------------------------------------------------------------------------
     @property
     def num_free_pages(self) -> int:
-        """Pages an allocation may take: fresh plus cached-but-evictable."""
-        return len(self._fresh) + len(self._evictable)
+        """Free pages over all partitions: fresh plus cached-but-evictable."""
+        return sum(self.free_pages(i) for i in range(self.num_partitions))
+
+    def free_pages(self, partition: int = 0) -> int:
+        """Pages an allocation in `partition` may take: fresh plus cached-but-evictable."""
+        return len(self._fresh[partition]) + len(self._evictable[partition])
+
+    def partition(self, page: int) -> int:
+        """The partition (data replica) a page belongs to."""
+        return page // self.partition_size
+
+    def _range(self, partition: int) -> range:
+        return range(partition * self.partition_size, (partition + 1) * self.partition_size)
 
     def pages_for(self, num_tokens: int) -> int:
         """Pages needed to hold num_tokens tokens: ceil(num_tokens / page_size)."""
         return -(-num_tokens // self.page_size)
 
-    def can_allocate(self, num_tokens: int) -> bool:
-        """Whether a new sequence of num_tokens tokens fits, assuming no prefix-cache hit."""
-        return self.pages_for(num_tokens) <= self.num_free_pages
+    def can_allocate(self, num_tokens: int, partition: int = 0) -> bool:
+        """Whether a new sequence of num_tokens tokens fits in `partition`, assuming no
+        prefix-cache hit."""
+        return self.pages_for(num_tokens) <= self.free_pages(partition)
 
     def block_table(self, seq_id) -> list[int]:
         """Page ids of the sequence, in token order (pad with `null_page` for fixed shapes)."""
@@ -116,14 +144,15 @@ class PageAllocator:
         free = self.num_free_pages
         return dict(
             num_pages=self.num_pages, usable=self.num_usable_pages, free=free,
-            used=self.num_usable_pages - free, cached=len(self._evictable),
+            used=self.num_usable_pages - free, cached=sum(map(len, self._evictable)),
             evictions=self._evictions, prefix_cache_queries=self._queries,
             prefix_cache_hits=self._hits,
             hit_rate=self._hits / self._queries if self._queries else 0.0)
 
     # ---- mutation ------------------------------------------------------------------------
-    def allocate(self, seq_id, token_ids: Sequence[int]) -> int:
-        """Admit a sequence with its prompt; return how many prompt tokens are already cached.
+    def allocate(self, seq_id, token_ids: Sequence[int], partition: int = 0) -> int:
+        """Admit a sequence with its prompt, its pages to come from `partition`; return how
+        many prompt tokens are already cached (in that partition).
 
         The result is a multiple of page_size and < len(token_ids): the last prompt token is
         always left to compute so the model yields its logits. Pages for the rest of the prompt
@@ -131,6 +160,8 @@ class PageAllocator:
         """
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} is already allocated")
+        if not 0 <= partition < self.num_partitions:
+            raise ValueError(f"partition {partition} outside [0, {self.num_partitions})")
         tokens = [int(t) for t in token_ids]
         if not tokens:
             raise ValueError("cannot allocate an empty prompt")
@@ -138,7 +169,7 @@ class PageAllocator:
         hits: list[int] = []
         hashes: list[bytes] = []
         if self.enable_prefix_caching:
-            parent = _ROOT_HASH
+            parent = self._root(partition)
             for i in range((len(tokens) - 1) // ps):  # never the page holding the last token
                 h = page_hash(parent, tokens[i * ps:(i + 1) * ps])
                 page = self._hash_to_page.get(h)
@@ -149,31 +180,32 @@ class PageAllocator:
                 parent = h
         needed = self.pages_for(len(tokens)) - len(hits)
         # Revived hits leave the evictable pool, so they cannot also pay for the fresh pages.
-        free = self.num_free_pages - sum(self._refcount[p] == 0 for p in hits)
+        free = self.free_pages(partition) - sum(self._refcount[p] == 0 for p in hits)
         if needed > free:
             raise OutOfPages(f"allocating {len(tokens)} tokens for {seq_id!r}", needed, free)
         for page in hits:
             if self._refcount[page] == 0:
-                del self._evictable[page]
+                del self._evictable[partition][page]
             self._refcount[page] += 1
-        pages = hits + self._take(needed)
+        pages = hits + self._take(needed, partition)
         num_cached = len(hits) * ps
         if self.enable_prefix_caching:
             self._queries += len(tokens)
             self._hits += num_cached
         self._seqs[seq_id] = _Seq(tokens, pages, hashes, num_cached)
+        self._partition_of[seq_id] = partition
         return num_cached
 
     def ensure_capacity(self, seq_id, num_tokens: int) -> None:
         """Grow the block table to hold num_tokens tokens in total (e.g. multi-step decode
         lookahead); tokens are not recorded. Raises OutOfPages (state unchanged)."""
-        seq = self._seqs[seq_id]
+        seq, partition = self._seqs[seq_id], self._partition_of[seq_id]
         needed = self.pages_for(num_tokens) - len(seq.pages)
-        if needed > self.num_free_pages:
+        if needed > self.free_pages(partition):
             raise OutOfPages(f"growing {seq_id!r} to {num_tokens} tokens", needed,
-                             self.num_free_pages)
+                             self.free_pages(partition))
         if needed > 0:
-            seq.pages += self._take(needed)
+            seq.pages += self._take(needed, partition)
 
     def append(self, seq_id, token_ids: Sequence[int]) -> None:
         """Record new tokens of the sequence (e.g. sampled ones), taking pages as needed.
@@ -204,7 +236,7 @@ class PageAllocator:
             return
         ps = self.page_size
         for i in range(len(seq.hashes), num_computed // ps):
-            parent = seq.hashes[-1] if seq.hashes else _ROOT_HASH
+            parent = seq.hashes[-1] if seq.hashes else self._root(self._partition_of[seq_id])
             h = page_hash(parent, seq.tokens[i * ps:(i + 1) * ps])
             seq.hashes.append(h)
             page = seq.pages[i]
@@ -218,6 +250,7 @@ class PageAllocator:
         """Release a finished, aborted or preempted sequence. Its registered pages stay cached
         (evictable) so re-admitting the same tokens hits them until they are evicted."""
         seq = self._seqs.pop(seq_id)
+        self._partition_of.pop(seq_id)
         # Reversed: a sequence's tail pages become least recently used, so they are evicted
         # before its head pages, which more prompts share and whose loss orphans the tail.
         for page in reversed(seq.pages):
@@ -225,19 +258,25 @@ class PageAllocator:
             self._refcount[page] -= 1
             if self._refcount[page] == 0:
                 if page in self._page_to_hash:
-                    self._evictable[page] = None
+                    self._evictable[self.partition(page)][page] = None
                 else:
-                    self._fresh.append(page)
+                    self._fresh[self.partition(page)].append(page)
 
-    def _take(self, n: int) -> list[int]:
-        """Take n free pages (caller checked they exist): fresh ones first, then evict cached
-        ones in LRU order, dropping their prefix-cache entries."""
+    @staticmethod
+    def _root(partition: int) -> bytes:
+        """The parent hash of a sequence's first page: partitions never share pages."""
+        return _ROOT_HASH if partition == 0 else b"partition %d" % partition
+
+    def _take(self, n: int, partition: int) -> list[int]:
+        """Take n free pages of a partition (caller checked they exist): fresh ones first, then
+        evict cached ones in LRU order, dropping their prefix-cache entries."""
+        fresh, evictable = self._fresh[partition], self._evictable[partition]
         out = []
         for _ in range(n):
-            if self._fresh:
-                page = self._fresh.popleft()
+            if fresh:
+                page = fresh.popleft()
             else:
-                page, _ = self._evictable.popitem(last=False)
+                page, _ = evictable.popitem(last=False)
                 del self._hash_to_page[self._page_to_hash.pop(page)]
                 self._evictions += 1
             self._refcount[page] = 1

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer import sharding
 from jaxinfer.attention import attention, ragged_paged_attention
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache import PagedKVCache, RingKVCache, WritePlan
@@ -236,7 +237,12 @@ def forward_groups(params: LlamaParams, cfg: ModelConfig, queries: Sequence[Quer
         parts = jnp.split(x, np.cumsum(sizes)[:-1], axis=0) if len(sizes) > 1 else [x]
         return [p.reshape(shape + last_dims) for p, shape in zip(parts, shapes)]
 
-    h = jnp.concatenate([embed(params, q.tokens).reshape(-1, D) for q in queries])
+    # Sequence parallelism: the step's tokens split over `sequence` through every matmul;
+    # attention gathers each chunk's queries (T x N x H: small) and leaves the keys where the
+    # cache shards hold them, combining partial softmax statistics across shards (see
+    # docs/scaling.md for why this beats moving K/V, by ring or all-gather, for chunks).
+    rows = lambda x: sharding.constrain(x, ("rows", "embed"))
+    h = rows(jnp.concatenate([embed(params, q.tokens).reshape(-1, D) for q in queries]))
     for i, lp in enumerate(params.layers):
         with jax.named_scope(f"layer_{i}"):
             with jax.named_scope("attention"):
@@ -244,7 +250,8 @@ def forward_groups(params: LlamaParams, cfg: ModelConfig, queries: Sequence[Quer
                 qs = split(linear(x, lp.wq, lp.bq), (N, H))
                 ks = split(linear(x, lp.wk, lp.bk), (K, H))
                 vs = split(linear(x, lp.wv, lp.bv), (K, H))
-                qs = [apply_rope(q, *a) for q, a in zip(qs, angles)]
+                qs = [sharding.constrain(apply_rope(q, *a), ("batch", None, "q_heads", None))
+                      for q, a in zip(qs, angles)]
                 ks = [apply_rope(k, *a) for k, a in zip(ks, angles)]
                 if early is not None:
                     k_all = cache.write_layer(
@@ -274,10 +281,10 @@ def forward_groups(params: LlamaParams, cfg: ModelConfig, queries: Sequence[Quer
                                   sliding_window=cfg.sliding_window, implementation=attn_impl,
                                   lengths=lengths[g] if first[g] else None, pages=pages)
                     outs.append(o.reshape(-1, N * H))
-                h = h + linear(jnp.concatenate(outs) if len(outs) > 1 else outs[0], lp.wo)
+                h = rows(h + linear(jnp.concatenate(outs) if len(outs) > 1 else outs[0], lp.wo))
             with jax.named_scope("mlp"):
                 x = rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps)
-                h = h + swiglu_mlp(x, lp.w_gate, lp.w_up, lp.w_down)
+                h = rows(h + swiglu_mlp(x, lp.w_gate, lp.w_up, lp.w_down))
     if late is not None:
         per_layer = len(k_late) // cfg.num_layers
         for i in range(cfg.num_layers):

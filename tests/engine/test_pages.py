@@ -13,7 +13,7 @@ PS = 4
 def _snapshot(a):
     return (a.stats(), {s: a.block_table(s) for s in list(a._seqs)},
             [a.refcount(p) for p in range(a.num_pages)], a.cached_pages(),
-            list(a._fresh), list(a._evictable))
+            [list(f) for f in a._fresh], [list(e) for e in a._evictable])
 
 
 def test_allocation_sizes_and_block_tables():
@@ -137,7 +137,7 @@ def test_lru_eviction_order_and_refresh_on_hit():
         t[sid] = a.block_table(sid)
         a.free(sid)
     # Freed tail-first; partial last pages were never registered, so they are fresh again.
-    assert list(a._evictable) == [t[0][1], t[0][0], t[1][1], t[1][0]]
+    assert list(a._evictable[0]) == [t[0][1], t[0][0], t[1][1], t[1][0]]
     assert a.stats()["cached"] == 4 and a.stats()["free"] == 7
     a.allocate("x", list(range(100, 116)))  # 4 pages: 3 fresh, then 1 eviction
     assert set(a.cached_pages().values()) == {t[0][0], t[1][0], t[1][1]}
@@ -145,7 +145,7 @@ def test_lru_eviction_order_and_refresh_on_hit():
     a.free("x")
     assert a.allocate("r", prompts[0]) == PS  # a hit revives seq 0's head page...
     a.free("r")  # ...so it is now the most recently used
-    assert list(a._evictable) == [t[1][1], t[1][0], t[0][0]]
+    assert list(a._evictable[0]) == [t[1][1], t[1][0], t[0][0]]
     a.allocate("y", list(range(200, 220)))  # 5 pages: 4 fresh, then seq 1's tail
     assert set(a.cached_pages().values()) == {t[1][0], t[0][0]}
     a.free("y")
@@ -155,7 +155,8 @@ def test_lru_eviction_order_and_refresh_on_hit():
 # ---- randomized property test ------------------------------------------------------------
 
 def _check(a, seqs, shadow, ever_used):
-    fresh, evict = list(a._fresh), list(a._evictable)
+    fresh = [p for f in a._fresh for p in f]
+    evict = [p for e in a._evictable for p in e]
     used = [p for p in range(1, a.num_pages) if a.refcount(p) > 0]
     states = fresh + evict + used
     assert sorted(states) == list(range(1, a.num_pages)), "each page in exactly one state"
@@ -251,3 +252,32 @@ def test_random_operations_keep_invariants(seed):
         _check(a, seqs, shadow, ever_used)
     assert a.num_free_pages == a.num_usable_pages and a.stats()["used"] == 0
     assert len(ever_used) == a.num_usable_pages
+
+
+def test_partitions_keep_each_sequence_in_its_own_range():
+    """Data-parallel pools: 2 partitions of 8 pages (page 0, the null page, in the first). A
+    sequence's pages all come from the partition it was allocated in; the same prompt in the
+    other partition misses the prefix cache (no page is read across replicas); one partition
+    running out raises OutOfPages even though the other has room."""
+    a = PageAllocator(16, PS, num_partitions=2)
+    assert [a.free_pages(i) for i in range(2)] == [7, 8] and a.num_free_pages == 15
+    prompt = list(range(13))                           # 4 pages, 3 of them cacheable
+    assert a.allocate("a", prompt, partition=1) == 0
+    assert all(a.partition(p) == 1 for p in a.block_table("a"))
+    a.mark_computed("a", 13)
+    assert a.allocate("b", prompt, partition=0) == 0    # other replica: no hit
+    assert all(a.partition(p) == 0 for p in a.block_table("b"))
+    assert a.allocate("c", prompt, partition=1) == 12   # same replica: 3 pages hit
+    assert a.block_table("c")[:3] == a.block_table("a")[:3]
+    a.ensure_capacity("c", 28)                       # 7 pages: the partition is full
+    assert all(a.partition(p) == 1 for p in a.block_table("c"))
+    assert a.free_pages(1) == 0 and a.free_pages(0) == 3
+    with pytest.raises(OutOfPages):
+        a.allocate("d", [1, 2], partition=1)
+    a.free("a")
+    a.free("c")
+    assert a.free_pages(1) == 8
+    with pytest.raises(ValueError, match="do not split into 3 partitions"):
+        PageAllocator(16, PS, num_partitions=3)
+    with pytest.raises(ValueError, match=r"partition 2 outside \[0, 2\)"):
+        a.allocate("e", [1], partition=2)
