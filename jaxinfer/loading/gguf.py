@@ -7,20 +7,23 @@ model uses (the layout of HF checkpoints).
 
 The file is parsed by `jaxinfer.loading.gguf_file` (memory-mapped, zero-copy tensor data). F32,
 F16, Q8_0, Q4_0 and Q4_1 are dequantized here with vectorised numpy, bit for bit as
-`gguf.quants.dequantize`, which decodes every other type.
+`gguf.quants.dequantize`, which decodes every other type. With `quantized=True` the matrices
+stored as Q8_0, Q4_0, Q4_1, Q4_K or Q6_K keep their codes instead (`jaxinfer.quant`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Union
 
 import numpy as np
 
+from jaxinfer import quant
 from jaxinfer.config import ModelConfig
 from jaxinfer.loading.gguf_file import (GGMLType, GGUFFile, ModelFileError, TensorInfo,
                                         ggml_type_name)
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+Weight = Union[np.ndarray, quant.QuantizedWeight]
 
 
 def _open(path: str) -> GGUFFile:
@@ -101,8 +104,10 @@ def config_from_metadata(meta: dict[str, Any], path: str = "<gguf>") -> ModelCon
         raise ModelFileError(f"{path!r}: {e}") from None
 
 
-def _unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+def _unpermute_qk(w: Weight, n_heads: int) -> Weight:
     # w: [D, n_heads * hd] ([in, out]), columns interleaved (pairs) per head -> half-rotation.
+    if isinstance(w, quant.QuantizedWeight):  # the same reordering of the output columns
+        return quant.take_out(w, _unpermute_qk(np.arange(w.shape[1])[None], n_heads)[0])
     d, out_dim = w.shape
     hd = out_dim // n_heads
     return w.reshape(d, n_heads, hd // 2, 2).swapaxes(2, 3).reshape(d, out_dim)
@@ -117,9 +122,9 @@ def _unpermute_qk_bias(b: np.ndarray, n_heads: int) -> np.ndarray:
 # (and for Q4_1 an f16 minimum m). Q8_0 holds 32 int8 q: x = d * q. Q4_0/Q4_1 hold 16 bytes of
 # nibbles, the low nibbles being values 0-15 and the high nibbles values 16-31:
 # x = d * (q - 8) for Q4_0, x = d * q + m for Q4_1.
-_Q8_0 = np.dtype([("d", "<f2"), ("qs", "i1", (32,))])
-_Q4_0 = np.dtype([("d", "<f2"), ("qs", "u1", (16,))])
-_Q4_1 = np.dtype([("d", "<f2"), ("m", "<f2"), ("qs", "u1", (16,))])
+_Q8_0 = quant.GGUF_BLOCKS[GGMLType.Q8_0]
+_Q4_0 = quant.GGUF_BLOCKS[GGMLType.Q4_0]
+_Q4_1 = quant.GGUF_BLOCKS[GGMLType.Q4_1]
 _CHUNK = 8192  # blocks per step (1 MiB of float32 output): each step's data stay in cache
 
 
@@ -239,6 +244,21 @@ def _dequantize(gf: GGUFFile, t: TensorInfo, transposed: bool = False) -> np.nda
                              f"{ggml_type_name(t.type)}, which cannot be dequantized: {e}") from e
 
 
+def _read(gf: GGUFFile, t: TensorInfo, transposed: bool, quantized: bool) -> Weight:
+    """`_dequantize`, except that with quantized=True a matrix of a type `quant.from_gguf`
+    takes comes back as a QuantizedWeight of the same orientation ([in, out] and axis 0 with
+    transposed=True, else [out, in] and axis 1)."""
+    if (quantized and len(t.shape) == 2 and gf.byte_order == "<"
+            and t.type in quant.GGUF_BLOCKS):
+        try:
+            return quant.from_gguf(gf.tensor_bytes(t.name), t.type, t.shape, transposed)
+        except ValueError as e:
+            raise ModelFileError(f"model file {gf.path!r}: tensor {t.name!r} of type "
+                                 f"{ggml_type_name(t.type)} cannot be loaded quantized: "
+                                 f"{e}") from e
+    return _dequantize(gf, t, transposed)
+
+
 # Per-layer GGUF tensor names -> our names.
 _LAYER_TENSORS = {
     "attn_norm.weight": "attn_norm",
@@ -256,7 +276,8 @@ _BIASES = {"attn_q.bias": "bq", "attn_k.bias": "bk", "attn_v.bias": "bv"}
 _UNSUPPORTED_BIASES = ("attn_output.bias", "ffn_gate.bias", "ffn_up.bias", "ffn_down.bias")
 
 
-def load_gguf(path: str) -> tuple[ModelConfig, dict[str, np.ndarray], dict[str, Any]]:
+def load_gguf(path: str, *, quantized: bool = False
+              ) -> tuple[ModelConfig, dict[str, Weight], dict[str, Any]]:
     """Loads a GGUF model.
 
     Returns (config, weights, metadata). weights uses the names of `jaxinfer.models.llama`:
@@ -264,6 +285,12 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, np.ndarray], dict[str, 
     "layers.{i}.{name}" with linear weights as [in, out] float32 arrays. Every tensor's shape is
     checked against the metadata before it is read. A `rope_freqs.weight` tensor (Llama-3 RoPE
     scaling as llama.cpp stores it) becomes `config.rope_freq_factors`.
+
+    quantized=True: matrices stored as Q8_0, Q4_0, Q4_1, Q4_K or Q6_K come as
+    `quant.QuantizedWeight` holding the file's codes (host numpy arrays), grouped along the
+    contraction axis: axis 0 of linear weights and "lm_head" [in, out], axis 1 of "embed"
+    [V, D]. Each dequantizes to the float array that quantized=False gives. Other types and
+    1-D tensors stay float32.
     """
     gf = _open(path)
     meta = dict(gf.metadata)
@@ -290,7 +317,7 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, np.ndarray], dict[str, 
         "ffn_gate.bias": ("F",), "ffn_up.bias": ("F",), "ffn_down.bias": ("D",),
     }
 
-    def read(name: str, symbols: tuple[str, ...], transposed: bool = False) -> np.ndarray:
+    def read(name: str, symbols: tuple[str, ...], transposed: bool = False) -> Weight:
         if name not in tensors:
             raise ModelFileError(f"model file {path!r} lacks tensor {name!r}")
         got, shape = tensors[name].shape, tuple(dims[s] for s in symbols)
@@ -298,9 +325,9 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, np.ndarray], dict[str, 
             why = ", ".join(dim_sources[s] for s in dict.fromkeys(symbols))
             raise ModelFileError(f"model file {path!r}: tensor {name!r} has shape {got}; the "
                                  f"metadata implies {shape} ({why})")
-        return _dequantize(gf, tensors[name], transposed)
+        return _read(gf, tensors[name], transposed, quantized)
 
-    weights: dict[str, np.ndarray] = {}
+    weights: dict[str, Weight] = {}
     weights["embed"] = read("token_embd.weight", ("V", "D"))
     weights["final_norm"] = read("output_norm.weight", ("D",))
     if "output.weight" in tensors:
