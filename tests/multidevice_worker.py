@@ -123,10 +123,14 @@ def random_model_runs(shape: dict, variants: dict) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         save_checkpoint(tmp, cfg, llama.init_params(cfg, jax.random.key(0), jnp.float32))
         for name, kw in variants.items():
+            kw = kw(tmp) if callable(kw) else kw  # a variant may need the checkpoint's path
             llm = ji.LLM(tmp, max_seq_len=64, max_num_seqs=4, **kw)
             outs = llm.generate(prompts, params)
             wk = llm._engine.params.layers[0].wk.sharding
+            draft = llm._engine.draft_kw["draft_params"]
             out[name] = {"tokens": [o.token_ids for o in outs],
+                         "draft_wq_spec": None if draft is None
+                         else str(draft.layers[0].wq.sharding.spec),
                          "logprobs": [[lp[t] for lp, t in zip(o.logprobs, o.token_ids)]
                                       for o in outs],
                          "kv_heads": llm.model_config.num_kv_heads,
@@ -237,7 +241,11 @@ def context() -> dict:
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256)
     out["runs"] = random_model_runs(shape, {
         "single": {}, "seq2": {"mesh": ji.MeshConfig(sequence=2)},
-        "data2_seq2": {"mesh": ji.MeshConfig(data=2, sequence=2)}})
+        "data2_seq2": {"mesh": ji.MeshConfig(data=2, sequence=2)},
+        # A draft model on a mesh: the model drafts for itself (greedy: the same tokens).
+        "draft_data2_tensor2": lambda path: {
+            "mesh": ji.MeshConfig(data=2, tensor=2),
+            "speculative": ji.SpeculativeConfig("draft", num_draft_tokens=3, draft_model=path)}})
     out["replica_pages"] = replica_pages()
     with open(os.path.join(ROOT, "configs", "llama-3-8b.json")) as f:
         hf = json.load(f)

@@ -172,7 +172,8 @@ def test_sequence_parallelism_splits_prefill_and_matches_one_device():
     """Sequence meshes: ring and all-gather context-parallel attention equal the reference
     (float32, 1e-5); a random model served with its prefill tokens split over `sequence`
     (and rows over `data`) gives one device's greedy tokens and logprobs (1e-5); on a (data 2,
-    sequence 2) mesh every request's KV pages are held by its own replica's devices; and a prefill
+    sequence 2) mesh every request's KV pages are held by its own replica's devices; draft-model
+    speculation on a (data 2, tensor 2) mesh gives the same greedy tokens; and a prefill
     chunk's per-device FLOPs halve on 2 sequence devices (the matmuls split; measured 0.50,
     bounded by 0.55 for the replicated norms and head)."""
     got = run_worker("context")
@@ -183,6 +184,10 @@ def test_sequence_parallelism_splits_prefill_and_matches_one_device():
         run = got["runs"][name]
         assert run["tokens"] == one["tokens"], name
         np.testing.assert_allclose(run["logprobs"], one["logprobs"], atol=1e-5, rtol=0)
+    # Draft-model speculation on a (data 2, tensor 2) mesh, the draft sharded like the target.
+    draft = got["runs"]["draft_data2_tensor2"]
+    assert draft["tokens"] == one["tokens"]
+    assert draft["draft_wq_spec"] == "P(None, 'tensor')"
     # Data parallelism over a paged pool: every request's pages sit on its slot's replica.
     pages = got["replica_pages"]
     assert pages["tokens"] == [12] * 6 and len(pages["requests"]) == 6
