@@ -53,6 +53,9 @@ def _default_dtype() -> str:
     return "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
 
+_QUANTIZATIONS = ("int8", "int4", "int4-awq", "fp8")
+
+
 class LLM:
     """A model ready to generate. See the README for the arguments; each is checked here."""
 
@@ -65,8 +68,13 @@ class LLM:
                  max_num_batched_tokens: int = 512):
         # Features whose implementation has not landed: refuse rather than ignore them.
         if quantization is not None:
-            raise NotImplementedError(f"quantization={quantization!r}: weight quantization is "
-                                      "not implemented yet")
+            if quantization not in _QUANTIZATIONS:
+                raise ValueError(f"quantization must be None or one of {_QUANTIZATIONS}, "
+                                 f"got {quantization!r}")
+            if quantization == "int4-awq":
+                raise NotImplementedError("quantization='int4-awq' is not wired into LLM yet")
+            if mesh is not None and (mesh.data, mesh.tensor, mesh.sequence) != (1, 1, 1):
+                raise NotImplementedError("quantized weights on a mesh are not supported yet")
         if kv_cache_dtype is not None:
             raise NotImplementedError(f"kv_cache_dtype={kv_cache_dtype!r}: KV-cache "
                                       "quantization is not implemented yet")
@@ -101,7 +109,8 @@ class LLM:
         from jaxinfer.loading import load_model
 
         enable_compilation_cache()
-        loaded = load_model(model, dtype=_DTYPES[dtype], partitioner=partitioner)
+        loaded = load_model(model, dtype=_DTYPES[dtype], partitioner=partitioner,
+                            quantization=quantization)
         cfg = loaded.config
         draft = None
         if speculative is not None and speculative.method == "draft":

@@ -362,3 +362,69 @@ def _type_name(type_id: int) -> str:
     from jaxinfer.loading.gguf_file import ggml_type_name  # the loader imports this module
 
     return ggml_type_name(type_id)
+
+
+# -- whole models --------------------------------------------------------------------------------
+
+MODES = ("int8", "int4", "int4-awq", "fp8")
+_LINEAR_FIELDS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+def contraction_axis(name: str) -> Optional[int]:
+    """The grouped axis of a named model weight that is quantized (linear weights [in, out]
+    and lm_head [D, V]: 0; the embedding [V, D]: 1), None for the rest (norms, biases)."""
+    if name == "embed":
+        return 1
+    if name == "lm_head" or name.split(".")[-1] in _LINEAR_FIELDS:
+        return 0
+    return None
+
+
+def quantize_weights(weights: dict, mode: str, group_size: int = 32) -> dict:
+    """Every matrix of a model's host weights (params_from_weights names) quantized by `mode`:
+    "int8" per output channel, "int4" round-to-nearest in groups of `group_size` (asymmetric),
+    "fp8" per output channel. A weight that is already a QuantizedWeight of the mode's kind
+    (GGUF blocks loaded natively: Q4_0/Q4_1/Q4_K as int4, Q8_0/Q6_K as int8; under "int4" the
+    int8 ones too) is kept as it is, lossless against the file; any other is dequantized on the
+    host and quantized anew. Norms
+    and biases stay float. ("int4-awq" needs calibration: see jaxinfer.awq.)"""
+    quantizers = {"int8": lambda w, a: quantize_int8(w, axis=a),
+                  "int4": lambda w, a: quantize_int4(w, axis=a, group_size=group_size),
+                  "fp8": lambda w, a: quantize_fp8(w, axis=a)}
+    if mode not in quantizers:
+        raise ValueError(f"unknown quantization {mode!r}; available: {tuple(quantizers)}")
+    out = {}
+    for name, w in weights.items():
+        axis = contraction_axis(name)
+        if axis is None:
+            out[name] = w
+            continue
+        if isinstance(w, QuantizedWeight):
+            # GGUF blocks are kept where they are the mode's kind, and under "int4" also where
+            # they are int8 (Q8_0/Q6_K, e.g. SmolLM2's embedding): requantizing those to 4
+            # bits would lose what the file holds.
+            if w.kind == mode or (mode == "int4" and w.kind == "int8"):
+                out[name] = w
+                continue
+            w = np.asarray(dequantize(w))
+        out[name] = quantizers[mode](w, axis)
+    return out
+
+
+def matmul(x: jax.Array, w: QuantizedWeight, spec: str) -> jax.Array:
+    """einsum(spec, x, w) with w quantized, accumulated in float32. Per-channel weights
+    without offsets (int8, fp8) multiply only their codes, converted to x's dtype inside the
+    jitted step, and scale the result; grouped ones are dequantized first (per layer, inside
+    the step: the codes are what stays in memory)."""
+    if w.group_size == 0 and w.offset is None:
+        y = jnp.einsum(spec, x, jnp.asarray(w.q).astype(x.dtype),
+                       preferred_element_type=jnp.float32)
+        return y * jnp.asarray(w.scale, jnp.float32).reshape(-1)
+    return jnp.einsum(spec, x, dequantize(w, x.dtype), preferred_element_type=jnp.float32)
+
+
+def take_rows(w: QuantizedWeight, index: jax.Array) -> jax.Array:
+    """Rows `index` [n] of a quantized [V, D] table grouped along its columns (axis 1), as
+    float32 [n, D]: an embedding lookup that dequantizes only the rows it reads."""
+    rows = lambda a: None if a is None else jnp.take(jnp.asarray(a), index, axis=0)
+    return dequantize(w.replace(q=rows(w.q), scale=rows(w.scale), offset=rows(w.offset)))

@@ -26,8 +26,14 @@ class LoadedModel:
     source: str             # resolved path
 
 
-def load_model(spec: str, dtype=jnp.float32, partitioner=None) -> LoadedModel:
+def load_model(spec: str, dtype=jnp.float32, partitioner=None,
+               quantization: Optional[str] = None) -> LoadedModel:
     """Loads a model from a spec. Raises ValueError (ModelFileError) for anything unusable.
+
+    quantization ("int8", "int4", "fp8"; see jaxinfer.quant.quantize_weights): the matrices
+    are quantized on the host before they reach the device. A GGUF's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K
+    blocks load natively, with no float copy of the model, and are kept where they are of the
+    requested kind ("int4" on a Q4_1 file keeps the file's blocks).
 
     partitioner (jaxinfer.sharding.Partitioner): weights go straight into their shardings on
     its mesh (each device receives its own shard, from host memory or from the checkpoint);
@@ -54,12 +60,15 @@ def load_model(spec: str, dtype=jnp.float32, partitioner=None) -> LoadedModel:
         from jaxinfer.loading import checkpoint, safetensors
 
         if checkpoint.is_checkpoint_dir(path):
+            if quantization is not None:
+                raise NotImplementedError("quantizing an orbax checkpoint is not supported yet; "
+                                          "load the GGUF or HF model it came from")
             cfg, params, tokenizer = checkpoint.load_checkpoint(path, dtype=dtype,
                                                                 partitioner=partitioner)
             return LoadedModel(cfg, params, tokenizer, path)
         if os.path.exists(os.path.join(path, "config.json")):
             cfg, weights = safetensors.load_hf_dir(path)
-            cfg, params = _build(cfg, weights, dtype, partitioner)
+            cfg, params = _build(cfg, _quantized(weights, quantization), dtype, partitioner)
             tokenizer = None
             if os.path.exists(os.path.join(path, "tokenizer.json")):
                 from jaxinfer.loading.tokenizer import Tokenizer
@@ -72,9 +81,17 @@ def load_model(spec: str, dtype=jnp.float32, partitioner=None) -> LoadedModel:
     from jaxinfer.loading.gguf import load_gguf
     from jaxinfer.loading.tokenizer import Tokenizer
 
-    cfg, weights, meta = load_gguf(path)
-    cfg, params = _build(cfg, weights, dtype, partitioner)
+    cfg, weights, meta = load_gguf(path, quantized=quantization is not None)
+    cfg, params = _build(cfg, _quantized(weights, quantization), dtype, partitioner)
     return LoadedModel(cfg, params, Tokenizer.from_gguf_metadata(meta), path)
+
+
+def _quantized(weights: dict, quantization: Optional[str]) -> dict:
+    if quantization is None:
+        return weights
+    from jaxinfer import quant
+
+    return quant.quantize_weights(weights, quantization)
 
 
 def _build(cfg: ModelConfig, weights: dict, dtype, partitioner):

@@ -24,6 +24,7 @@ from jaxinfer import sharding
 from jaxinfer.attention import attention, ragged_paged_attention
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache import PagedKVCache, RingKVCache, WritePlan
+from jaxinfer.quant import QuantizedWeight, matmul, take_rows
 
 KVCache = RingKVCache | PagedKVCache
 from jaxinfer.layers import apply_rope, linear, rms_norm, rope_angles, rope_inv_freq, swiglu_mlp
@@ -131,6 +132,11 @@ def params_from_weights(cfg: ModelConfig, weights: dict[str, np.ndarray],
         arr = weights[name]
         if arr.shape != shape:
             raise ValueError(f"weight {name!r} has shape {arr.shape}; config implies {shape}")
+        if isinstance(arr, QuantizedWeight):  # codes and scales keep their own dtypes
+            if place is not None:
+                raise NotImplementedError("quantized weights on a mesh are not supported yet")
+            arrays[name] = jax.tree.map(jnp.asarray, arr)
+            continue
         arrays[name] = (jnp.asarray(arr, dtype=dtype) if place is None
                         else place(arr, axes, dtype))
     return _assemble(cfg, arrays)
@@ -138,13 +144,25 @@ def params_from_weights(cfg: ModelConfig, weights: dict[str, np.ndarray],
 
 def embed(params: LlamaParams, tokens: jax.Array) -> jax.Array:
     """tokens [B, T] -> [B, T, D]."""
+    if isinstance(params.embed, QuantizedWeight):
+        rows = take_rows(params.embed, tokens.reshape(-1))
+        return rows.reshape(tokens.shape + rows.shape[-1:]).astype(activation_dtype(params))
     return jnp.take(params.embed, tokens, axis=0)
+
+
+def activation_dtype(params: LlamaParams):
+    """The dtype activations (and the KV cache, unless quantized) take: the float weights'."""
+    return params.final_norm.dtype
 
 
 def lm_head(params: LlamaParams, h: jax.Array) -> jax.Array:
     """h [..., D] (already normalised) -> logits [..., V] in float32."""
     if params.lm_head is None:
+        if isinstance(params.embed, QuantizedWeight):
+            return matmul(h, params.embed, "...D,VD->...V")
         return jnp.einsum("...D,VD->...V", h, params.embed, preferred_element_type=jnp.float32)
+    if isinstance(params.lm_head, QuantizedWeight):
+        return matmul(h, params.lm_head, "...D,DV->...V")
     return jnp.einsum("...D,DV->...V", h, params.lm_head, preferred_element_type=jnp.float32)
 
 
@@ -304,6 +322,6 @@ def sequence_logits(params: LlamaParams, cfg: ModelConfig, tokens: jax.Array) ->
     scoring forward (evaluation, perplexity, tests)."""
     B, T = tokens.shape
     cache = RingKVCache.create(cfg.num_layers, B, T, cfg.num_kv_heads, cfg.head_dim,
-                               params.embed.dtype)
+                               activation_dtype(params))
     h, _ = forward(params, cfg, tokens, cache, jnp.full((B,), T, jnp.int32))
     return lm_head(params, h)
