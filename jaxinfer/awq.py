@@ -1,0 +1,305 @@
+"""Activation-aware int4 weight quantization (AWQ, Lin et al. 2023) for the Llama family.
+
+Shape legend: B batch, T tokens, R calibration rows (B * T), N query heads, K kv heads,
+G = N // K, H head dim, D model dim, F ffn dim, C a linear's input channels, O its outputs.
+
+Input channels that see large activations matter more to a linear's output than the others. AWQ
+scales each input channel c of a weight W [C, O] up by s[c] before quantizing, which shrinks
+that channel's relative rounding error, and scales the input down by s[c], folded into the op
+that produces it, so the float model is unchanged:
+
+    x @ W = (x / s) @ (diag(s) @ W)       quantized: (x / s) @ Q(diag(s) @ W)
+
+s = a ** alpha for a = mean |x| per channel over calibration data, alpha chosen per linear group
+from a grid on [0, 1) by the output error ||X W - X W_hat||^2 on that data. alpha = 0 is round to
+nearest (RTN), so the chosen error is never worse than RTN's on the calibration data.
+
+Groups and where 1 / s goes, per layer, searched in this order (a consumer before the producer
+its scale folds into, so every reported error is that of the final weights):
+  "o"        wo; its input is attention output, linear in v per head, so 1 / s goes into wv's
+             output columns (and bv). With GQA one v channel (k, h) feeds the wo inputs (n, h) of
+             every query head n of kv head k: the scale is tied per kv channel, searched with a
+             averaged over the G query heads.
+  "qkv"      wq, wk, wv (with "o" folded in) together: 1 / s into attn_norm.
+  "down"     w_down; its input is silu(x @ w_gate) * (x @ w_up), so 1 / s goes into w_up's output
+             columns.
+  "gate_up"  w_gate, w_up (with "down" folded in) together: 1 / s into mlp_norm.
+Scaling a weight's output columns commutes with quantizing along its input axis (each column's
+groups scale as a whole; only the float16 rounding of their scales differs), so folding one
+group's scale into the columns of the next searched group costs it nothing.
+
+s is normalised by sqrt(max(s) * min(s)) so that it straddles 1. A common factor of s changes
+no group's relative rounding; the normalisation only keeps the scaled weight's magnitude, so
+that float16 scales and offsets neither overflow nor go subnormal whatever alpha. Not done here:
+AWQ's second step, a search for a clipping range of each weight group.
+
+Calibration inputs come from one float forward of the original model (full causal sequences,
+no cache), built from the same blocks as `llama.forward`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Iterator, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer import quant
+from jaxinfer.attention import reference_attention
+from jaxinfer.config import ModelConfig
+from jaxinfer.layers import apply_rope, linear, rms_norm, rope_angles, rope_inv_freq
+from jaxinfer.models import llama
+
+LINEARS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+GROUPS = ("o", "qkv", "down", "gate_up")  # search (and fold) order within a layer
+GROUP_LINEARS = {"o": ("wo",), "qkv": ("wq", "wk", "wv"), "down": ("w_down",),
+                 "gate_up": ("w_gate", "w_up")}
+GROUP_INPUTS = {"o": "attn_out", "qkv": "x_attn", "down": "hidden", "gate_up": "x_mlp"}
+
+
+# -- calibration forward --------------------------------------------------------------------------
+
+class LinearInputs(NamedTuple):
+    """The inputs of one layer's linear groups, each [B, T, C]."""
+    x_attn: jax.Array    # attn_norm output: input of wq, wk, wv       [B, T, D]
+    attn_out: jax.Array  # attention output: input of wo                [B, T, N*H]
+    x_mlp: jax.Array     # mlp_norm output: input of w_gate, w_up       [B, T, D]
+    hidden: jax.Array    # silu(gate) * up: input of w_down             [B, T, F]
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def layer_forward(lp: llama.LayerParams, cfg: ModelConfig, h: jax.Array, cos: jax.Array,
+                  sin: jax.Array) -> tuple[jax.Array, LinearInputs]:
+    """One decoder layer over full sequences, causal, no cache. h [B, T, D]; cos, sin
+    [B, T, H/2] (positions 0..T-1). Returns the layer's output [B, T, D] and its linear
+    inputs."""
+    B, T, _ = h.shape
+    N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    x_attn = rms_norm(h, lp.attn_norm, cfg.rms_norm_eps)
+    q = apply_rope(linear(x_attn, lp.wq, lp.bq).reshape(B, T, N, H), cos, sin)
+    k = apply_rope(linear(x_attn, lp.wk, lp.bk).reshape(B, T, K, H), cos, sin)
+    v = linear(x_attn, lp.wv, lp.bv).reshape(B, T, K, H)
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    attn_out = reference_attention(q, positions, [(k, v, positions)],
+                                   sliding_window=cfg.sliding_window).reshape(B, T, N * H)
+    h = h + linear(attn_out, lp.wo)
+    x_mlp = rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps)
+    hidden = jax.nn.silu(linear(x_mlp, lp.w_gate)) * linear(x_mlp, lp.w_up)
+    h = h + linear(hidden, lp.w_down)
+    return h, LinearInputs(x_attn, attn_out, x_mlp, hidden)
+
+
+def run_layers(params: llama.LlamaParams, cfg: ModelConfig,
+               tokens: jax.Array) -> Iterator[tuple[jax.Array, LinearInputs]]:
+    """tokens [B, T] -> yields (output [B, T, D], LinearInputs) of each layer in turn."""
+    B, T = tokens.shape
+    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
+                             cfg.rope_freq_factors)
+    cos, sin = rope_angles(jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)), inv_freq)
+    h = llama.embed(params, tokens)
+    for lp in params.layers:
+        h, inputs = layer_forward(lp, cfg, h, cos, sin)
+        yield h, inputs
+
+
+def calibration_logits(params: llama.LlamaParams, cfg: ModelConfig,
+                       tokens: jax.Array) -> jax.Array:
+    """Logits [B, T, V] (float32) of the calibration forward: checks it against
+    `llama.sequence_logits`."""
+    *_, (h, _) = run_layers(params, cfg, tokens)
+    return llama.lm_head(params, rms_norm(h, params.final_norm, cfg.rms_norm_eps))
+
+
+@jax.jit
+def _input_stats(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [B, T, C] -> (sum over rows of |x| [C], Gram matrix X^T X [C, C]), float32."""
+    x = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    return jnp.sum(jnp.abs(x), axis=0), jnp.matmul(x.T, x, precision="highest")
+
+
+# -- scale search and folding ---------------------------------------------------------------------
+
+def _rtn(w: np.ndarray, group_size: int) -> np.ndarray:
+    """w [C, O] through int4 round to nearest along C and back (float32)."""
+    return np.asarray(quant.dequantize(quant.quantize_int4(w, axis=0, group_size=group_size)))
+
+
+def output_error(gram: np.ndarray, w: np.ndarray, w_hat: np.ndarray) -> float:
+    """||X w - X w_hat||^2 summed over rows and outputs, from gram = X^T X [C, C]."""
+    e = np.asarray(w - w_hat, np.float32)
+    return float(np.sum((gram @ e) * e, dtype=np.float64))
+
+
+def search_scale(mean_abs: np.ndarray, gram: np.ndarray, w: np.ndarray, group_size: int,
+                 grid: int) -> tuple[np.ndarray, float, float, float]:
+    """The AWQ scale of one linear group.
+
+    mean_abs [C]: mean |x| per input channel; gram [C, C]: X^T X of the calibration inputs;
+    w [C, O]: the group's weights side by side. Returns (s [C] float32, alpha, error of the
+    chosen s, error of RTN), errors as in `output_error`.
+    """
+    a = np.asarray(mean_abs, np.float64)
+    # A channel that is (almost) never active would get s -> 0 and an infinite 1 / s.
+    a = np.maximum(a, max(a.max(), 1e-30) * 1e-5)
+    best = None
+    for alpha in np.linspace(0.0, 1.0, grid, endpoint=False):
+        s = a ** alpha
+        s = (s / np.sqrt(s.max() * s.min())).astype(np.float32)
+        w_hat = _rtn(w * s[:, None], group_size) / s[:, None]
+        err = output_error(gram, w, w_hat)
+        if alpha == 0.0:
+            rtn_err = err
+        if best is None or err < best[2]:
+            best = (s, float(alpha), err)
+    return best + (rtn_err,)
+
+
+def _expand_kv(s_kv: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    """A per-kv-channel vector [K*H] -> the matching wo input channels [N*H]."""
+    G = cfg.num_heads // cfg.num_kv_heads
+    return np.repeat(s_kv.reshape(cfg.num_kv_heads, 1, cfg.head_dim), G, axis=1).reshape(-1)
+
+
+def fold_group(cfg: ModelConfig, weights: dict[str, np.ndarray], layer: int, group: str,
+               s: np.ndarray) -> None:
+    """Scales the inputs of one group's linears by s (in place, float): rows of the group's
+    weights times s, the producer of their input divided by s. For "o", s is per kv channel
+    [K*H]; otherwise per input channel."""
+    p = f"layers.{layer}."
+    if group == "o":
+        weights[p + "wo"] = weights[p + "wo"] * _expand_kv(s, cfg)[:, None]
+        weights[p + "wv"] = weights[p + "wv"] / s[None, :]
+        if weights.get(p + "bv") is not None:
+            weights[p + "bv"] = weights[p + "bv"] / s
+        return
+    if group == "down":
+        weights[p + "w_down"] = weights[p + "w_down"] * s[:, None]
+        weights[p + "w_up"] = weights[p + "w_up"] / s[None, :]
+        return
+    norm = {"qkv": "attn_norm", "gate_up": "mlp_norm"}[group]
+    weights[p + norm] = weights[p + norm] / s
+    for name in GROUP_LINEARS[group]:
+        weights[p + name] = weights[p + name] * s[:, None]
+
+
+def fold_scales(cfg: ModelConfig, weights: dict[str, np.ndarray],
+                scales: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A copy of weights with scales {"layers.{i}.{group}": s} folded in, in the order
+    `awq_int4` folds them: the same float model, up to float32 rounding."""
+    out = dict(weights)
+    for i in range(cfg.num_layers):
+        for group in GROUPS:
+            if f"layers.{i}.{group}" in scales:
+                fold_group(cfg, out, i, group, scales[f"layers.{i}.{group}"])
+    return out
+
+
+def _stats_by_layer(cfg: ModelConfig, weights: dict[str, np.ndarray],
+                    calibration: list[list[int]]):
+    """Yields, per layer, {input name: (mean |x| [C], X^T X [C, C])} as numpy float32,
+    over every calibration token. Sequences of equal length run as one batch."""
+    if not calibration or not all(calibration):
+        raise ValueError("calibration needs at least one non-empty token sequence")
+    params = llama.params_from_weights(cfg, weights)
+    by_length: dict[int, list[list[int]]] = {}
+    for seq in calibration:
+        by_length.setdefault(len(seq), []).append(seq)
+    runs = [run_layers(params, cfg, jnp.asarray(seqs, jnp.int32)) for seqs in by_length.values()]
+    rows = sum(len(seq) for seq in calibration)
+    for _ in range(cfg.num_layers):
+        sums = {}
+        for run in runs:
+            _, inputs = next(run)
+            for name, x in inputs._asdict().items():
+                abs_sum, gram = _input_stats(x)
+                prev = sums.get(name, (0.0, 0.0))
+                sums[name] = (prev[0] + abs_sum, prev[1] + gram)
+        yield {name: (np.asarray(a) / rows, np.asarray(g)) for name, (a, g) in sums.items()}
+
+
+# -- the quantizer --------------------------------------------------------------------------------
+
+def awq_int4(cfg: ModelConfig, weights: dict[str, np.ndarray], calibration: list[list[int]],
+             group_size: int = 32, grid: int = 20) -> tuple[dict, dict]:
+    """AWQ int4 of a Llama-family model.
+
+    weights: float32 host weights as `llama.params_from_weights` takes them (linear [in, out]);
+    calibration: token sequences (sequences of one length are batched together); group_size:
+    int4 group along the input axis (a multiple of 32); grid: alphas searched,
+    linspace(0, 1, grid) without 1.
+
+    Returns (new_weights, report). new_weights has the same keys: every layer's linear weights
+    are `quant.quantize_int4(axis=0)` QuantizedWeights of the scaled weights, the norms (and bv)
+    float32 with the scales folded in; "embed" (and "lm_head") are RTN int4 along their
+    contraction axis. report: {"layers.{i}.{group}": {"alpha", "awq_error", "rtn_error",
+    "scale"}} for the groups of the module docstring, errors ||X W - X W_hat||^2 over the
+    calibration rows.
+    """
+    for what, n in (("d_model", cfg.d_model), ("q_dim", cfg.q_dim), ("ffn_dim", cfg.ffn_dim)):
+        if group_size <= 0 or n % group_size or group_size % quant.INT4_BLOCK:
+            raise ValueError(f"group_size {group_size} must be a multiple of "
+                             f"{quant.INT4_BLOCK} that divides {what} {n}")
+    w = {k: np.asarray(v, np.float32) if v is not None else None for k, v in weights.items()}
+    report = {}
+    G = cfg.num_heads // cfg.num_kv_heads
+    for i, stats in enumerate(_stats_by_layer(cfg, weights, calibration)):
+        p = f"layers.{i}."
+        for group in GROUPS:
+            mean_abs, gram = stats[GROUP_INPUTS[group]]
+            if group == "o":  # tie the scale across the query heads that share a v channel
+                mean_abs = mean_abs.reshape(cfg.num_kv_heads, G, cfg.head_dim).mean(1)
+                mean_abs = _expand_kv(mean_abs.reshape(-1), cfg)
+            stacked = np.concatenate([w[p + name] for name in GROUP_LINEARS[group]], axis=1)
+            s, alpha, err, rtn_err = search_scale(mean_abs, gram, stacked, group_size, grid)
+            if group == "o":
+                s = s.reshape(cfg.num_kv_heads, G, cfg.head_dim)[:, 0].reshape(-1)
+            fold_group(cfg, w, i, group, s)
+            report[p + group] = {"alpha": alpha, "awq_error": err, "rtn_error": rtn_err,
+                                 "scale": s}
+    return rtn_int4(cfg, w, group_size), report
+
+
+def rtn_int4(cfg: ModelConfig, weights: dict[str, np.ndarray],
+             group_size: int = 32) -> dict:
+    """Every matrix int4 round to nearest, in `awq_int4`'s layout: the baseline, and AWQ's last
+    step on the scaled weights."""
+    out = dict(weights)
+    for i in range(cfg.num_layers):
+        for name in LINEARS:
+            key = f"layers.{i}.{name}"
+            out[key] = quant.quantize_int4(weights[key], axis=0, group_size=group_size)
+    # The tied embedding is also the lookup table: a scale folded into its columns would change
+    # the embeddings themselves, so the vocabulary matrices stay round to nearest.
+    out["embed"] = quant.quantize_int4(weights["embed"], axis=1, group_size=group_size)
+    if weights.get("lm_head") is not None:
+        out["lm_head"] = quant.quantize_int4(weights["lm_head"], axis=0, group_size=group_size)
+    return out
+
+
+# -- evaluation -----------------------------------------------------------------------------------
+
+def dequantized(weights: dict) -> dict[str, np.ndarray]:
+    """weights with every QuantizedWeight replaced by its float32 value."""
+    return {k: np.asarray(quant.dequantize(v)) if isinstance(v, quant.QuantizedWeight) else v
+            for k, v in weights.items()}
+
+
+def perplexity(params: llama.LlamaParams, cfg: ModelConfig, token_ids: list[int],
+               window: int = 512) -> float:
+    """exp(mean NLL) of token_ids under the model, over non-overlapping windows of `window`
+    tokens (the last one shorter), each scored from scratch: a window's first token is not
+    predicted."""
+    nll, count = 0.0, 0
+    for start in range(0, len(token_ids) - 1, window):
+        chunk = jnp.asarray([token_ids[start:start + window]], jnp.int32)
+        if chunk.shape[1] < 2:
+            break
+        logits = llama.sequence_logits(params, cfg, chunk)[0, :-1]
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        nll -= float(jnp.sum(jnp.take_along_axis(logp, chunk[0, 1:, None], axis=-1)))
+        count += chunk.shape[1] - 1
+    if not count:
+        raise ValueError(f"perplexity needs at least 2 tokens, got {len(token_ids)}")
+    return float(np.exp(nll / count))
