@@ -87,7 +87,8 @@ def collectives(hlo: str, num_devices: int) -> dict:
     return out
 
 
-def _per_device_bytes(part, tree, axes_tree) -> int:
+def per_device_bytes(part, tree, axes_tree) -> int:
+    """Bytes of one device's shards of a pytree of (abstract) arrays, from their logical axes."""
     return sum(jax.tree.leaves(jax.tree.map(
         lambda x, a: int(np.prod(part.sharding(x.shape, a).shard_shape(x.shape)))
         * x.dtype.itemsize, tree, axes_tree)))
@@ -127,8 +128,8 @@ def compile_step(cfg, mesh_cfg: MeshConfig, batch: int, tokens: int, capacity: i
     return {"flops": float(cost.get("flops", 0.0)),
             "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
             "scratch_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
-            "param_bytes": _per_device_bytes(part, params, p_axes),
-            "cache_bytes": _per_device_bytes(part, cache, c_axes),
+            "param_bytes": per_device_bytes(part, params, p_axes),
+            "cache_bytes": per_device_bytes(part, cache, c_axes),
             "collectives": collectives(compiled.as_text(), n)}
 
 

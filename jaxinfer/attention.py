@@ -59,7 +59,7 @@ def attention(q: jax.Array, q_positions: jax.Array, segments: Sequence[KVSegment
     interpret = jax.default_backend() == "cpu"
     T = q.shape[1]
     use_paged = implementation == "paged" or (implementation == "pallas" and T == 1)
-    heads = "q_heads" if _heads_split_evenly(q.shape[-2], k.shape[-2]) else None
+    heads = "q_heads" if heads_split_evenly(q.shape[-2], k.shape[-2]) else None
     kv_heads = "kv_heads" if heads else None
     if use_paged and T == 1 and pages is not None:
         from pallas_kernels import paged_attention
@@ -81,7 +81,7 @@ def attention(q: jax.Array, q_positions: jax.Array, segments: Sequence[KVSegment
         q, k, v, q_offset, kv_lengths)
 
 
-def _heads_split_evenly(num_heads: int, num_kv_heads: int) -> bool:
+def heads_split_evenly(num_heads: int, num_kv_heads: int) -> bool:
     """Whether query and kv heads both split over the context mesh's tensor axis (otherwise a
     kernel shard would pair its query heads with the wrong kv heads: both stay whole)."""
     mesh_shape = sharding.context_mesh_shape()

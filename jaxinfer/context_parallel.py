@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer import sharding
-from jaxinfer.attention import reference_attention
+from jaxinfer.attention import heads_split_evenly, reference_attention
 
 METHODS = ("allgather", "ring")
 
@@ -45,8 +45,7 @@ def sequence_sharded_attention(q, k, v, q_positions, k_positions, *, method: str
     if q.shape[1] % p:
         raise ValueError(f"{q.shape[1]} prompt tokens do not split over a sequence degree "
                          f"of {p}")
-    heads = "q_heads" if q.shape[2] % mesh_shape["tensor"] == 0 and \
-        k.shape[2] % mesh_shape["tensor"] == 0 else None
+    heads = "q_heads" if heads_split_evenly(q.shape[2], k.shape[2]) else None
     kv_heads = "kv_heads" if heads else None
     spec = lambda x, axes: sharding.spec_for(x.shape, axes, mesh_shape)
     q_spec = spec(q, ("batch", "context", heads, None))

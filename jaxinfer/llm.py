@@ -73,8 +73,6 @@ class LLM:
                                  f"got {quantization!r}")
             if quantization == "int4-awq":
                 raise NotImplementedError("quantization='int4-awq' is not wired into LLM yet")
-            if mesh is not None and (mesh.data, mesh.tensor, mesh.sequence) != (1, 1, 1):
-                raise NotImplementedError("quantized weights on a mesh are not supported yet")
         if kv_cache_dtype is not None:
             raise NotImplementedError(f"kv_cache_dtype={kv_cache_dtype!r}: KV-cache "
                                       "quantization is not implemented yet")
@@ -90,6 +88,8 @@ class LLM:
                 raise ValueError(f"max_num_seqs {max_num_seqs} is not a multiple of the data "
                                  f"degree {mesh.data} (each replica decodes its share of rows)")
             if (mesh.data, mesh.tensor, mesh.sequence) != (1, 1, 1):
+                if quantization is not None:
+                    raise NotImplementedError("quantized weights on a mesh are not supported yet")
                 partitioner = sharding.Partitioner(sharding.make_mesh(mesh))
         if attention not in _ATTENTION:
             raise ValueError(f"attention must be one of {_ATTENTION}, got {attention!r}")

@@ -265,6 +265,9 @@ def big() -> dict:
     from jaxinfer.loading.safetensors import config_from_hf
     from jaxinfer.models import llama
 
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import scaling
+
     part = sharding.Partitioner(sharding.make_mesh(MeshConfig(tensor=8)))
     out = {}
     # The stated KV budget: 64 sequences of 8,192 tokens in 16-token pages, bfloat16.
@@ -286,11 +289,8 @@ def big() -> dict:
                                                                  jnp.bfloat16, cache=cache))
 
         def per_device(tree, axes_tree):
-            leaves = jax.tree.leaves(jax.tree.map(
-                lambda x, a: int(np.prod(part.sharding(x.shape, a).shard_shape(x.shape)))
-                * x.dtype.itemsize, tree, axes_tree))
             whole = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
-            return sum(leaves), whole
+            return scaling.per_device_bytes(part, tree, axes_tree), whole
 
         p_dev, p_all = per_device(params, axes)
         s_dev, s_all = per_device(state, state.logical_axes())

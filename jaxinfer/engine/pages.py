@@ -57,6 +57,7 @@ class _Seq:
     pages: list[int]  # block table; may run ahead of the tokens (see ensure_capacity)
     hashes: list[bytes]  # chained hash of each full, computed page, in order
     num_computed: int  # tokens whose KV is written (watermark for registering pages)
+    partition: int = 0  # the pool partition (data replica) its pages come from
 
 
 class PageAllocator:
@@ -87,7 +88,6 @@ class PageAllocator:
                        for i in range(num_partitions)]
         self._evictable: list[collections.OrderedDict[int, None]] = [
             collections.OrderedDict() for _ in range(num_partitions)]
-        self._partition_of: dict[object, int] = {}
         self._hash_to_page: dict[bytes, int] = {}
         self._page_to_hash: dict[int, bytes] = {}
         self._seqs: dict[object, _Seq] = {}
@@ -192,14 +192,14 @@ class PageAllocator:
         if self.enable_prefix_caching:
             self._queries += len(tokens)
             self._hits += num_cached
-        self._seqs[seq_id] = _Seq(tokens, pages, hashes, num_cached)
-        self._partition_of[seq_id] = partition
+        self._seqs[seq_id] = _Seq(tokens, pages, hashes, num_cached, partition)
         return num_cached
 
     def ensure_capacity(self, seq_id, num_tokens: int) -> None:
         """Grow the block table to hold num_tokens tokens in total (e.g. multi-step decode
         lookahead); tokens are not recorded. Raises OutOfPages (state unchanged)."""
-        seq, partition = self._seqs[seq_id], self._partition_of[seq_id]
+        seq = self._seqs[seq_id]
+        partition = seq.partition
         needed = self.pages_for(num_tokens) - len(seq.pages)
         if needed > self.free_pages(partition):
             raise OutOfPages(f"growing {seq_id!r} to {num_tokens} tokens", needed,
@@ -236,7 +236,7 @@ class PageAllocator:
             return
         ps = self.page_size
         for i in range(len(seq.hashes), num_computed // ps):
-            parent = seq.hashes[-1] if seq.hashes else self._root(self._partition_of[seq_id])
+            parent = seq.hashes[-1] if seq.hashes else self._root(seq.partition)
             h = page_hash(parent, seq.tokens[i * ps:(i + 1) * ps])
             seq.hashes.append(h)
             page = seq.pages[i]
@@ -250,7 +250,6 @@ class PageAllocator:
         """Release a finished, aborted or preempted sequence. Its registered pages stay cached
         (evictable) so re-admitting the same tokens hits them until they are evicted."""
         seq = self._seqs.pop(seq_id)
-        self._partition_of.pop(seq_id)
         # Reversed: a sequence's tail pages become least recently used, so they are evicted
         # before its head pages, which more prompts share and whose loss orphans the tail.
         for page in reversed(seq.pages):
