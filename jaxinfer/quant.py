@@ -411,16 +411,98 @@ def quantize_weights(weights: dict, mode: str, group_size: int = 32) -> dict:
     return out
 
 
+# Elements of one dequantized tile in matmul on CPU: 512 KiB of float32, within a core's L2,
+# so the converted tile is still in cache when its dot reads it (swept on SmolLM2's shapes:
+# 2^16..2^18 elements; see docs/quantization.md).
+TILE_ELEMENTS = 1 << 17
+
+
 def matmul(x: jax.Array, w: QuantizedWeight, spec: str) -> jax.Array:
-    """einsum(spec, x, w) with w quantized, accumulated in float32. Per-channel weights
-    without offsets (int8, fp8) multiply only their codes, converted to x's dtype inside the
-    jitted step, and scale the result; grouped ones are dequantized first (per layer, inside
-    the step: the codes are what stays in memory)."""
-    if w.group_size == 0 and w.offset is None:
-        y = jnp.einsum(spec, x, jnp.asarray(w.q).astype(x.dtype),
-                       preferred_element_type=jnp.float32)
-        return y * jnp.asarray(w.scale, jnp.float32).reshape(-1)
-    return jnp.einsum(spec, x, dequantize(w, x.dtype), preferred_element_type=jnp.float32)
+    """einsum(spec, x, w) with w [2-D] quantized, accumulated in float32; the codes are what
+    stays in memory, dequantized inside the jitted step.
+
+    On CPU the weight is dequantized tile by tile (a scan over blocks of its output axis of at
+    most TILE_ELEMENTS), each tile's dot reading it while it is in cache: converting the whole
+    matrix first writes and re-reads 4 bytes per weight through memory, which made int8
+    decode half as fast as float32 (XLA:CPU fuses no convert into a dot). Elsewhere a
+    per-channel weight without offsets (int8, fp8) multiplies its codes converted to x's dtype
+    and scales the result; a grouped one is dequantized first."""
+    if jax.default_backend() != "cpu":
+        if w.group_size == 0 and w.offset is None:
+            y = jnp.einsum(spec, x, jnp.asarray(w.q).astype(x.dtype),
+                           preferred_element_type=jnp.float32)
+            return y * jnp.asarray(w.scale, jnp.float32).reshape(-1)
+        return jnp.einsum(spec, x, dequantize(w, x.dtype), preferred_element_type=jnp.float32)
+    if w.kind == "fp8":  # as raw bytes: XLA:CPU slices float8 arrays by converting them whole
+        w = w.replace(q=jax.lax.bitcast_convert_type(jnp.asarray(w.q), jnp.uint8))
+    out_axis = 1 - w.axis
+    tile = _tile(w.shape, out_axis)
+    if tile is None:
+        return _cpu_product(x, w, spec)
+
+    def one_tile(_, j):
+        part = jax.tree.map(
+            lambda a: jax.lax.dynamic_slice_in_dim(jnp.asarray(a), j * tile, tile, out_axis), w)
+        return None, _cpu_product(x, part, spec)
+    n = w.shape[out_axis] // tile
+    _, ys = jax.lax.scan(one_tile, None, jnp.arange(n, dtype=jnp.int32))  # [n, ..., tile]
+    return jnp.moveaxis(ys, 0, -2).reshape(x.shape[:-1] + (n * tile,))
+
+
+def _tile(shape: tuple[int, int], out_axis: int) -> Optional[int]:
+    """The largest divisor of the output axis whose tile holds at most TILE_ELEMENTS, or None
+    when the whole matrix is one tile."""
+    n_out, n_in = shape[out_axis], shape[1 - out_axis]
+    if n_out * n_in <= TILE_ELEMENTS:
+        return None
+    tile = max(TILE_ELEMENTS // n_in, 1)
+    while n_out % tile:
+        tile -= 1
+    return tile
+
+
+def _cpu_product(x: jax.Array, w: QuantizedWeight, spec: str) -> jax.Array:
+    """einsum(spec, x, w) with w (fp8 codes as raw bytes) dequantized in forms XLA:CPU
+    vectorizes: int4 nibbles are not interleaved back into order (a concatenate in the
+    dequantizing loop made it ten times slower); instead x is split into the elements the low
+    and the high nibbles hold, and two dots are summed. fp8 is decoded with integer ops (its
+    converts are not vectorized)."""
+    a = w.axis
+    expand = lambda g, n: jnp.repeat(jnp.asarray(g, jnp.float32), n, axis=a)  # noqa: E731
+    if w.kind != "int4":
+        codes = _fp8_from_bits(w.q) if w.kind == "fp8" else jnp.asarray(w.q).astype(jnp.float32)
+        if w.offset is None and w.scale.shape[a] == 1:   # per channel: scale the dot's result
+            y = jnp.einsum(spec, x, codes.astype(x.dtype), preferred_element_type=jnp.float32)
+            return y * jnp.asarray(w.scale, jnp.float32).reshape(-1)
+        scale = expand(w.scale, codes.shape[a] // w.scale.shape[a])
+        value = codes * scale if w.offset is None else codes * scale + expand(
+            w.offset, codes.shape[a] // w.scale.shape[a])
+        return jnp.einsum(spec, x, value.astype(x.dtype), preferred_element_type=jnp.float32)
+    packed = jnp.asarray(w.q)
+    per_group = packed.shape[a] // w.scale.shape[a]   # packed rows (pairs) per group
+    scale = expand(w.scale, per_group)
+    offset = None if w.offset is None else expand(w.offset, per_group)
+    # Byte j of a 32-element block holds element j (low nibble) and j + 16 (high nibble).
+    xb = x.reshape(x.shape[:-1] + (x.shape[-1] // INT4_BLOCK, 2, INT4_BLOCK // 2))
+    y = 0.0
+    for half, codes in enumerate((packed & 0x0F, packed >> 4)):
+        value = codes.astype(jnp.float32) * scale
+        if offset is not None:
+            value = value + offset
+        xs = xb[..., half, :].reshape(x.shape[:-1] + (x.shape[-1] // 2,))
+        y = y + jnp.einsum(spec, xs, value.astype(x.dtype), preferred_element_type=jnp.float32)
+    return y
+
+
+def _fp8_from_bits(b: jax.Array) -> jax.Array:
+    """float8_e4m3fn raw bytes -> float32, exactly (no NaN codes expected: the quantizer
+    never writes them). Normal values get their float32 bits directly (exponent rebiased by
+    120), subnormals (exponent field 0) are m * 2^-9."""
+    b = b.astype(jnp.uint32)
+    mag = b & 0x7F
+    normal = jax.lax.bitcast_convert_type((mag << 20) + (120 << 23), jnp.float32)
+    value = jnp.where(mag < 8, mag.astype(jnp.float32) * 2.0 ** -9, normal)
+    return jnp.where(b >= 0x80, -value, value)
 
 
 def take_rows(w: QuantizedWeight, index: jax.Array) -> jax.Array:

@@ -220,3 +220,40 @@ def test_pytree_and_logical_axes():
     assert pairs.scale == ((1, 96), (None, "q_heads"))
     with pytest.raises(ValueError, match="do not match"):
         quant.logical_axes(per_group, ("embed",))
+
+
+@pytest.mark.parametrize("tile_elements", [1 << 30, 64 * 24])   # one tile | 8 tiles
+def test_matmul_equals_dense_product_of_the_dequantized_weight(monkeypatch, tile_elements):
+    """matmul's per-tile dequantization (CPU) and its one-shot paths compute the same product
+    as an einsum with the dequantized weight, for every kind and both orientations (linear
+    [in, out] grouped on axis 0, the tied head [V, D] on axis 1). float32: the tiles' dots
+    sum in another order, so equal to a few ulps of the result's magnitude (rtol 1e-5)."""
+    monkeypatch.setattr(quant, "TILE_ELEMENTS", tile_elements)
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
+    w = weights((64, 192))
+    cases = [(quant.quantize_int8(w, 0), "ni,io->no"),
+             (quant.quantize_int4(w, 0, 32), "ni,io->no"),
+             (quant.quantize_int4(w, 0, 64), "ni,io->no"),
+             (quant.quantize_fp8(w, 0), "ni,io->no"),
+             (quant.quantize_int8(w.T, 1), "nd,vd->nv"),
+             (quant.quantize_int4(w.T, 1, 32, symmetric=True), "nd,vd->nv")]
+    for qw, spec in cases:
+        got = jax.jit(lambda x, qw: quant.matmul(x, qw, spec))(x, qw)
+        want = jnp.einsum(spec, x, quant.dequantize(qw), precision="highest")
+        assert got.shape == want.shape == (3, 192)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5,
+                                   atol=1e-5 * float(jnp.max(jnp.abs(want))))
+    if tile_elements < 64 * 192:
+        assert quant._tile((64, 192), 1) == 24 and quant._tile((192, 64), 0) == 24
+
+
+def test_fp8_decoded_from_raw_bytes_exactly():
+    """The integer decode matmul uses on CPU gives ml_dtypes' value for every e4m3fn byte
+    (the two NaN codes aside), subnormals and signed zeros included."""
+    b = np.arange(256, dtype=np.uint8)
+    want = b.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    got = np.asarray(jax.jit(quant._fp8_from_bits)(jnp.asarray(b)))
+    finite = ~np.isnan(want)
+    assert finite.sum() == 254
+    np.testing.assert_array_equal(got[finite].view(np.uint32), want[finite].view(np.uint32))

@@ -16,6 +16,15 @@ q_offset and kv_length (read from two [B] int32 inputs) and the static causal/wi
 so key blocks wholly in the causal future, past kv_length or before the window are never loaded.
 That range is split into three loops: masked edge blocks, then interior blocks that every query of
 the tile sees in full (no mask is computed there), then masked edge blocks again.
+
+Quantized K/V (int8 or float8_e4m3fn codes with k_scale, v_scale [B, S, K] float32): the codes
+stay in their storage dtype in memory and each key block is dequantized in the kernel right after
+its load. The scales reach program (b, n, i) through a BlockSpec (None, S_pad, None) with the
+same index map as K/V, (b, 0, n // G): a [S_pad] view of kv head n // G's scales (the squeezed
+last axis is the kv head, so no transposed copy is made). Each step slices [block_k] of it with
+the same pl.ds as the K/V block and computes k.astype(float32) * scale[:, None], cast to q's dtype
+for the dots (and v likewise, before the mask that zeroes slots past kv_length). Without scales
+the body is the float one, unchanged (a static branch).
 """
 
 from __future__ import annotations
@@ -42,10 +51,15 @@ def _cdiv(a, b: int):
     return lax.div(a + (b - 1), jnp.int32(b))
 
 
-def _flash_kernel(q_offset_ref, kv_lengths_ref, q_ref, k_ref, v_ref, o_ref, *, block_q: int,
+def _flash_kernel(q_offset_ref, kv_lengths_ref, q_ref, k_ref, v_ref, *refs, block_q: int,
                   block_k: int, q_len: int, kv_len: int, causal: bool, window: int | None,
                   softcap: float | None, scale: float, precision):
     # q_ref, o_ref: [bq, H]; k_ref, v_ref: [S_pad, H]; q_offset_ref, kv_lengths_ref: [] int32.
+    # refs: (o_ref,), or with quantized K/V (k_scale_ref, v_scale_ref, o_ref), scales [S_pad].
+    if len(refs) == 3:
+        k_scale_ref, v_scale_ref, o_ref = refs
+    else:
+        (o_ref,), k_scale_ref, v_scale_ref = refs, None, None
     i = pl.program_id(2)
     q_off = q_offset_ref[()]
     length = jnp.clip(kv_lengths_ref[()], 0, kv_len)
@@ -80,6 +94,9 @@ def _flash_kernel(q_offset_ref, kv_lengths_ref, q_ref, k_ref, v_ref, o_ref, *, b
         m, l, acc = carry
         start = pl.multiple_of(j * block_k, block_k)
         k = k_ref[pl.ds(start, block_k), :]
+        if k_scale_ref is not None:
+            k = (k.astype(jnp.float32) * k_scale_ref[pl.ds(start, block_k)][:, None]
+                 ).astype(q.dtype)
         s = lax.dot_general(q, k, _DIMS_QK, precision=precision,
                             preferred_element_type=jnp.float32) * scale
         if softcap is not None:
@@ -98,6 +115,9 @@ def _flash_kernel(q_offset_ref, kv_lengths_ref, q_ref, k_ref, v_ref, o_ref, *, b
         p = jnp.exp(s - m_new[:, None])
         l = l * alpha + jnp.sum(p, axis=1)
         v = v_ref[pl.ds(start, block_k), :]
+        if v_scale_ref is not None:
+            v = (v.astype(jnp.float32) * v_scale_ref[pl.ds(start, block_k)][:, None]
+                 ).astype(q.dtype)
         if masked:
             # Keys past kv_length may hold anything (a fresh cache page): p = 0 there, but
             # 0 * NaN would still leak into the output.
@@ -119,7 +139,8 @@ def _flash_kernel(q_offset_ref, kv_lengths_ref, q_ref, k_ref, v_ref, o_ref, *, b
 
 @functools.partial(jax.jit, static_argnames=("causal", "sliding_window", "softcap", "sm_scale",
                                              "interpret", "blocks"))
-def _flash_attention(q, k, v, q_offset, kv_lengths, *, causal: bool, sliding_window: int | None,
+def _flash_attention(q, k, v, q_offset, kv_lengths, k_scale, v_scale, *, causal: bool,
+                     sliding_window: int | None,
                      softcap: float | None, sm_scale: float, interpret: bool,
                      blocks: BlockSizes):
     B, T, N, H = q.shape
@@ -137,6 +158,9 @@ def _flash_attention(q, k, v, q_offset, kv_lengths, *, causal: bool, sliding_win
     if s_pad != S:
         k = jnp.pad(k, ((0, 0), (0, s_pad - S), (0, 0), (0, 0)))
         v = jnp.pad(v, ((0, 0), (0, s_pad - S), (0, 0), (0, 0)))
+        if k_scale is not None:
+            k_scale = jnp.pad(k_scale, ((0, 0), (0, s_pad - S), (0, 0)))
+            v_scale = jnp.pad(v_scale, ((0, 0), (0, s_pad - S), (0, 0)))
 
     kernel = functools.partial(
         _flash_kernel, block_q=bq, block_k=bk, q_len=T, kv_len=S, causal=causal,
@@ -146,22 +170,30 @@ def _flash_attention(q, k, v, q_offset, kv_lengths, *, causal: bool, sliding_win
     scalar_spec = pl.BlockSpec((None,), lambda b, n, i: (b,))
     q_spec = pl.BlockSpec((None, bq, None, H), lambda b, n, i: (b, i, n, 0))
     kv_spec = pl.BlockSpec((None, s_pad, None, H), lambda b, n, i: (b, 0, n // G, 0))
+    in_specs = [scalar_spec, scalar_spec, q_spec, kv_spec, kv_spec]
+    operands = [q_offset, kv_lengths, q, k, v]
+    if k_scale is not None:
+        # [S_pad] scales of kv head n // G: the K/V index map with the head axis squeezed.
+        scale_spec = pl.BlockSpec((None, s_pad, None), lambda b, n, i: (b, 0, n // G))
+        in_specs += [scale_spec, scale_spec]
+        operands += [k_scale, v_scale]
     out = pl.pallas_call(
         kernel,
         grid=(B, N, t_pad // bq),
-        in_specs=[scalar_spec, scalar_spec, q_spec, kv_spec, kv_spec],
+        in_specs=in_specs,
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct((B, t_pad, N, H), q.dtype),
         compiler_params=pl_triton.CompilerParams(num_warps=blocks.num_warps,
                                                  num_stages=blocks.num_stages),
         interpret=interpret,
         name="flash_attention",
-    )(q_offset, kv_lengths, q, k, v)
+    )(*operands)
     return out[:, :T] if t_pad != T else out
 
 
 def flash_attention(q, k, v, *, causal=True, q_offset=None, kv_lengths=None, sliding_window=None,
-                    softcap=None, sm_scale=None, interpret=False, block_q=None, block_k=None):
+                    softcap=None, sm_scale=None, interpret=False, block_q=None, block_k=None,
+                    k_scale=None, v_scale=None):
     """Attention of q over k, v with a Pallas flash-attention kernel.
 
     q [B, T, N, H]; k, v [B, S, K, H] with N % K == 0; H in {32, 64, 128, 256}; any T and S.
@@ -172,15 +204,21 @@ def flash_attention(q, k, v, *, causal=True, q_offset=None, kv_lengths=None, sli
     masking; sm_scale defaults to 1 / sqrt(H). A query that sees no key gives a zero row.
     interpret=True runs the kernel in the Pallas interpreter (CPU). block_q / block_k override the
     per-backend tile sizes (block_sizes.BLOCK_SIZES); on GPU they must be powers of two >= 16.
+    Quantized K/V: k, v may hold int8 (value = code * scale) or float8_e4m3fn (value =
+    float(code) * scale) codes when k_scale, v_scale [B, S, K] (floating, one scale per token and
+    kv head) are given; each key block is dequantized inside the kernel after its load.
     Returns [B, T, N, H] in q.dtype. Raises ValueError for bad ranks, dtypes, head counts or head
     dims before any device work.
     """
     B, T, N, H, S, K = check_inputs(q, k, v, q_offset, kv_lengths, sliding_window, softcap,
-                                    sm_scale)
+                                    sm_scale, k_scale, v_scale)
     for name, b in (("block_q", block_q), ("block_k", block_k)):
         if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
             raise ValueError(f"{name} must be a positive int or None; got {b!r}")
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    if k_scale is not None:
+        k_scale = jnp.asarray(k_scale, jnp.float32)
+        v_scale = jnp.asarray(v_scale, jnp.float32)
     if B * T * N == 0 or S == 0:
         return jnp.zeros(q.shape, q.dtype)
     blocks = default_block_sizes(jax.default_backend(), H, T, S)
@@ -191,7 +229,7 @@ def flash_attention(q, k, v, *, causal=True, q_offset=None, kv_lengths=None, sli
     scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(H)
     return _flash_attention(
         q, k, v, q_offset if q_offset is None else jnp.asarray(q_offset),
-        kv_lengths if kv_lengths is None else jnp.asarray(kv_lengths),
+        kv_lengths if kv_lengths is None else jnp.asarray(kv_lengths), k_scale, v_scale,
         causal=bool(causal), sliding_window=None if sliding_window is None else int(sliding_window),
         softcap=None if softcap is None else float(softcap), sm_scale=scale,
         interpret=bool(interpret), blocks=blocks)

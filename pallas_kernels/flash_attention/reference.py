@@ -9,6 +9,10 @@ Key j is visible to query t of row b iff
 The window bound applies whether or not the attention is causal. Logits are
 softcap * tanh(sm_scale * q.k / softcap) (softcap before masking). A query that sees no key gets a
 zero output row.
+
+Quantized K/V (an int8 or fp8 KV cache): k, v may hold int8 codes (symmetric, value = code * scale)
+or float8_e4m3fn codes (value = float(code) * scale) when k_scale, v_scale [B, S, K] (one float
+scale per token and kv head) are given; the value is k.astype(float32) * k_scale[..., None].
 """
 
 from __future__ import annotations
@@ -21,26 +25,65 @@ import numpy as np
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+QUANTIZED_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
 
 
 def _as_array(x):
     return x if hasattr(x, "shape") and hasattr(x, "dtype") else np.asarray(x)
 
 
-def check_inputs(q, k, v, q_offset, kv_lengths, sliding_window, softcap, sm_scale):
+def check_scales(k, v, k_scale, v_scale, *, k_name="k", v_name="v"):
+    """Validates the quantized-KV arguments: k_scale and v_scale are given together, exactly when
+    k and v hold int8 / float8_e4m3fn codes (of one dtype), with k's shape less its last axis and a
+    floating dtype. Returns True for quantized k, v. Only .shape and .dtype are read."""
+    k_dtype, v_dtype = jnp.dtype(k.dtype), jnp.dtype(v.dtype)
+    quantized = k_dtype in QUANTIZED_DTYPES or v_dtype in QUANTIZED_DTYPES
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError(f"k_scale and v_scale must be given together; got k_scale "
+                         f"{'None' if k_scale is None else 'given'}, v_scale "
+                         f"{'None' if v_scale is None else 'given'}")
+    if not quantized:
+        if k_scale is not None:
+            raise ValueError(f"k_scale / v_scale are given but {k_name}, {v_name} are not "
+                             f"quantized ({k_dtype}, {v_dtype}); scales go with int8 or "
+                             f"float8_e4m3fn codes only")
+        return False
+    if k_dtype != v_dtype or k_dtype not in QUANTIZED_DTYPES:
+        raise ValueError(f"quantized {k_name} and {v_name} must both hold int8 or both "
+                         f"float8_e4m3fn codes; got {k_dtype}, {v_dtype}")
+    if k_scale is None:
+        raise ValueError(f"{k_name}, {v_name} hold {k_dtype} codes: k_scale and v_scale are "
+                         f"required")
+    for name, x in (("k_scale", _as_array(k_scale)), ("v_scale", _as_array(v_scale))):
+        if tuple(x.shape) != tuple(k.shape[:-1]):
+            raise ValueError(f"{name} must have the shape of {k_name} without its last axis, "
+                             f"{tuple(k.shape[:-1])}; got {tuple(x.shape)}")
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"{name} dtype must be floating (float32); got {x.dtype}")
+    return True
+
+
+def check_inputs(q, k, v, q_offset, kv_lengths, sliding_window, softcap, sm_scale,
+                 k_scale=None, v_scale=None):
     """Validates shapes, dtypes and static options; raises ValueError. Works on arrays and tracers
-    alike (only .shape and .dtype are read), so it costs no device work."""
+    alike (only .shape and .dtype are read), so it costs no device work. k, v may hold int8 or
+    float8_e4m3fn codes when k_scale, v_scale [B, S, K] are given (see check_scales)."""
     q, k, v = _as_array(q), _as_array(k), _as_array(v)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 4:
             raise ValueError(f"{name} must have rank 4 ([B, T, N, H] / [B, S, K, H]); "
                              f"got shape {tuple(x.shape)}")
-        if jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
-            raise ValueError(f"{name} dtype must be float32, bfloat16 or float16; got {x.dtype}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k, v dtypes must match; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
+        raise ValueError(f"q dtype must be float32, bfloat16 or float16; got {q.dtype}")
     if k.shape != v.shape:
         raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    if not check_scales(k, v, k_scale, v_scale):
+        for name, x in (("k", k), ("v", v)):
+            if jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
+                raise ValueError(f"{name} dtype must be float32, bfloat16 or float16 (or int8 / "
+                                 f"float8_e4m3fn codes with k_scale, v_scale); got {x.dtype}")
+        if not (q.dtype == k.dtype == v.dtype):
+            raise ValueError(f"q, k, v dtypes must match; got {q.dtype}, {k.dtype}, {v.dtype}")
     B, T, N, H = q.shape
     Bk, S, K, Hk = k.shape
     if Bk != B:
@@ -72,16 +115,25 @@ def check_inputs(q, k, v, q_offset, kv_lengths, sliding_window, softcap, sm_scal
     return B, T, N, H, S, K
 
 
+def dequantize(x, scale):
+    """int8 / float8_e4m3fn codes [..., H] times per-row scales [...] -> float32 [..., H]."""
+    return jnp.asarray(x).astype(jnp.float32) * jnp.asarray(scale).astype(jnp.float32)[..., None]
+
+
 def flash_attention_reference(q, k, v, *, causal=True, q_offset=None, kv_lengths=None,
-                              sliding_window=None, softcap=None, sm_scale=None):
+                              sliding_window=None, softcap=None, sm_scale=None, k_scale=None,
+                              v_scale=None):
     """Dense attention with the same contract as `flash_attention`, computed in float32.
 
-    q [B, T, N, H]; k, v [B, S, K, H]; q_offset, kv_lengths [B] int32 or None.
+    q [B, T, N, H]; k, v [B, S, K, H]; q_offset, kv_lengths [B] int32 or None. Quantized k, v
+    (int8 / float8_e4m3fn codes with k_scale, v_scale [B, S, K]) are dequantized first.
     Returns [B, T, N, H] in q.dtype.
     """
     B, T, N, H, S, K = check_inputs(q, k, v, q_offset, kv_lengths, sliding_window, softcap,
-                                    sm_scale)
+                                    sm_scale, k_scale, v_scale)
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    if k_scale is not None:
+        k, v = dequantize(k, k_scale), dequantize(v, v_scale)
     if S == 0:
         return jnp.zeros(q.shape, q.dtype)
     G = N // K

@@ -17,6 +17,16 @@ sequence, read again) and their keys masked, so a garbage block-table entry is n
 The body is a portable `pallas_call` (grid, BlockSpecs, refs, ref gathers, fori_loop): it runs
 with interpret=True on CPU and lowers through Triton on GPU. Block tables and lengths are ordinary
 inputs read inside the kernel (scalar prefetch is TPU-only).
+
+Quantized pages (int8 or float8_e4m3fn codes with k_scale, v_scale [P, page_size, K] float32): the
+pool stays in its storage dtype and each step dequantizes the pages it gathered. The scales reach
+program (b, h) as a [P, page_size] view of kv head h's scales, a BlockSpec (P, page_size, None)
+with index map (0, 0, h) -- the pool's [P, page_size, H] view with the head axis squeezed (the
+scales' last axis is the kv head, so no transposed copy is made). A step gathers the scales
+through the same page ids as its K/V pages, [pages_per_block, page_size] -> [block_k], and computes
+k.astype(float32) * scale[:, None] (cast to the query dtype for the dots), v likewise before the
+visibility mask zeroes stale slots. Without scales the body is the float one, unchanged (a static
+branch on the number of refs).
 """
 
 from __future__ import annotations
@@ -33,10 +43,16 @@ from pallas_kernels.paged_attention import block_sizes
 from pallas_kernels.paged_attention.reference import check_inputs
 
 
-def paged_attention_kernel(lengths_ref, block_tables_ref, q_ref, k_pages_ref, v_pages_ref, o_ref,
-                           *, page_size, pages_per_block, sm_scale, softcap, sliding_window):
+def paged_attention_kernel(lengths_ref, block_tables_ref, q_ref, k_pages_ref, v_pages_ref, *refs,
+                           page_size, pages_per_block, sm_scale, softcap, sliding_window):
     # lengths_ref [1] int32 (this sequence); block_tables_ref [max_pages] int32 (this sequence)
     # q_ref [Gp, H]; k_pages_ref, v_pages_ref [P, page_size, H] (this kv head); o_ref [Gp, H]
+    # refs: (o_ref,), or for quantized pages (k_scale_ref, v_scale_ref, o_ref) with the scales
+    # [P, page_size] of this kv head.
+    if len(refs) == 3:
+        k_scale_ref, v_scale_ref, o_ref = refs
+    else:
+        (o_ref,), k_scale_ref, v_scale_ref = refs, None, None
     rows, H = q_ref.shape
     block_k = pages_per_block * page_size
     max_pages = block_tables_ref.shape[0]
@@ -59,6 +75,11 @@ def paged_attention_kernel(lengths_ref, block_tables_ref, q_ref, k_pages_ref, v_
         pages = block_tables_ref[jnp.minimum(slots, end_page - 1)]       # [pages_per_block]
         k = k_pages_ref[pages].reshape(block_k, H)                        # [block_k, H]
         v = v_pages_ref[pages].reshape(block_k, H)
+        if k_scale_ref is not None:
+            k_scale = k_scale_ref[pages].reshape(block_k)
+            v_scale = v_scale_ref[pages].reshape(block_k)
+            k = (k.astype(jnp.float32) * k_scale[:, None]).astype(q.dtype)
+            v = (v.astype(jnp.float32) * v_scale[:, None]).astype(q.dtype)
 
         pos = slot0 * page_size + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
         visible = pos < length
@@ -92,7 +113,7 @@ def paged_attention_kernel(lengths_ref, block_tables_ref, q_ref, k_pages_ref, v_
 
 def paged_attention(q, k_pages, v_pages, lengths, block_tables, *, sliding_window=None,
                     softcap=None, sm_scale=None, interpret=False, pages_per_block=None,
-                    q_rows=None):
+                    q_rows=None, k_scale=None, v_scale=None):
     """Decode attention of one token per row over paged K/V. q [B, N, H] -> [B, N, H] in q.dtype.
 
     k_pages, v_pages [P, page_size, K, H]; lengths [B] int32 (tokens in the cache, the new token
@@ -100,9 +121,16 @@ def paged_attention(q, k_pages, v_pages, lengths, block_tables, *, sliding_windo
     logits to s * tanh(logits / s). pages_per_block and q_rows override the block-size table
     (raised to the backend's floor; on GPU page_size, pages_per_block and q_rows must be powers
     of two).
+    Quantized pages: k_pages, v_pages may hold int8 (value = code * scale) or float8_e4m3fn
+    (value = float(code) * scale) codes when k_scale, v_scale [P, page_size, K] (floating, one
+    scale per slot and kv head) are given; the kernel dequantizes each gathered block after its
+    load.
     Raises ValueError for wrong ranks, dtypes, N % K != 0 or an unsupported H.
     """
-    check_inputs(q, k_pages, v_pages, lengths, block_tables, sliding_window, softcap)
+    if check_inputs(q, k_pages, v_pages, lengths, block_tables, sliding_window, softcap, k_scale,
+                    v_scale):
+        k_scale = jnp.asarray(k_scale, jnp.float32)
+        v_scale = jnp.asarray(v_scale, jnp.float32)
     if pages_per_block is not None and pages_per_block < 1:
         raise ValueError(f"pages_per_block is {pages_per_block}; it must be >= 1")
     G = q.shape[1] // k_pages.shape[2]
@@ -112,7 +140,7 @@ def paged_attention(q, k_pages, v_pages, lengths, block_tables, *, sliding_windo
     pages_per_block = block_sizes.pages_per_block_for(backend, k_pages.shape[1],
                                                       block_tables.shape[1], pages_per_block)
     q_rows = block_sizes.q_rows_for(backend, G, q_rows)
-    return _paged_attention(q, k_pages, v_pages, lengths, block_tables,
+    return _paged_attention(q, k_pages, v_pages, lengths, block_tables, k_scale, v_scale,
                             sliding_window=sliding_window, softcap=softcap, sm_scale=sm_scale,
                             interpret=interpret, pages_per_block=pages_per_block, q_rows=q_rows,
                             backend=backend)
@@ -120,7 +148,8 @@ def paged_attention(q, k_pages, v_pages, lengths, block_tables, *, sliding_windo
 
 @functools.partial(jax.jit, static_argnames=("sliding_window", "softcap", "sm_scale", "interpret",
                                              "pages_per_block", "q_rows", "backend"))
-def _paged_attention(q, k_pages, v_pages, lengths, block_tables, *, sliding_window, softcap,
+def _paged_attention(q, k_pages, v_pages, lengths, block_tables, k_scale, v_scale, *,
+                     sliding_window, softcap,
                      sm_scale, interpret, pages_per_block, q_rows, backend):
     B, N, H = q.shape
     P, page_size, K, _ = k_pages.shape
@@ -128,7 +157,8 @@ def _paged_attention(q, k_pages, v_pages, lengths, block_tables, *, sliding_wind
     G = N // K
     if P * page_size * max_pages == 0:              # no key slot at all (zero-size blocks)
         return jnp.zeros_like(q)
-    compute_dtype = jnp.promote_types(q.dtype, k_pages.dtype)
+    # Quantized pages are dequantized to the query dtype inside the kernel.
+    compute_dtype = q.dtype if k_scale is not None else jnp.promote_types(q.dtype, k_pages.dtype)
     qg = q.astype(compute_dtype).reshape(B, K, G, H)
     if q_rows > G:
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, q_rows - G), (0, 0)))
@@ -139,21 +169,27 @@ def _paged_attention(q, k_pages, v_pages, lengths, block_tables, *, sliding_wind
         sliding_window=sliding_window)
     sizes = block_sizes.block_sizes_for(backend)
     pages_spec = pl.BlockSpec((P, page_size, None, H), lambda b, h: (0, 0, h, 0))
+    in_specs = [
+        pl.BlockSpec((1,), lambda b, h: (b,)),                            # lengths
+        pl.BlockSpec((None, max_pages), lambda b, h: (b, 0)),             # block_tables
+        pl.BlockSpec((None, None, q_rows, H), lambda b, h: (b, h, 0, 0)),  # q
+        pages_spec,                                                       # k_pages
+        pages_spec,                                                       # v_pages
+    ]
+    operands = [lengths, block_tables, qg, k_pages, v_pages]
+    if k_scale is not None:
+        scale_spec = pl.BlockSpec((P, page_size, None), lambda b, h: (0, 0, h))  # [P, page_size]
+        in_specs += [scale_spec, scale_spec]                              # k_scale, v_scale
+        operands += [k_scale, v_scale]
     out = pl.pallas_call(
         kernel,
         grid=(B, K),
-        in_specs=[
-            pl.BlockSpec((1,), lambda b, h: (b,)),                            # lengths
-            pl.BlockSpec((None, max_pages), lambda b, h: (b, 0)),             # block_tables
-            pl.BlockSpec((None, None, q_rows, H), lambda b, h: (b, h, 0, 0)),  # q
-            pages_spec,                                                       # k_pages
-            pages_spec,                                                       # v_pages
-        ],
+        in_specs=in_specs,
         out_specs=pl.BlockSpec((None, None, q_rows, H), lambda b, h: (b, h, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((B, K, q_rows, H), q.dtype),
         compiler_params=None if interpret else pl_triton.CompilerParams(
             num_warps=sizes.num_warps, num_stages=sizes.num_stages),
         interpret=interpret,
         name="paged_attention",
-    )(lengths, block_tables, qg, k_pages, v_pages)
+    )(*operands)
     return out[:, :, :G].reshape(B, N, H)

@@ -7,6 +7,11 @@ The query of row b sits at position lengths[b] - 1 and sees keys 0 .. lengths[b]
 sliding window w only keys > lengths[b] - 1 - w). Key slot j of row b lives in page
 block_tables[b, j // page_size] at offset j % page_size. Entries of block_tables at or beyond
 ceil(lengths[b] / page_size) may hold anything and are never dereferenced.
+
+Quantized pages (an int8 or fp8 KV cache): k_pages, v_pages may hold int8 codes (symmetric, value =
+code * scale) or float8_e4m3fn codes (value = float(code) * scale) when k_scale, v_scale
+[P, page_size, K] (one float scale per token slot and kv head) are given; the reference dequantizes
+the pool first, k_pages.astype(float32) * k_scale[..., None].
 """
 
 from __future__ import annotations
@@ -16,25 +21,36 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.flash_attention.reference import check_scales, dequantize
+
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 HEAD_DIMS = (32, 64, 128, 256)
 
 
-def check_inputs(q, k_pages, v_pages, lengths, block_tables, sliding_window=None, softcap=None):
-    """Raises ValueError for wrong ranks, dtypes, shapes, N % K != 0 or an unsupported head dim."""
+def check_inputs(q, k_pages, v_pages, lengths, block_tables, sliding_window=None, softcap=None,
+                 k_scale=None, v_scale=None):
+    """Raises ValueError for wrong ranks, dtypes, shapes, N % K != 0 or an unsupported head dim,
+    and for scales that do not fit the pages (see flash_attention.reference.check_scales: given
+    together, exactly for int8 / float8_e4m3fn pages, shape [P, page_size, K], floating).
+    Returns True for quantized pages."""
     for name, x, rank in (("q", q, 3), ("k_pages", k_pages, 4), ("v_pages", v_pages, 4),
                           ("lengths", lengths, 1), ("block_tables", block_tables, 2)):
         if jnp.ndim(x) != rank:
             raise ValueError(f"{name} must have rank {rank}; got shape {jnp.shape(x)}")
-    for name, x in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
+    if k_pages.shape != v_pages.shape:
+        raise ValueError(f"k_pages {k_pages.shape} and v_pages {v_pages.shape} differ in shape")
+    quantized = check_scales(k_pages, v_pages, k_scale, v_scale, k_name="k_pages",
+                             v_name="v_pages")
+    for name, x in (("q", q),) + (() if quantized else (("k_pages", k_pages),
+                                                         ("v_pages", v_pages))):
         if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
-            raise ValueError(f"{name} has dtype {x.dtype}; expected float32, bfloat16 or float16")
+            raise ValueError(f"{name} has dtype {x.dtype}; expected float32, bfloat16 or float16"
+                             + ("" if name == "q" else " (or int8 / float8_e4m3fn codes with "
+                                                     "k_scale, v_scale)"))
     for name, x in (("lengths", lengths), ("block_tables", block_tables)):
         if jnp.dtype(x.dtype) != jnp.int32:
             raise ValueError(f"{name} has dtype {x.dtype}; expected int32")
     B, N, H = q.shape
-    if k_pages.shape != v_pages.shape:
-        raise ValueError(f"k_pages {k_pages.shape} and v_pages {v_pages.shape} differ in shape")
     P, page_size, K, Hk = k_pages.shape
     if H not in HEAD_DIMS:
         raise ValueError(f"head dim {H} is not supported; expected one of {HEAD_DIMS}")
@@ -49,15 +65,20 @@ def check_inputs(q, k_pages, v_pages, lengths, block_tables, sliding_window=None
         raise ValueError(f"sliding_window is {sliding_window}; it must be >= 1 (or None)")
     if softcap is not None and softcap <= 0:
         raise ValueError(f"softcap is {softcap}; it must be > 0 (or None)")
+    return quantized
 
 
 def paged_attention_reference(q, k_pages, v_pages, lengths, block_tables, *, sliding_window=None,
-                              softcap=None, sm_scale=None):
+                              softcap=None, sm_scale=None, k_scale=None, v_scale=None):
     """Decode attention of one token per row over paged K/V. q [B, N, H] -> [B, N, H] in q.dtype.
 
     k_pages, v_pages [P, page_size, K, H]; lengths [B] int32; block_tables [B, max_pages] int32.
+    Quantized pages (int8 / float8_e4m3fn codes with k_scale, v_scale [P, page_size, K]) are
+    dequantized to float32 first.
     """
-    check_inputs(q, k_pages, v_pages, lengths, block_tables, sliding_window, softcap)
+    if check_inputs(q, k_pages, v_pages, lengths, block_tables, sliding_window, softcap,
+                    k_scale, v_scale):
+        k_pages, v_pages = dequantize(k_pages, k_scale), dequantize(v_pages, v_scale)
     return _reference(q, k_pages, v_pages, lengths, block_tables, sliding_window=sliding_window,
                       softcap=softcap, sm_scale=sm_scale)
 

@@ -6,6 +6,12 @@ kernel == reference within the dtype tolerance below and reference == numpy floa
 
 Tolerances (max abs error, plus the same relative term):
   float32  1e-5     bfloat16  2e-2     float16  2e-3
+
+Quantized K/V (int8 / float8_e4m3fn codes with per-(token, kv head) float32 scales): the kernel on
+codes + scales == the reference on the same codes + scales (the dtype tolerance above; scales past
+kv_lengths are NaN for the kernel, so dequantization must come before the mask), the reference ==
+numpy on the dequantized values, and the quantization error against float attention on the
+unquantized K/V stays under a stated bound (test_quantization_error_bound).
 """
 
 from __future__ import annotations
@@ -77,6 +83,24 @@ def assert_close(actual, expected, dtype, what):
     np.testing.assert_allclose(actual, expected, atol=tol, rtol=tol, err_msg=what)
 
 
+def quantize(x, kind):
+    """Symmetric per-(token, head) quantization of float x [..., H] -> (codes [..., H], float32
+    scales [...]). int8: scale = amax / 127, codes = clip(round(x / scale), -127, 127); fp8: scale
+    = amax / 448 (the largest finite float8_e4m3fn), codes = (x / scale) cast to float8_e4m3fn."""
+    x = np.asarray(jnp.asarray(x, jnp.float32), np.float32)
+    scale = np.abs(x).max(axis=-1) / (127.0 if kind == "int8" else 448.0)
+    y = x / np.where(scale > 0, scale, 1.0)[..., None]
+    if kind == "int8":
+        codes = jnp.asarray(np.clip(np.round(y), -127, 127).astype(np.int8))
+    else:
+        codes = jnp.asarray(y).astype(jnp.float8_e4m3fn)
+    return codes, jnp.asarray(scale, jnp.float32)
+
+
+def dequantize(codes, scale):
+    return jnp.asarray(codes).astype(jnp.float32) * jnp.asarray(scale)[..., None]
+
+
 @dataclasses.dataclass(frozen=True)
 class Mode:
     interpret: bool
@@ -107,6 +131,31 @@ def check(mode, *, B=2, T, S, N=4, K=2, H=64, dtype=jnp.float32, blocks=None, se
     ref = reference(q, k, v, **kw)
     assert_close(out, ref, dtype, "kernel vs reference")
     assert_close(ref, naive_attention(q, k, v, **kw), dtype, "reference vs numpy float64")
+    return out
+
+
+def check_quantized(mode, kind, *, B=2, T, S, N=4, K=2, H=64, dtype=jnp.float32, blocks=None,
+                    seed=0, kv_lengths=None, **kw):
+    """Quantized K/V: kernel on codes + scales vs the reference on the same (dtype tolerance),
+    reference vs numpy float64 on the dequantized K/V. Scales at or past kv_lengths are NaN for
+    the kernel (a fresh cache slot) and 1 for the reference."""
+    q, k, v = make_qkv(seed, B, T, S, N, K, H, jnp.float32)
+    q = q.astype(dtype)
+    (kc, ks), (vc, vs) = quantize(k, kind), quantize(v, kind)
+    kv_lengths = [S] * B if kv_lengths is None else kv_lengths
+    stale = jnp.asarray(np.arange(S)[None, :, None] >= np.asarray(kv_lengths)[:, None, None])
+    kw = {name: (i32(x) if name == "q_offset" else x) for name, x in kw.items()}
+    kw["kv_lengths"] = i32(kv_lengths)
+    bq, bk = blocks if blocks is not None else (None, None)
+    out = flash_attention(q, kc, vc, interpret=mode.interpret, block_q=bq, block_k=bk,
+                          k_scale=jnp.where(stale, jnp.nan, ks),
+                          v_scale=jnp.where(stale, jnp.nan, vs), **kw)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    ks, vs = jnp.where(stale, 1.0, ks), jnp.where(stale, 1.0, vs)
+    ref = reference(q, kc, vc, k_scale=ks, v_scale=vs, **kw)
+    assert_close(out, ref, dtype, f"{kind} kernel vs reference")
+    assert_close(ref, naive_attention(q, dequantize(kc, ks), dequantize(vc, vs), **kw), dtype,
+                 f"{kind} reference vs numpy float64 on the dequantized K/V")
     return out
 
 
@@ -247,6 +296,21 @@ class TestFlashAttentionKernel:
         assert_close(g(q, k, v, i32([4])), reference(q, k, v, q_offset=i32([4]), softcap=3.0),
                      jnp.float32, "under jit")
 
+    @pytest.mark.parametrize("kind", ["int8", "fp8"])
+    @pytest.mark.parametrize("case", ["gqa", "window", "mqa-bf16"])
+    def test_quantized_kv(self, mode, kind, case):
+        L = mode.L
+        if case == "gqa":          # GQA 3, chunk over a cache, ragged kv_lengths
+            check_quantized(mode, kind, T=L, S=L + 5, N=6, K=2, q_offset=[5, 0],
+                            kv_lengths=[L + 5, L - 3], blocks=mode.blocks[0])
+        elif case == "window":     # sliding window wider than a key block
+            bk = mode.blocks[1][1]
+            check_quantized(mode, kind, T=L, S=L + 9, q_offset=[9, 2], kv_lengths=[L + 9, L + 1],
+                            sliding_window=bk + 3, blocks=mode.blocks[1])
+        else:                      # MQA, bfloat16 queries, non-causal
+            check_quantized(mode, kind, T=L, S=L + 3, N=4, K=1, dtype=jnp.bfloat16,
+                            causal=False, kv_lengths=[L + 3, L // 2], blocks=mode.blocks[0])
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("N,K,H", [(8, 1, 128), (6, 3, 64)])
@@ -259,16 +323,28 @@ def test_interpret_longer_sequences(N, K, H):
 @pytest.mark.parametrize("dtype,H,kw", [
     (jnp.float32, 64, dict(sliding_window=100, softcap=30.0)),
     (jnp.bfloat16, 256, dict(causal=False)),
+    (jnp.bfloat16, 128, dict(sliding_window=100, kv_dtype=jnp.int8)),
+    (jnp.float32, 64, dict(kv_dtype=jnp.float8_e4m3fn)),
 ])
 def test_lowers_through_triton(dtype, H, kw):
     """The kernel body lowers through Pallas' Triton path to one Triton custom call (checked
-    without a GPU by lowering for the cuda platform)."""
+    without a GPU by lowering for the cuda platform); kv_dtype int8 / fp8: quantized K/V with
+    [B, S, K] float32 scales."""
+    kw = dict(kw)
+    kv_dtype = kw.pop("kv_dtype", dtype)
     q = jax.ShapeDtypeStruct((2, 300, 8, H), dtype)
-    kv = jax.ShapeDtypeStruct((2, 700, 2, H), dtype)
+    kv = jax.ShapeDtypeStruct((2, 700, 2, H), kv_dtype)
     lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
-    f = jax.jit(lambda q, k, v, o, n: flash_attention(q, k, v, q_offset=o, kv_lengths=n, **kw))
+    args = (q, kv, kv, lengths, lengths)
+    if kv_dtype == dtype:
+        f = jax.jit(lambda q, k, v, o, n: flash_attention(q, k, v, q_offset=o, kv_lengths=n,
+                                                          **kw))
+    else:
+        args += (jax.ShapeDtypeStruct((2, 700, 2), jnp.float32),) * 2
+        f = jax.jit(lambda q, k, v, o, n, ks, vs: flash_attention(
+            q, k, v, q_offset=o, kv_lengths=n, k_scale=ks, v_scale=vs, **kw))
     try:
-        text = f.trace(q, kv, kv, lengths, lengths).lower(lowering_platforms=("cuda",)).as_text()
+        text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     except Exception as e:  # a jaxlib built without the CUDA/Triton lowering
         if ON_GPU:
             raise
@@ -348,6 +424,36 @@ class TestValidation:
         with pytest.raises(ValueError):
             f(q, k, v, **kw)
 
+    kv8 = jnp.zeros((1, 6, 2, 64), jnp.int8)
+    scale = jnp.ones((1, 6, 2), jnp.float32)
+
+    # case -> (k, v, k_scale, v_scale, a pattern the message must contain)
+    SCALE_CASES = {
+        "scales_for_float_kv": ("f32", "f32", "f32", "f32", "k_scale / v_scale are given"),
+        "int8_without_scales": ("int8", "int8", None, None, "k_scale and v_scale are required"),
+        "fp8_without_scales": ("fp8", "fp8", None, None, "k_scale and v_scale are required"),
+        "k_scale_only": ("int8", "int8", "f32", None, "k_scale and v_scale must be given"),
+        "v_scale_only": ("int8", "int8", None, "f32", "k_scale and v_scale must be given"),
+        "k_scale_shape": ("int8", "int8", "shape", "f32", r"k_scale must have the shape"),
+        "v_scale_shape": ("int8", "int8", "f32", "shape", r"v_scale must have the shape"),
+        "k_scale_dtype": ("int8", "int8", "int32", "f32", "k_scale dtype must be floating"),
+        "v_scale_dtype": ("fp8", "fp8", "f32", "int8", "v_scale dtype must be floating"),
+        "mixed_codes": ("int8", "fp8", "f32", "f32", "both hold int8 or both"),
+        "codes_and_float": ("f32", "int8", "f32", "f32", "both hold int8 or both"),
+    }
+
+    @pytest.mark.parametrize("fn", ["kernel", "reference"])
+    @pytest.mark.parametrize("case", list(SCALE_CASES))
+    def test_invalid_scales_raise(self, fn, case):
+        k_kind, v_kind, ks_kind, vs_kind, pattern = self.SCALE_CASES[case]
+        kv = {"f32": self.kv, "int8": self.kv8, "fp8": self.kv8.astype(jnp.float8_e4m3fn)}
+        scales = {None: None, "f32": self.scale, "shape": self.scale[..., None],
+                  "int32": self.scale.astype(jnp.int32), "int8": self.scale.astype(jnp.int8)}
+        f = (functools.partial(flash_attention, interpret=True) if fn == "kernel"
+             else flash_attention_reference)
+        with pytest.raises(ValueError, match=pattern):
+            f(self.q, kv[k_kind], kv[v_kind], k_scale=scales[ks_kind], v_scale=scales[vs_kind])
+
     def test_bad_block_size_raises(self):
         with pytest.raises(ValueError):
             flash_attention(self.q, self.kv, self.kv, interpret=True, block_q=0)
@@ -382,3 +488,26 @@ def test_keys_past_kv_length_may_hold_nan():
     want = flash_attention_reference(q, *clean, **kw)
     assert np.isfinite(np.asarray(out)).all()
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kind,max_bound,mean_bound", [
+    # Measured on this case (seed 12; float outputs: max |out| 2.1, rms 0.38):
+    #   int8  max abs error 1.74e-2, mean abs error 2.2e-3
+    #   fp8   max abs error 9.0e-2,  mean abs error 8.9e-3 (3 mantissa bits: coarser)
+    # (seeds 0-3 give int8 1.5-2.1e-2, fp8 8.7e-2-1.06e-1 max). The bounds are ~3x the measured.
+    ("int8", 0.05, 0.0065),
+    ("fp8", 0.27, 0.027),
+])
+def test_quantization_error_bound(kind, max_bound, mean_bound):
+    """Kernel on int8 / fp8 K/V quantized per (token, kv head) vs float attention on the original
+    float32 K/V: the error stays under a stated bound (and is not zero, so the codes are used)."""
+    B, T, S, N, K, H = 2, 37, 45, 4, 2, 64
+    q, k, v = make_qkv(12, B, T, S, N, K, H, jnp.float32)
+    (kc, ks), (vc, vs) = quantize(k, kind), quantize(v, kind)
+    kw = dict(q_offset=i32([8, 0]), kv_lengths=i32([45, 30]), sliding_window=24)
+    out = flash_attention(q, kc, vc, k_scale=ks, v_scale=vs, interpret=True, block_q=16,
+                          block_k=16, **kw)
+    want = np.asarray(reference(q, k, v, **kw), np.float64)
+    err = np.abs(np.asarray(out, np.float64) - want)
+    assert 0 < err.max() <= max_bound, f"{kind}: max abs error {err.max():.3g} > {max_bound}"
+    assert err.mean() <= mean_bound, f"{kind}: mean abs error {err.mean():.3g} > {mean_bound}"
