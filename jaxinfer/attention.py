@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer import sharding
+from jaxinfer.kv_cache import QuantizedKV, dense
 
 KVSegment = tuple  # (k [B, S, K, H], v [B, S, K, H], k_positions [B, S])
 
@@ -68,17 +69,34 @@ def attention(q: jax.Array, q_positions: jax.Array, segments: Sequence[KVSegment
         kernel = functools.partial(paged_attention, sliding_window=sliding_window,
                                    softcap=softcap, sm_scale=sm_scale, interpret=interpret)
         page_axes = (None, None, kv_heads, None)
-        out = _on_shards(kernel, ("batch", heads, None), page_axes, page_axes, ("batch",),
-                         ("batch", None))(q[:, 0], k_pages, v_pages, kv_lengths, block_tables)
+        k_pages, v_pages, scales, scale_axes = _split_scales(k_pages, v_pages, page_axes)
+        out = _on_shards(lambda q, k, v, n, t, *sc: kernel(q, k, v, n, t, **_scale_kw(sc)),
+                         ("batch", heads, None), page_axes, page_axes, ("batch",),
+                         ("batch", None), *scale_axes)(
+            q[:, 0], k_pages, v_pages, kv_lengths, block_tables, *scales)
         return out[:, None]
     from pallas_kernels import flash_attention
 
     kernel = functools.partial(flash_attention, causal=True, sliding_window=sliding_window,
                                softcap=softcap, sm_scale=sm_scale, interpret=interpret)
     q_axes, kv_axes = ("batch", None, heads, None), ("batch", None, kv_heads, None)
-    return _on_shards(lambda q, k, v, off, n: kernel(q, k, v, q_offset=off, kv_lengths=n),
-                      q_axes, kv_axes, kv_axes, ("batch",), ("batch",))(
-        q, k, v, q_offset, kv_lengths)
+    k, v, scales, scale_axes = _split_scales(k, v, kv_axes)
+    return _on_shards(lambda q, k, v, off, n, *sc: kernel(q, k, v, q_offset=off, kv_lengths=n,
+                                                          **_scale_kw(sc)),
+                      q_axes, kv_axes, kv_axes, ("batch",), ("batch",), *scale_axes)(
+        q, k, v, q_offset, kv_lengths, *scales)
+
+
+def _split_scales(k, v, axes):
+    """(k codes, v codes, (k_scale, v_scale), their logical axes) of a quantized segment or
+    pool, (k, v, (), ()) of a float one."""
+    if not isinstance(k, QuantizedKV):
+        return k, v, (), ()
+    return k.codes, v.codes, (k.scale, v.scale), (axes[:-1], axes[:-1])
+
+
+def _scale_kw(scales: tuple) -> dict:
+    return dict(zip(("k_scale", "v_scale"), scales))
 
 
 def heads_split_evenly(num_heads: int, num_kv_heads: int) -> bool:
@@ -115,6 +133,7 @@ def reference_attention(q, q_positions, segments, *, sliding_window=None, softca
     qp = q_positions[:, :, None]                                          # [B, T, 1]
     logits = []
     for k, _, k_positions in segments:
+        k = dense(k, q.dtype)
         s = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32) * scale
         if softcap is not None:
             s = softcap * jnp.tanh(s / softcap)
@@ -133,6 +152,7 @@ def reference_attention(q, q_positions, segments, *, sliding_window=None, softca
     out = 0.0
     start = 0
     for _, v, k_positions in segments:
+        v = dense(v, q.dtype)
         S = v.shape[1]
         # Empty slots may hold anything (a fresh page is not zeroed): 0 * NaN would leak.
         v = jnp.where((k_positions >= 0)[:, :, None, None], v, jnp.zeros((), v.dtype))
@@ -149,7 +169,7 @@ def ragged_paged_attention(q, k_pages, v_pages, page_rows, page_starts, lengths,
     cache; the Pallas kernel does the same per row on a device).
 
     q [B, N, H]: one query per row, at position lengths[b] - 1. k_pages, v_pages [Np, Z, K, H]:
-    the listed pages, already gathered; page i belongs to row page_rows[i] (B marks a padding
+    the listed pages, already gathered (float, or QuantizedKV dequantized here); page i belongs to row page_rows[i] (B marks a padding
     page, whose keys are all hidden) and holds positions page_starts[i] + z. A row's keys are
     its positions below lengths[b]. Returns [B, N, H] in q.dtype; a row with no listed keys gets
     zeros.
@@ -158,6 +178,7 @@ def ragged_paged_attention(q, k_pages, v_pages, page_rows, page_starts, lengths,
     Np, Z, K, _ = k_pages.shape
     G = N // K
     scale = sm_scale if sm_scale is not None else H ** -0.5
+    k_pages, v_pages = dense(k_pages, q.dtype), dense(v_pages, q.dtype)
     owner = jnp.minimum(page_rows, B - 1)
     kpos = page_starts[:, None] + jnp.arange(Z, dtype=jnp.int32)[None, :]       # [Np, Z]
     qpos = jnp.where(page_rows < B, lengths[owner], 0)[:, None] - 1             # [Np, 1]

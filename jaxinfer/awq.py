@@ -219,30 +219,123 @@ def _stats_by_layer(cfg: ModelConfig, weights: dict[str, np.ndarray],
         yield {name: (np.asarray(a) / rows, np.asarray(g)) for name, (a, g) in sums.items()}
 
 
+# -- clipping search ------------------------------------------------------------------------------
+
+CLIP_RATIOS = tuple(round(1.0 - 0.05 * i, 2) for i in range(11))  # 1.0, 0.95, ..., 0.5
+
+
+def _clipped_int4(w: np.ndarray, group_size: int, ratio) -> tuple[np.ndarray, ...]:
+    """Asymmetric int4 of w [C, O] along C (groups of group_size), each group's [min, max]
+    shrunk about its centre to ratio times its width; ratio: a scalar or per output channel [O].
+    Scales and offsets are rounded to float16 and the codes computed against them as
+    `quant.quantize_int4` does, so ratio 1 gives its codes, scales and offsets bit for bit;
+    elements outside the shrunk range get the nearest end code. Returns (codes uint8 [C, O],
+    scale float16 [C / group_size, O], offset likewise, dequantized value float32 [C, O]
+    computed as `quant.dequantize` does)."""
+    C, O = w.shape
+    g = np.asarray(w, np.float32).reshape(C // group_size, group_size, O)
+    lo = g.min(axis=1, keepdims=True).astype(np.float64)
+    hi = g.max(axis=1, keepdims=True).astype(np.float64)
+    # (1 - ratio) * half-width off each end: exactly 0 at ratio 1, so the range is then [lo, hi]
+    # exactly (a centre +- half-width would round).
+    shrink = (1.0 - np.asarray(ratio, np.float64)) * (hi - lo) / 2
+    offset = quant._round_down(lo + shrink, np.float16)
+    quant._check_finite(offset, "int4 offsets", np.float16)
+    scale = quant._round_up((hi - shrink - offset.astype(np.float64)) / 15, np.float16)
+    quant._check_finite(scale, "int4 scales", np.float16)
+    off32 = offset.astype(np.float32)
+    q = np.clip(np.rint(quant._divide(g - off32, scale)), 0, 15).astype(np.uint8)
+    value = q.astype(np.float32) * scale.astype(np.float32) + off32
+    return (q.reshape(C, O), scale[:, 0], offset[:, 0], value.reshape(C, O))
+
+
+def quantize_int4_clipped(w: np.ndarray, group_size: int, ratio) -> quant.QuantizedWeight:
+    """`_clipped_int4` as a QuantizedWeight in `quant.quantize_int4(w, axis=0)`'s layout."""
+    q, scale, offset, _ = _clipped_int4(w, group_size, ratio)
+    return quant.QuantizedWeight(q=quant.pack_int4(q, 0), scale=scale, offset=offset,
+                                 kind="int4", axis=0, group_size=group_size)
+
+
+def column_errors(gram: np.ndarray, w: np.ndarray, w_hat: np.ndarray) -> np.ndarray:
+    """||X w[:, o] - X w_hat[:, o]||^2 per output channel o [O] (float64), gram = X^T X."""
+    d = np.asarray(w - w_hat, np.float32)
+    return np.sum((gram @ d) * d, axis=0, dtype=np.float64)
+
+
+def search_clip(gram: np.ndarray, w: np.ndarray, group_size: int,
+                ratios=CLIP_RATIOS) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """AWQ's second step for one linear w [C, O] (its final, scaled weights) with gram = X^T X
+    [C, C] of its final inputs: per output channel, the ratio of `ratios` (which must start
+    with 1.0) whose `_clipped_int4` has the least `column_errors`. Returns (ratio [O] float32,
+    its error [O], the error at ratio 1 [O]). Ties keep the earlier ratio, so a column whose
+    clipping gains nothing keeps round to nearest, and no column's error exceeds ratio 1's."""
+    if not ratios or ratios[0] != 1.0:
+        raise ValueError(f"clip ratios must start with 1.0, got {tuple(ratios)}")
+    best_r = best_err = unclipped = None
+    for r in ratios:
+        err = column_errors(gram, w, _clipped_int4(w, group_size, r)[3])
+        if unclipped is None:
+            unclipped = err
+            best_r, best_err = np.full(err.shape, r, np.float32), err
+            continue
+        better = err < best_err
+        best_r = np.where(better, np.float32(r), best_r)
+        best_err = np.where(better, err, best_err)
+    return best_r, best_err, unclipped
+
+
 # -- the quantizer --------------------------------------------------------------------------------
 
+def _check_embed_bits(embed_bits: int) -> None:
+    if embed_bits not in (4, 8) or isinstance(embed_bits, bool):
+        raise ValueError(f"embed_bits {embed_bits!r} must be 8 or 4")
+
+
+def _vocab_matrices(weights: dict[str, np.ndarray], group_size: int,
+                    embed_bits: int) -> dict:
+    """"embed" [V, D] (and an untied "lm_head" [D, V]) quantized along their contraction axis:
+    int8 per channel (embed_bits 8) or int4 round to nearest in groups (4)."""
+    def q(w, axis):
+        if embed_bits == 8:
+            return quant.quantize_int8(w, axis=axis)
+        return quant.quantize_int4(w, axis=axis, group_size=group_size)
+    out = {"embed": q(weights["embed"], 1)}
+    if weights.get("lm_head") is not None:
+        out["lm_head"] = q(weights["lm_head"], 0)
+    return out
+
+
 def awq_int4(cfg: ModelConfig, weights: dict[str, np.ndarray], calibration: list[list[int]],
-             group_size: int = 32, grid: int = 20) -> tuple[dict, dict]:
+             group_size: int = 32, grid: int = 20, clip: bool = True,
+             embed_bits: int = 8) -> tuple[dict, dict]:
     """AWQ int4 of a Llama-family model.
 
     weights: float32 host weights as `llama.params_from_weights` takes them (linear [in, out]);
     calibration: token sequences (sequences of one length are batched together); group_size:
     int4 group along the input axis (a multiple of 32); grid: alphas searched,
-    linspace(0, 1, grid) without 1.
+    linspace(0, 1, grid) without 1; clip: after the scales, search each linear's clipping
+    ratios (`search_clip`, over CLIP_RATIOS); embed_bits: 8 or 4, see below.
 
     Returns (new_weights, report). new_weights has the same keys: every layer's linear weights
-    are `quant.quantize_int4(axis=0)` QuantizedWeights of the scaled weights, the norms (and bv)
-    float32 with the scales folded in; "embed" (and "lm_head") are RTN int4 along their
-    contraction axis. report: {"layers.{i}.{group}": {"alpha", "awq_error", "rtn_error",
-    "scale"}} for the groups of the module docstring, errors ||X W - X W_hat||^2 over the
-    calibration rows.
+    are int4 QuantizedWeights (axis 0, `quant.quantize_int4`'s layout) of the scaled weights,
+    clipped per output channel if `clip`; the norms (and bv) float32 with the scales folded in;
+    "embed" (and "lm_head") along their contraction axis, int8 per channel (embed_bits 8) or
+    int4 round to nearest in groups (embed_bits 4).
+
+    report, errors ||X W - X W_hat||^2 over the calibration rows:
+      "layers.{i}.{group}" (the groups of the module docstring): "alpha", "scale", "rtn_error"
+        (alpha 0, no clip), "scale_error" (the chosen alpha, no clip), "awq_error" (the final
+        weights: the chosen alpha, then the chosen clip ratios);
+      "layers.{i}.{linear}" (with clip): "clip_ratio" [O] float32, "error" and
+        "unclipped_error", that linear's share of "awq_error" and the same without clip.
     """
     for what, n in (("d_model", cfg.d_model), ("q_dim", cfg.q_dim), ("ffn_dim", cfg.ffn_dim)):
         if group_size <= 0 or n % group_size or group_size % quant.INT4_BLOCK:
             raise ValueError(f"group_size {group_size} must be a multiple of "
                              f"{quant.INT4_BLOCK} that divides {what} {n}")
+    _check_embed_bits(embed_bits)
     w = {k: np.asarray(v, np.float32) if v is not None else None for k, v in weights.items()}
-    report = {}
+    report, linears = {}, {}
     G = cfg.num_heads // cfg.num_kv_heads
     for i, stats in enumerate(_stats_by_layer(cfg, weights, calibration)):
         p = f"layers.{i}."
@@ -253,28 +346,47 @@ def awq_int4(cfg: ModelConfig, weights: dict[str, np.ndarray], calibration: list
                 mean_abs = _expand_kv(mean_abs.reshape(-1), cfg)
             stacked = np.concatenate([w[p + name] for name in GROUP_LINEARS[group]], axis=1)
             s, alpha, err, rtn_err = search_scale(mean_abs, gram, stacked, group_size, grid)
+            s_in = s  # per input channel of the group's linears
             if group == "o":
                 s = s.reshape(cfg.num_kv_heads, G, cfg.head_dim)[:, 0].reshape(-1)
             fold_group(cfg, w, i, group, s)
-            report[p + group] = {"alpha": alpha, "awq_error": err, "rtn_error": rtn_err,
-                                 "scale": s}
-    return rtn_int4(cfg, w, group_size), report
+            report[p + group] = {"alpha": alpha, "scale_error": err, "awq_error": err,
+                                 "rtn_error": rtn_err, "scale": s}
+            # No later fold changes this group's linears: their weights are final. Their inputs
+            # are now X / s, whose Gram matrix is gram / (s s^T).
+            final_gram = gram / s_in[:, None] / s_in[None, :]
+            if clip:
+                report[p + group]["awq_error"] = 0.0
+            for name in GROUP_LINEARS[group]:
+                if not clip:
+                    linears[p + name] = quant.quantize_int4(w[p + name], axis=0,
+                                                            group_size=group_size)
+                    continue
+                ratio, col_err, unclipped = search_clip(final_gram, w[p + name], group_size)
+                linears[p + name] = quantize_int4_clipped(w[p + name], group_size, ratio)
+                report[p + name] = {"clip_ratio": ratio, "error": float(col_err.sum()),
+                                    "unclipped_error": float(unclipped.sum())}
+                report[p + group]["awq_error"] += float(col_err.sum())
+    out = dict(w)
+    out.update(linears)
+    out.update(_vocab_matrices(w, group_size, embed_bits))
+    return out, report
 
 
-def rtn_int4(cfg: ModelConfig, weights: dict[str, np.ndarray],
-             group_size: int = 32) -> dict:
-    """Every matrix int4 round to nearest, in `awq_int4`'s layout: the baseline, and AWQ's last
-    step on the scaled weights."""
+def rtn_int4(cfg: ModelConfig, weights: dict[str, np.ndarray], group_size: int = 32,
+             embed_bits: int = 8) -> dict:
+    """Every layer's linear weights int4 round to nearest, and the vocabulary matrices as
+    `awq_int4` has them (embed_bits), in `awq_int4`'s layout: the baseline."""
+    _check_embed_bits(embed_bits)
     out = dict(weights)
     for i in range(cfg.num_layers):
         for name in LINEARS:
             key = f"layers.{i}.{name}"
             out[key] = quant.quantize_int4(weights[key], axis=0, group_size=group_size)
     # The tied embedding is also the lookup table: a scale folded into its columns would change
-    # the embeddings themselves, so the vocabulary matrices stay round to nearest.
-    out["embed"] = quant.quantize_int4(weights["embed"], axis=1, group_size=group_size)
-    if weights.get("lm_head") is not None:
-        out["lm_head"] = quant.quantize_int4(weights["lm_head"], axis=0, group_size=group_size)
+    # the embeddings themselves, so the vocabulary matrices get no AWQ scales; int8 per channel
+    # by default, since at int4 they cost more than all the linears (see the module docstring).
+    out.update(_vocab_matrices(weights, group_size, embed_bits))
     return out
 
 

@@ -14,6 +14,11 @@ out by the host (jaxinfer.engine.pages); page 0 is the null page that padding wr
 
 Both implement the protocol the model uses: plan_write -> write_layer (per layer, in place) ->
 layer_keys (what attention reads) / kernel_pages (the paged kernel's layout) -> advance.
+
+Either cache's k and v are float arrays, or QuantizedKV (kv_cache_dtype "int8" / "fp8"): codes
+of the same shape and one float32 scale per (slot, kv head), written by write_layer as each
+token's keys are quantized and read as codes plus scales, so attention (the reference or the
+kernels) dequantizes what it reads and the cache never holds a float copy.
 """
 
 from __future__ import annotations
@@ -23,9 +28,81 @@ import jax
 import jax.numpy as jnp
 
 
+KV_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+_KV_MAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
+
+
+@flax.struct.dataclass
+class QuantizedKV:
+    """Quantized keys or values: value = codes * scale[..., None], one scale per kv head of
+    each slot (symmetric, scale = max |x| over the head dim / the code range's max)."""
+
+    codes: jax.Array  # [..., K, H] int8 | float8_e4m3fn
+    scale: jax.Array  # [..., K] float32
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.codes.shape
+
+    @property
+    def dtype(self):
+        return self.codes.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scale.nbytes
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        return (self.codes.astype(jnp.float32) * self.scale[..., None]).astype(dtype)
+
+
+def quantize_kv(x: jax.Array, dtype) -> QuantizedKV:
+    """x [..., K, H] as codes of `dtype` (int8 or float8_e4m3fn) with per-[..., K] scales."""
+    top = _KV_MAX[jnp.dtype(dtype)]
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1)
+    scale = jnp.where(amax > 0, amax / top, 1.0)
+    y = x.astype(jnp.float32) / scale[..., None]
+    if jnp.dtype(dtype) == jnp.int8:
+        y = jnp.round(y)
+    return QuantizedKV(codes=jnp.clip(y, -top, top).astype(dtype), scale=scale)
+
+
+def kv_buffer(shape: tuple[int, ...], dtype, zeros=jnp.zeros):
+    """An empty K or V buffer of `shape` [..., K, H]: a float array of `dtype`, or for a dtype
+    in KV_DTYPES' values a QuantizedKV. zeros(shape, dtype) makes each array."""
+    if jnp.dtype(dtype) in _KV_MAX:
+        return QuantizedKV(codes=zeros(shape, dtype), scale=zeros(shape[:-1], jnp.float32))
+    return zeros(shape, dtype)
+
+
+def kv_axes(buf, axes: tuple):
+    """The logical axes of a K or V buffer whose arrays (codes) have `axes`."""
+    return QuantizedKV(codes=axes, scale=axes[:-1]) if isinstance(buf, QuantizedKV) else axes
+
+
+def dense(kv, dtype) -> jax.Array:
+    """Keys or values as a float array: QuantizedKV dequantized to dtype, an array as it is."""
+    return kv.dequantize(dtype) if isinstance(kv, QuantizedKV) else kv
+
+
+def _leaves(fn, buf):
+    """fn applied to each array of a K or V buffer (codes and scale alike; indexing and
+    reshapes of the leading axes apply to both)."""
+    return jax.tree.map(fn, buf)
+
+
+def _set(buf, index, new: jax.Array):
+    """buf.at[index].set(new, mode="drop"), new [..., K, H] float quantized first when buf is."""
+    if isinstance(buf, QuantizedKV):
+        q = quantize_kv(new, buf.codes.dtype)
+        return QuantizedKV(codes=buf.codes.at[index].set(q.codes, mode="drop"),
+                           scale=buf.scale.at[index].set(q.scale, mode="drop"))
+    return buf.at[index].set(new.astype(buf.dtype), mode="drop")
+
+
 @flax.struct.dataclass
 class RingKVCache:
-    k: jax.Array          # [L, B, C, K, H]
+    k: jax.Array          # [L, B, C, K, H] (or QuantizedKV)
     v: jax.Array          # [L, B, C, K, H]
     positions: jax.Array  # [B, C] int32: absolute position held by each slot, -1 if empty
     lengths: jax.Array    # [B] int32: tokens written so far (= position of the next token)
@@ -34,7 +111,7 @@ class RingKVCache:
     def create(cls, num_layers: int, batch: int, capacity: int, num_kv_heads: int,
                head_dim: int, dtype=jnp.float32) -> "RingKVCache":
         shape = (num_layers, batch, capacity, num_kv_heads, head_dim)
-        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+        return cls(k=kv_buffer(shape, dtype), v=kv_buffer(shape, dtype),
                    positions=jnp.full((batch, capacity), -1, jnp.int32),
                    lengths=jnp.zeros((batch,), jnp.int32))
 
@@ -46,7 +123,8 @@ class RingKVCache:
 
     def logical_axes(self) -> "RingKVCache":
         """Each array's logical axes (jaxinfer.sharding), in the cache's own structure."""
-        return RingKVCache(k=self.KV_AXES, v=self.KV_AXES, positions=("batch", "cache_seq"),
+        return RingKVCache(k=kv_axes(self.k, self.KV_AXES), v=kv_axes(self.v, self.KV_AXES),
+                           positions=("batch", "cache_seq"),
                            lengths=("batch",))
 
     def plan_write(self, num_new: jax.Array, T: int, rows: jax.Array | None = None) -> "WritePlan":
@@ -76,9 +154,11 @@ class RingKVCache:
         """(k, v [G, S, K, H], key positions [G, S]) of the first S slots of a layer for cache
         rows `rows` (None: all rows); kpos is write_positions() of this call's plan."""
         if rows is None:
-            return k_all[layer, :, :S], v_all[layer, :, :S], kpos[:, :S]
+            pick = lambda a: a[layer, :, :S]  # noqa: E731
+            return _leaves(pick, k_all), _leaves(pick, v_all), kpos[:, :S]
         rows = _clip_rows(rows, kpos.shape[0])
-        return k_all[layer][rows, :S], v_all[layer][rows, :S], kpos[rows, :S]
+        pick = lambda a: a[layer][rows, :S]  # noqa: E731
+        return _leaves(pick, k_all), _leaves(pick, v_all), kpos[rows, :S]
 
     def kernel_pages(self, k_all, v_all, layer: int, S: int, rows: jax.Array | None = None,
                      page_size: int = 16):
@@ -89,9 +169,9 @@ class RingKVCache:
         k, v, _ = self.layer_keys(k_all, v_all, layer, S, self.positions, rows)
         G = k.shape[0]
         per_row = S // page_size
-        shape = (G * per_row, page_size) + k.shape[2:]
+        as_pages = lambda a: a.reshape((G * per_row, page_size) + a.shape[2:])  # noqa: E731
         tables = jnp.arange(G * per_row, dtype=jnp.int32).reshape(G, per_row)
-        return k.reshape(shape), v.reshape(shape), tables
+        return _leaves(as_pages, k), _leaves(as_pages, v), tables
 
     def advance(self, k_all, v_all, kpos, num_new) -> "RingKVCache":
         """num_new [B]: tokens written per cache row by this call."""
@@ -107,7 +187,8 @@ class RingKVCache:
 
     def pad_rows(self, batch: int) -> "RingKVCache":
         """The cache with empty rows appended up to `batch` rows."""
-        return RingKVCache(k=_pad(self.k, batch, 0, axis=1), v=_pad(self.v, batch, 0, axis=1),
+        pad = lambda a: _pad(a, batch, 0, axis=1)  # noqa: E731
+        return RingKVCache(k=_leaves(pad, self.k), v=_leaves(pad, self.v),
                            positions=_pad(self.positions, batch, -1),
                            lengths=_pad(self.lengths, batch, 0))
 
@@ -125,7 +206,7 @@ class RingKVCache:
         donated buffer in place: reading a layer's old keys after the write was issued made it
         copy the whole cache every decode step.
         """
-        return buf.at[layer, plan.rows, plan.slots].set(new.astype(buf.dtype), mode="drop")
+        return _set(buf, (layer, plan.rows, plan.slots), new)
 
 
 def _pad(x: jax.Array, batch: int, fill, axis: int = 0) -> jax.Array:
@@ -179,7 +260,7 @@ class PagedKVCache:
     # The pool is stored with pages flattened, [L, P * Z, K, H]: a view as [L, P, Z, K, H] is
     # free, but reshaping around each layer's in-place write made XLA copy the whole pool
     # inside the decode loop.
-    k: jax.Array             # [L, P * Z, K, H]
+    k: jax.Array             # [L, P * Z, K, H] (or QuantizedKV)
     v: jax.Array             # [L, P * Z, K, H]
     block_tables: jax.Array  # [B, M] int32: row b's pages in order; unused entries = 0 (null)
     lengths: jax.Array       # [B] int32: tokens written so far
@@ -190,7 +271,7 @@ class PagedKVCache:
                head_dim: int, block_tables: jax.Array, dtype=jnp.float32) -> "PagedKVCache":
         shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
         block_tables = jnp.asarray(block_tables, jnp.int32)
-        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+        return cls(k=kv_buffer(shape, dtype), v=kv_buffer(shape, dtype),
                    block_tables=block_tables,
                    lengths=jnp.zeros((block_tables.shape[0],), jnp.int32), page_size=page_size)
 
@@ -203,7 +284,8 @@ class PagedKVCache:
     def logical_axes(self) -> "PagedKVCache":
         """Each array's logical axes (jaxinfer.sharding), in the cache's own structure."""
         kv = self.KV_AXES
-        return PagedKVCache(k=None if self.k is None else kv, v=None if self.v is None else kv,
+        return PagedKVCache(k=None if self.k is None else kv_axes(self.k, kv),
+                            v=None if self.v is None else kv_axes(self.v, kv),
                             block_tables=("batch", "table"), lengths=("batch",),
                             page_size=self.page_size)
 
@@ -239,7 +321,7 @@ class PagedKVCache:
     @staticmethod
     def write_layer(buf: jax.Array, layer: int, new: jax.Array, plan: WritePlan) -> jax.Array:
         """buf [L, P * Z, K, H] with the planned slots of one layer set to new [B, T, K, H]."""
-        return buf.at[layer, plan.slots].set(new.astype(buf.dtype), mode="drop")
+        return _set(buf, (layer, plan.slots), new)
 
     def _tables(self, S: int, rows: jax.Array | None) -> jax.Array:
         """The first S/Z block-table entries of `rows` (None: all rows): [G, S/Z]."""
@@ -254,10 +336,10 @@ class PagedKVCache:
         kpos = kpos[:, :S] if rows is None else kpos[_clip_rows(rows, kpos.shape[0]), :S]
         # Whole pages are gathered (contiguous blocks), not single slots: several times faster
         # on XLA:CPU. Viewing the flat pool as pages for reading is free.
-        shape = (self.num_pages, self.page_size) + k_all.shape[2:]
-        gather = lambda buf: buf[layer].reshape(shape)[tables].reshape(  # noqa: E731
-            (tables.shape[0], S) + k_all.shape[2:])
-        return gather(k_all), gather(v_all), kpos
+        P, Z = self.num_pages, self.page_size
+        gather = lambda a: a[layer].reshape((P, Z) + a.shape[2:])[tables].reshape(  # noqa: E731
+            (tables.shape[0], S) + a.shape[2:])
+        return _leaves(gather, k_all), _leaves(gather, v_all), kpos
 
     def page_list(self, lengths: jax.Array, num_pages: int, rows: jax.Array | None = None):
         """The pages holding the first lengths[g] positions of cache rows `rows` (None: all),
@@ -282,18 +364,21 @@ class PagedKVCache:
     def gather_pages(self, buf: jax.Array, layer: int, pages: jax.Array) -> jax.Array:
         """Layer `layer`'s listed pages of buf [L, P * Z, K, H]: [len(pages), Z, K, H]."""
         Z = self.page_size
-        K, H = buf.shape[2:]
-        flat = buf[layer].reshape(self.num_pages, Z * K * H)[pages]
-        # Materialised as whole rows: XLA:CPU would otherwise fuse the gather into its
-        # consumers (with a transpose) and index element by element, several times slower.
-        return jax.lax.optimization_barrier(flat).reshape(pages.shape[0], Z, K, H)
+
+        def gather(a):
+            flat = a[layer].reshape(self.num_pages, -1)[pages]
+            # Materialised as whole rows: XLA:CPU would otherwise fuse the gather into its
+            # consumers (with a transpose) and index element by element, several times slower.
+            return jax.lax.optimization_barrier(flat).reshape((pages.shape[0], Z) + a.shape[2:])
+        return _leaves(gather, buf)
 
     def kernel_pages(self, k_all, v_all, layer: int, S: int, rows: jax.Array | None = None,
                      page_size: int = 16):
         """The pool as pages [P, Z, K, H] and the block tables of `rows` (first S/Z pages):
         what the paged kernel reads."""
-        shape = (self.num_pages, self.page_size) + k_all.shape[2:]
-        return (k_all[layer].reshape(shape), v_all[layer].reshape(shape), self._tables(S, rows))
+        as_pages = lambda a: a[layer].reshape((self.num_pages, self.page_size)  # noqa: E731
+                                              + a.shape[2:])
+        return _leaves(as_pages, k_all), _leaves(as_pages, v_all), self._tables(S, rows)
 
     def rollback(self, lengths: jax.Array) -> "PagedKVCache":
         """Forgets every position at or past lengths [B]: a paged row's visible positions follow

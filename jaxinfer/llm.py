@@ -23,6 +23,7 @@ from jaxinfer.engine.engine import Engine, Request
 from jaxinfer.engine.paged import PagedSlots
 from jaxinfer.engine.request import RequestMetrics, RequestOutput, SamplingParams
 from jaxinfer.engine.textstream import TextStream
+from jaxinfer.kv_cache import KV_DTYPES
 from jaxinfer.sampling import MAX_LOGPROBS
 from jaxinfer.speculative import SpeculativeConfig
 
@@ -73,9 +74,9 @@ class LLM:
                                  f"got {quantization!r}")
             if quantization == "int4-awq":
                 raise NotImplementedError("quantization='int4-awq' is not wired into LLM yet")
-        if kv_cache_dtype is not None:
-            raise NotImplementedError(f"kv_cache_dtype={kv_cache_dtype!r}: KV-cache "
-                                      "quantization is not implemented yet")
+        if kv_cache_dtype is not None and kv_cache_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be None or one of {tuple(KV_DTYPES)}, got "
+                             f"{kv_cache_dtype!r}")
         if speculative is not None:
             if not isinstance(speculative, SpeculativeConfig):
                 raise ValueError(f"speculative must be a ji.SpeculativeConfig, got "
@@ -88,8 +89,9 @@ class LLM:
                 raise ValueError(f"max_num_seqs {max_num_seqs} is not a multiple of the data "
                                  f"degree {mesh.data} (each replica decodes its share of rows)")
             if (mesh.data, mesh.tensor, mesh.sequence) != (1, 1, 1):
-                if quantization is not None:
-                    raise NotImplementedError("quantized weights on a mesh are not supported yet")
+                if quantization is not None or kv_cache_dtype is not None:
+                    raise NotImplementedError("quantized weights or KV cache on a mesh are not "
+                                              "supported yet")
                 partitioner = sharding.Partitioner(sharding.make_mesh(mesh))
         if attention not in _ATTENTION:
             raise ValueError(f"attention must be one of {_ATTENTION}, got {attention!r}")
@@ -186,7 +188,8 @@ class LLM:
                                           speculative=speculative)
         self._engine = Engine(cfg, loaded.params, loaded.tokenizer, self.engine_config,
                               capacity=capacity, dtype=_DTYPES[dtype], paged=paged,
-                              num_pages=num_pages or 0, draft=draft, partitioner=partitioner)
+                              num_pages=num_pages or 0, draft=draft, partitioner=partitioner,
+                              kv_dtype=KV_DTYPES.get(kv_cache_dtype))
         if memory_left:
             self._engine.set_num_pages(self._pages_from_memory(memory_left, page_size))
         self._ids = itertools.count()
@@ -201,7 +204,7 @@ class LLM:
         # Per device: each holds 1/(data*sequence) of the pool's pages, 1/tensor of kv heads.
         partitioner = self._engine.partitioner
         mesh = partitioner.mesh_config if partitioner is not None else MeshConfig()
-        page = memory.kv_page_bytes(self.model_config, page_size, self._engine.dtype) // (
+        page = memory.kv_page_bytes(self.model_config, page_size, self._engine.kv_dtype) // (
             mesh.data * mesh.sequence * mesh.tensor)
         pages = memory.pages_for_memory(limit, in_use, step, page)
         pages -= pages % (mesh.data * mesh.sequence)

@@ -142,11 +142,13 @@ def test_unimplemented_arguments_are_refused():
     for kwargs, feature in [(dict(quantization="int4-awq"), "int4-awq"),
                             (dict(quantization="int8", mesh=ji.MeshConfig(data=1, tensor=1,
                                                                          sequence=2)), "mesh"),
-                            (dict(kv_cache_dtype="int8"), "KV-cache")]:
+                            (dict(kv_cache_dtype="int8", mesh=ji.MeshConfig(data=2)), "mesh")]:
         with pytest.raises(NotImplementedError, match=feature):
             ji.LLM("smollm2-135m", **kwargs)
     with pytest.raises(ValueError, match="quantization must be None or one of .* got 'int3'"):
         ji.LLM("smollm2-135m", quantization="int3")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be None or one of .* got 'int4'"):
+        ji.LLM("smollm2-135m", kv_cache_dtype="int4")
     with pytest.raises(ValueError, match="attention"):
         ji.LLM("smollm2-135m", attention="flash")
     with pytest.raises(ValueError, match="unknown model 'x'"):

@@ -28,7 +28,7 @@ from jaxinfer.engine import memory
 from jaxinfer.engine.paged import PagedSlots
 from jaxinfer.engine.request import RequestMetrics, RequestOutput, SamplingParams
 from jaxinfer.engine.textstream import TextStream
-from jaxinfer.kv_cache import PagedKVCache, RingKVCache
+from jaxinfer.kv_cache import PagedKVCache, RingKVCache, kv_buffer
 from jaxinfer.sampling import SamplingArrays
 from jaxinfer.sharding import Partitioner, fetch
 
@@ -156,7 +156,7 @@ class Engine:
     def __init__(self, cfg: ModelConfig, params, tokenizer, engine_cfg: EngineConfig,
                  capacity: int, dtype, paged: Optional[PagedSlots] = None,
                  num_pages: int = 0, draft: Optional[tuple] = None,
-                 partitioner: Optional[Partitioner] = None):
+                 partitioner: Optional[Partitioner] = None, kv_dtype=None):
         self.cfg = cfg
         # Weights and state are committed to the device (or to their shardings on the mesh):
         # jit keys its compiled programs on whether each argument is, and weights restored from
@@ -169,6 +169,8 @@ class Engine:
         self.ecfg = engine_cfg
         self.capacity = capacity
         self.dtype = dtype
+        # The KV cache's storage dtype: the model's, or int8 / float8 codes (QuantizedKV).
+        self.kv_dtype = dtype if kv_dtype is None else kv_dtype
         B = engine_cfg.max_num_seqs
         # With a data axis, the smallest batch already gives every replica a row. A paged
         # cache keeps one batch of max_num_seqs rows: slot b then always lives on replica
@@ -280,11 +282,13 @@ class Engine:
         return self._place_state(decode.DecodeState.create(self.cfg, B, self.capacity, self.dtype,
                                                            cache=cache, **draft))
 
-    def _zeros(self, shape: tuple[int, ...], axes) -> jax.Array:
-        """A cache buffer of zeros, made where it lives: on the device, or shard by shard."""
+    def _zeros(self, shape: tuple[int, ...], axes):
+        """An empty K or V buffer (kv_cache.kv_buffer), made where it lives: on the device, or
+        shard by shard (a quantized buffer's scales drop the head-dim axis)."""
         if self.partitioner is None:
-            return jax.numpy.zeros(shape, self.dtype)
-        return self.partitioner.zeros(shape, self.dtype, axes)
+            return kv_buffer(shape, self.kv_dtype)
+        return kv_buffer(shape, self.kv_dtype, lambda sh, dt: self.partitioner.zeros(
+            sh, dt, tuple(axes)[:len(sh)]))
 
     def _place_params(self, params, cfg: ModelConfig):
         if self.partitioner is None:

@@ -19,8 +19,12 @@ UTILIZATION = 0.9  # fraction of device memory the engine may use, as vLLM's def
 
 
 def kv_page_bytes(cfg: ModelConfig, page_size: int, dtype) -> int:
-    """Bytes of one page: keys and values of page_size tokens in every layer."""
-    return 2 * cfg.num_layers * page_size * cfg.kv_dim * np.dtype(dtype).itemsize
+    """Bytes of one page: keys and values of page_size tokens in every layer (int8 / float8
+    codes with a float32 scale per token and kv head: see kv_cache.QuantizedKV)."""
+    per_token = cfg.kv_dim * np.dtype(dtype).itemsize
+    if np.dtype(dtype).itemsize == 1:
+        per_token += cfg.num_kv_heads * 4
+    return 2 * cfg.num_layers * page_size * per_token
 
 
 def free_device_memory(device: Optional[jax.Device] = None) -> Optional[tuple[int, int]]:

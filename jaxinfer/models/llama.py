@@ -23,7 +23,7 @@ import numpy as np
 from jaxinfer import sharding
 from jaxinfer.attention import attention, ragged_paged_attention
 from jaxinfer.config import ModelConfig
-from jaxinfer.kv_cache import PagedKVCache, RingKVCache, WritePlan
+from jaxinfer.kv_cache import KV_DTYPES, PagedKVCache, RingKVCache, WritePlan
 from jaxinfer.quant import QuantizedWeight, matmul, take_rows
 
 KVCache = RingKVCache | PagedKVCache
@@ -316,12 +316,14 @@ def forward_groups(params: LlamaParams, cfg: ModelConfig, queries: Sequence[Quer
     return split(h, (D,)), cache
 
 
-@functools.partial(jax.jit, static_argnums=(1,))
-def sequence_logits(params: LlamaParams, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
+@functools.partial(jax.jit, static_argnums=(1,), static_argnames=("kv_cache_dtype",))
+def sequence_logits(params: LlamaParams, cfg: ModelConfig, tokens: jax.Array,
+                    kv_cache_dtype: str | None = None) -> jax.Array:
     """Logits [B, T, V] (float32) of full sequences tokens [B, T] from an empty cache: the
-    scoring forward (evaluation, perplexity, tests)."""
+    scoring forward (evaluation, perplexity, tests). kv_cache_dtype "int8" / "fp8": every
+    layer attends to its keys and values as a quantized cache stores them."""
     B, T = tokens.shape
-    cache = RingKVCache.create(cfg.num_layers, B, T, cfg.num_kv_heads, cfg.head_dim,
-                               activation_dtype(params))
+    dtype = activation_dtype(params) if kv_cache_dtype is None else KV_DTYPES[kv_cache_dtype]
+    cache = RingKVCache.create(cfg.num_layers, B, T, cfg.num_kv_heads, cfg.head_dim, dtype)
     h, _ = forward(params, cfg, tokens, cache, jnp.full((B,), T, jnp.int32))
     return lm_head(params, h)
