@@ -1,0 +1,96 @@
+"""Evaluates a (quantized) model on a text file: perplexity, and greedy agreement with float32.
+
+    python -m jaxinfer.launch.evaluate --model smollm2-135m --quantization int8
+    python -m jaxinfer.launch.evaluate --quantization int4-awq --kv_cache_dtype int8 \
+        --text /usr/share/common-licenses/GPL-3 --max_tokens 4096 --window 512 --json out.json
+
+The text's first --max_tokens tokens are scored in windows of --window tokens
+(jaxinfer.evaluation). The same model in float32 with a float cache is scored too (unless
+--noreference): its perplexity, and the fraction of positions where both models' most likely
+next token agree ("greedy agreement", teacher-forced on the text). Prints one line per model
+and the parameter bytes of each; --json writes the same as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import jax
+from absl import app, flags
+
+from jaxinfer import evaluation
+from jaxinfer.kv_cache import KV_DTYPES
+from jaxinfer.llm import _QUANTIZATIONS
+
+DEFAULT_TEXT = "/usr/share/common-licenses/GPL-3"
+
+_MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model alias, .gguf path or HF model "
+                             "directory.")
+_QUANT = flags.DEFINE_enum("quantization", None, list(_QUANTIZATIONS), "Weight quantization.")
+_KV = flags.DEFINE_enum("kv_cache_dtype", None, list(KV_DTYPES), "KV-cache quantization.")
+_TEXT = flags.DEFINE_string("text", DEFAULT_TEXT, "Text file to score (default: the GPL-3 "
+                            "text shipped on every Debian system).")
+_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 4096, "Score the text's first tokens only.",
+                                   lower_bound=2)
+_WINDOW = flags.DEFINE_integer("window", 512, "Tokens per scoring window.", lower_bound=2)
+_REFERENCE = flags.DEFINE_bool("reference", True, "Also score float32 weights with a float "
+                               "cache, and report greedy agreement with it.")
+_JSON = flags.DEFINE_string("json", None, "Write the results to this JSON file.")
+
+
+def evaluate(model: str, quantization=None, kv_cache_dtype=None, text: str = DEFAULT_TEXT,
+             max_tokens: int = 4096, window: int = 512, reference: bool = True) -> dict:
+    from jaxinfer.loading import load_model
+
+    if not os.path.isfile(text):
+        raise ValueError(f"text file {text!r} does not exist")
+    with open(text, encoding="utf-8") as f:
+        content = f.read()
+    t0 = time.perf_counter()
+    loaded = load_model(model, quantization=quantization)
+    load_s = time.perf_counter() - t0
+    ids = loaded.tokenizer.encode(content)[:max_tokens]
+    if len(ids) < 2:
+        raise ValueError(f"text file {text!r} has {len(ids)} tokens; scoring needs at least 2")
+    scores = evaluation.score(loaded.params, loaded.config, ids, window, kv_cache_dtype)
+    result = {"model": model, "quantization": quantization, "kv_cache_dtype": kv_cache_dtype,
+              "text": text, "tokens": len(ids), "window": window, "load_s": load_s,
+              "perplexity": scores.perplexity, "param_bytes": _nbytes(loaded.params)}
+    if reference:
+        if quantization is None and kv_cache_dtype is None:
+            base = scores
+            result["float32_param_bytes"] = result["param_bytes"]
+        else:
+            ref = load_model(model)
+            base = evaluation.score(ref.params, ref.config, ids, window)
+            result["float32_param_bytes"] = _nbytes(ref.params)
+        result["float32_perplexity"] = base.perplexity
+        result["greedy_agreement"] = evaluation.agreement(scores, base)
+    return result
+
+
+def _nbytes(params) -> int:
+    return sum(int(x.nbytes) for x in jax.tree.leaves(params))
+
+
+def main(argv):
+    del argv
+    r = evaluate(_MODEL.value, _QUANT.value, _KV.value, _TEXT.value, _MAX_TOKENS.value,
+                 _WINDOW.value, _REFERENCE.value)
+    name = f"weights {r['quantization'] or 'float32'}, KV {r['kv_cache_dtype'] or 'float32'}"
+    print(f"{r['tokens']} tokens of {r['text']} in windows of {r['window']}")
+    print(f"{name}: perplexity {r['perplexity']:.3f}, params {r['param_bytes'] / 2**20:.1f} MiB "
+          f"(loaded in {r['load_s']:.1f} s)")
+    if "float32_perplexity" in r:
+        print(f"float32: perplexity {r['float32_perplexity']:.3f}, params "
+              f"{r['float32_param_bytes'] / 2**20:.1f} MiB; greedy agreement "
+              f"{r['greedy_agreement']:.4f}; perplexity x{r['perplexity'] / r['float32_perplexity']:.4f}")
+    if _JSON.value:
+        with open(_JSON.value, "w") as f:
+            json.dump(r, f, indent=2)
+
+
+if __name__ == "__main__":
+    app.run(main)
