@@ -67,13 +67,9 @@ class LLM:
                  mesh: Optional[MeshConfig] = None, attention: str = "auto",
                  prefill_chunk: int = 128, decode_steps: int = 8,
                  max_num_batched_tokens: int = 512):
-        # Features whose implementation has not landed: refuse rather than ignore them.
-        if quantization is not None:
-            if quantization not in _QUANTIZATIONS:
-                raise ValueError(f"quantization must be None or one of {_QUANTIZATIONS}, "
-                                 f"got {quantization!r}")
-            if quantization == "int4-awq":
-                raise NotImplementedError("quantization='int4-awq' is not wired into LLM yet")
+        if quantization is not None and quantization not in _QUANTIZATIONS:
+            raise ValueError(f"quantization must be None or one of {_QUANTIZATIONS}, got "
+                             f"{quantization!r}")
         if kv_cache_dtype is not None and kv_cache_dtype not in KV_DTYPES:
             raise ValueError(f"kv_cache_dtype must be None or one of {tuple(KV_DTYPES)}, got "
                              f"{kv_cache_dtype!r}")

@@ -1,9 +1,10 @@
 """jaxinfer.awq: activation-aware int4 quantization.
 
 Checked against independent things: the calibration forward against `llama.sequence_logits`;
-folding against the exact property that the folded float model is the same model; the search
-against errors recomputed from explicit activations (not the Gram matrices the search uses) and
-against round to nearest of the same weights; perplexity against a uniform model (perplexity V).
+folding against the exact property that the folded float model is the same model; the scale and
+clip searches against errors recomputed from explicit activations (not the Gram matrices the
+searches use) and against round to nearest of the same weights; the clipped quantizer against
+`quant.quantize_int4` (ratio 1); perplexity against a uniform model (perplexity V).
 """
 
 import os
@@ -110,38 +111,167 @@ def test_awq_int4_is_never_worse_than_rtn_on_calibration(cfg):
             w = new[f"layers.{i}.{name}"]
             assert (w.kind, w.axis, w.group_size) == ("int4", 0, 32)
             assert w.scale.dtype == np.float16 and w.offset.dtype == np.float16
-    assert new["embed"].axis == 1
     assert isinstance(new["layers.0.attn_norm"], np.ndarray)
-    if not cfg.tie_word_embeddings:
-        assert new["lm_head"].axis == 0
-    # The embedding (and lm_head) are round to nearest of the unchanged float weights.
-    np.testing.assert_array_equal(new["embed"].q,
-                                  quant.quantize_int4(weights["embed"], axis=1).q)
 
     # Recompute every group's errors from explicit activations. AWQ: the final weights on the
     # inputs of the folded float model. RTN: the original weights on the original inputs, with
     # the "o" and "down" scales folded into the output columns of wv and w_up (searched later).
+    # Scales alone: round to nearest of the folded weights (no clipping).
     folded = awq.fold_scales(cfg, weights, scales_of(report))
     columns = awq.fold_scales(cfg, weights, scales_of(report, ("o", "down")))
     x_orig, x_folded = (linear_inputs(cfg, w, calibration) for w in (weights, folded))
-    improved = 0
+    improved = clipped = 0
     for i in range(cfg.num_layers):
         for group, linears in awq.GROUP_LINEARS.items():
             x, xf = (xs[i][awq.GROUP_INPUTS[group]] for xs in (x_orig, x_folded))
             base = weights if group in ("o", "down") else columns
-            awq_err = rtn_err = 0.0
+            awq_err = rtn_err = scale_err = 0.0
             for name in linears:
                 key = f"layers.{i}.{name}"
-                awq_err += _error(xf, folded[key], quant.dequantize(new[key]))
+                err = _error(xf, folded[key], quant.dequantize(new[key]))
+                unclipped = _error(xf, folded[key], awq._rtn(folded[key], 32))
+                rl = report[key]
+                np.testing.assert_allclose([rl["error"], rl["unclipped_error"]],
+                                           [err, unclipped], rtol=2e-3)
+                assert rl["error"] <= rl["unclipped_error"]
+                assert err <= unclipped * (1 + 1e-3)
+                clipped += int(np.sum(rl["clip_ratio"] < 1))
+                awq_err, scale_err = awq_err + err, scale_err + unclipped
                 rtn = quant.dequantize(quant.quantize_int4(base[key], axis=0, group_size=32))
                 rtn_err += _error(x, base[key], rtn)
             r = report[f"layers.{i}.{group}"]
-            np.testing.assert_allclose([r["awq_error"], r["rtn_error"]], [awq_err, rtn_err],
-                                       rtol=2e-3)
-            assert r["awq_error"] <= r["rtn_error"]
+            np.testing.assert_allclose([r["awq_error"], r["scale_error"], r["rtn_error"]],
+                                       [awq_err, scale_err, rtn_err], rtol=2e-3)
+            assert r["scale_error"] <= r["rtn_error"]
             assert awq_err <= rtn_err * (1 + 1e-3)
             improved += r["awq_error"] < 0.9 * r["rtn_error"]
     assert improved >= 4, report  # outlier channels: AWQ helps most groups
+    assert clipped > 0
+
+
+def test_awq_int4_without_clip_is_rtn_of_the_folded_weights():
+    weights = random_weights(CFG)
+    calibration = [list(t) for t in tokens(CFG, (2, 32))]
+    new, report = awq.awq_int4(CFG, weights, calibration, group_size=32, grid=5, clip=False)
+    folded = awq.fold_scales(CFG, weights, scales_of(report))
+    for i in range(CFG.num_layers):
+        for name in awq.LINEARS:
+            key = f"layers.{i}.{name}"
+            assert key not in report
+            np.testing.assert_array_equal(new[key].q, quant.quantize_int4(folded[key]).q)
+        for group in awq.GROUPS:
+            r = report[f"layers.{i}.{group}"]
+            assert r["awq_error"] == r["scale_error"]
+    # Clipping only changes the linears' codes: the scales searched before it are the same.
+    new_clip, report_clip = awq.awq_int4(CFG, weights, calibration, group_size=32, grid=5)
+    for key, r in report.items():
+        assert report_clip[key]["alpha"] == r["alpha"]
+        np.testing.assert_array_equal(report_clip[key]["scale"], r["scale"])
+    np.testing.assert_array_equal(new_clip["layers.1.mlp_norm"], new["layers.1.mlp_norm"])
+
+
+# -- clipping -------------------------------------------------------------------------------------
+
+def _outlier_problem(seed: int = 0):
+    """x [512, 128] with a few large input channels, w [128, 96] with a few large weights."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((512, 128)).astype(np.float32)
+    x[:, :4] *= 30
+    w = (rng.standard_normal((128, 96)) * 0.1).astype(np.float32)
+    w[rng.integers(0, 128, 40), rng.integers(0, 96, 40)] *= 8
+    return x, w
+
+
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_clipped_int4_at_ratio_1_is_quantize_int4(group_size):
+    _, w = _outlier_problem()
+    ref = quant.quantize_int4(w, axis=0, group_size=group_size)
+    got = awq.quantize_int4_clipped(w, group_size, 1.0)
+    assert (got.kind, got.axis, got.group_size) == ("int4", 0, group_size)
+    for field in ("q", "scale", "offset"):
+        a, b = getattr(got, field), getattr(ref, field)
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(a, b)
+
+
+def test_clipped_int4_shrinks_each_group_about_its_centre():
+    """Per-column ratios: each group's representable range is its [min, max] shrunk about the
+    centre to ratio times the width (up to the float16 rounding of scale and offset), and the
+    value `_clipped_int4` returns is the QuantizedWeight's dequantization, bit for bit."""
+    _, w = _outlier_problem()
+    ratio = np.linspace(0.5, 1.0, w.shape[1]).astype(np.float32)
+    qw = awq.quantize_int4_clipped(w, 32, ratio)
+    value = awq._clipped_int4(w, 32, ratio)[3]
+    np.testing.assert_array_equal(np.asarray(quant.dequantize(qw)), value)
+    g = w.reshape(4, 32, -1).astype(np.float64)
+    lo, hi = g.min(1), g.max(1)
+    centre, half = (lo + hi) / 2, (hi - lo) / 2 * ratio
+    scale, offset = qw.scale.astype(np.float64), qw.offset.astype(np.float64)
+    np.testing.assert_allclose(offset, centre - half, atol=2e-3 * np.abs(w).max())
+    np.testing.assert_allclose(offset + 15 * scale, centre + half, atol=2e-3 * np.abs(w).max())
+    v = value.reshape(4, 32, -1)
+    assert np.all(v.min(1) >= offset - 1e-6) and np.all(v.max(1) <= offset + 15 * scale + 1e-6)
+
+
+def test_clip_search_never_increases_a_column_error():
+    """Exact property: the chosen ratio is the least error over a grid that holds 1.0, so no
+    output channel's error exceeds round to nearest's. Checked against errors recomputed from
+    explicit activations in float64 (not the Gram matrix the search uses), and the choice is
+    the grid's minimum by those errors too."""
+    x, w = _outlier_problem()
+    x64 = x.astype(np.float64)
+    ratio, err, unclipped = awq.search_clip(x.T @ x, w, 32)
+    assert set(np.unique(ratio)) <= set(np.float32(awq.CLIP_RATIOS))
+    assert np.all(err <= unclipped)
+
+    def col_errors(w_hat):
+        return np.sum((x64 @ (w.astype(np.float64) - w_hat)) ** 2, axis=0)
+    rtn = col_errors(np.asarray(quant.dequantize(quant.quantize_int4(w, axis=0))))
+    chosen = col_errors(np.asarray(quant.dequantize(awq.quantize_int4_clipped(w, 32, ratio))))
+    grid = np.stack([col_errors(awq._clipped_int4(w, 32, r)[3]) for r in awq.CLIP_RATIOS])
+    np.testing.assert_allclose(unclipped, rtn, rtol=1e-4)
+    np.testing.assert_allclose(err, chosen, rtol=1e-4)
+    assert np.all(chosen <= rtn * (1 + 1e-5))
+    assert np.all(chosen <= grid.min(0) * (1 + 1e-4))
+    assert np.mean(ratio < 1) > 0.5 and chosen.sum() < 0.9 * rtn.sum()  # it does clip here
+
+
+def test_clip_ratios_must_start_at_1():
+    x, w = _outlier_problem()
+    with pytest.raises(ValueError, match="start with 1.0"):
+        awq.search_clip(x.T @ x, w, 32, ratios=(0.9, 1.0))
+
+
+# -- the vocabulary matrices ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("cfg", [CFG, CFG_BIAS], ids=["tied", "bias"])
+def test_embed_bits(cfg):
+    """embed_bits 8 (the default): the embedding (and an untied lm_head) int8 per channel along
+    the contraction axis, as `quant.quantize_int8`; 4: int4 round to nearest in groups, the
+    unchanged float weights either way (no AWQ scale reaches them)."""
+    weights = random_weights(cfg)
+    calibration = [list(tokens(cfg, (24,)))]
+    for embed_bits, kind in ((8, "int8"), (4, "int4")):
+        for new in (awq.rtn_int4(cfg, weights, embed_bits=embed_bits),
+                    awq.awq_int4(cfg, weights, calibration, grid=3, clip=False,
+                                 embed_bits=embed_bits)[0]):
+            names = [("embed", 1)] + ([] if cfg.tie_word_embeddings else [("lm_head", 0)])
+            for name, axis in names:
+                ref = (quant.quantize_int8(weights[name], axis=axis) if embed_bits == 8 else
+                       quant.quantize_int4(weights[name], axis=axis, group_size=32))
+                got = new[name]
+                assert (got.kind, got.axis, got.group_size) == (kind, axis, ref.group_size)
+                np.testing.assert_array_equal(got.q, ref.q)
+                np.testing.assert_array_equal(got.scale, ref.scale)
+    assert awq.rtn_int4(cfg, weights)["embed"].scale.shape == (cfg.vocab_size, 1)
+
+
+@pytest.mark.parametrize("bits", [6, 16, 0, True])
+def test_bad_embed_bits_raise(bits):
+    with pytest.raises(ValueError, match=f"embed_bits {bits!r} must be 8 or 4"):
+        awq.rtn_int4(CFG, random_weights(CFG), embed_bits=bits)
+    with pytest.raises(ValueError, match=f"embed_bits {bits!r}"):
+        awq.awq_int4(CFG, random_weights(CFG), [[1, 2, 3]], embed_bits=bits)
 
 
 def test_search_scale_prefers_outlier_channels():
@@ -220,12 +350,15 @@ def test_smollm2_calibration_forward_matches_model(smollm2):
 
 
 @pytest.mark.slow
-def test_smollm2_awq_perplexity(smollm2):
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_smollm2_awq_perplexity(smollm2, group_size):
     """SmolLM2-135M (the GGUF's Q4_1 / Q8_0 weights, dequantized, as float32), calibrated on
     8 x 256 tokens of Apache-2.0, evaluated on the first 1024 tokens of GPL-3 in windows of
-    512, int4 group 64. Measured: float 21.06, RTN 33.35, AWQ 27.18. Not within 5% of float:
-    the embedding's int4 alone costs ~11% at group 64. (Group 32 is no test of AWQ on this
-    file: its Q4_1 linears are int4 groups of 32 already, which RTN reproduces exactly.)"""
+    512, int8 embedding. Measured: float 21.06; group 32: RTN 21.02, AWQ 21.02; group 64: RTN
+    30.13, AWQ 23.19 (24.93 without clipping). AWQ is within 5% of float at group 32 only,
+    where it finds nothing to change (the file's Q4_1 linears are int4 groups of 32 already,
+    which round to nearest reproduces exactly; the test is then of the int8 embedding, which
+    int4 made +6%); at group 64 it is +10%, against RTN's +43%. 75-90 s each here."""
     cfg, weights, tokenizer = smollm2
     calib = _license_tokens(tokenizer, "Apache-2.0")
     calibration = [calib[i * 256:(i + 1) * 256] for i in range(8)]
@@ -235,6 +368,16 @@ def test_smollm2_awq_perplexity(smollm2):
         return awq.perplexity(llama.params_from_weights(cfg, awq.dequantized(w)), cfg,
                               evaluation)
     float_ppl = ppl(weights)
-    rtn_ppl = ppl(awq.rtn_int4(cfg, weights, group_size=64))
-    awq_ppl = ppl(awq.awq_int4(cfg, weights, calibration, group_size=64)[0])
-    assert awq_ppl < 0.9 * rtn_ppl and awq_ppl < 1.4 * float_ppl, (float_ppl, rtn_ppl, awq_ppl)
+    rtn_ppl = ppl(awq.rtn_int4(cfg, weights, group_size=group_size))
+    new, report = awq.awq_int4(cfg, weights, calibration, group_size=group_size)
+    awq_ppl = ppl(new)
+    found = (float_ppl, rtn_ppl, awq_ppl)
+    assert awq_ppl <= rtn_ppl * (1 + 1e-4), found
+    if group_size == 32:
+        assert awq_ppl < 1.05 * float_ppl, found
+        assert all(r["alpha"] == 0 for r in report.values() if "alpha" in r)
+    else:
+        assert awq_ppl < 0.85 * rtn_ppl and awq_ppl < 1.15 * float_ppl, found
+        assert all(r["error"] <= r["unclipped_error"] for r in report.values() if "error" in r)
+        assert sum(np.mean(r["clip_ratio"] < 1) for r in report.values()
+                   if "clip_ratio" in r) > 0.5 * 7 * cfg.num_layers  # most columns clip

@@ -139,8 +139,7 @@ def test_bad_prompts_raise_before_device_work_and_llm_keeps_working(llm):
 
 
 def test_unimplemented_arguments_are_refused():
-    for kwargs, feature in [(dict(quantization="int4-awq"), "int4-awq"),
-                            (dict(quantization="int8", mesh=ji.MeshConfig(data=1, tensor=1,
+    for kwargs, feature in [(dict(quantization="int8", mesh=ji.MeshConfig(data=1, tensor=1,
                                                                          sequence=2)), "mesh"),
                             (dict(kv_cache_dtype="int8", mesh=ji.MeshConfig(data=2)), "mesh")]:
         with pytest.raises(NotImplementedError, match=feature):

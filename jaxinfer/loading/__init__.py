@@ -33,7 +33,10 @@ def load_model(spec: str, dtype=jnp.float32, partitioner=None,
     quantization ("int8", "int4", "fp8"; see jaxinfer.quant.quantize_weights): the matrices
     are quantized on the host before they reach the device. A GGUF's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K
     blocks load natively, with no float copy of the model, and are kept where they are of the
-    requested kind ("int4" on a Q4_1 file keeps the file's blocks).
+    requested kind ("int4" on a Q4_1 file keeps the file's blocks). "int4-awq"
+    (jaxinfer.awq) quantizes the float (or dequantized) weights with activation-aware scales
+    calibrated on the package's calibration text: a calibration forward and a search on the
+    host, about a minute for SmolLM2 on a CPU.
 
     partitioner (jaxinfer.sharding.Partitioner): weights go straight into their shardings on
     its mesh (each device receives its own shard, from host memory or from the checkpoint);
@@ -68,11 +71,12 @@ def load_model(spec: str, dtype=jnp.float32, partitioner=None,
             return LoadedModel(cfg, params, tokenizer, path)
         if os.path.exists(os.path.join(path, "config.json")):
             cfg, weights = safetensors.load_hf_dir(path)
-            cfg, params = _build(cfg, _quantized(weights, quantization), dtype, partitioner)
             tokenizer = None
             if os.path.exists(os.path.join(path, "tokenizer.json")):
                 from jaxinfer.loading.tokenizer import Tokenizer
                 tokenizer = Tokenizer.from_hf_dir(path)
+            weights = _quantized(cfg, weights, quantization, tokenizer)
+            cfg, params = _build(cfg, weights, dtype, partitioner)
             return LoadedModel(cfg, params, tokenizer, path)
         raise ModelFileError(
             f"directory {path!r} is neither an HF model (config.json + *.safetensors) nor a "
@@ -81,17 +85,42 @@ def load_model(spec: str, dtype=jnp.float32, partitioner=None,
     from jaxinfer.loading.gguf import load_gguf
     from jaxinfer.loading.tokenizer import Tokenizer
 
-    cfg, weights, meta = load_gguf(path, quantized=quantization is not None)
-    cfg, params = _build(cfg, _quantized(weights, quantization), dtype, partitioner)
-    return LoadedModel(cfg, params, Tokenizer.from_gguf_metadata(meta), path)
+    # Activation-aware int4 starts from float weights (the file's blocks dequantized).
+    native = quantization is not None and quantization != "int4-awq"
+    cfg, weights, meta = load_gguf(path, quantized=native)
+    tokenizer = Tokenizer.from_gguf_metadata(meta)
+    cfg, params = _build(cfg, _quantized(cfg, weights, quantization, tokenizer), dtype,
+                         partitioner)
+    return LoadedModel(cfg, params, tokenizer, path)
 
 
-def _quantized(weights: dict, quantization: Optional[str]) -> dict:
+CALIBRATION_TEXT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data",
+                                "calibration.txt")
+CALIBRATION_SHAPE = (8, 256)  # sequences x tokens of "int4-awq" calibration
+
+
+def _quantized(cfg: ModelConfig, weights: dict, quantization: Optional[str],
+               tokenizer) -> dict:
+    """Host weights quantized by `quantization`. "int4-awq" calibrates on the package's
+    calibration text (jaxinfer/data/calibration.txt: prose, code, dialogue, notes; about
+    2,200 SmolLM2 tokens), CALIBRATION_SHAPE sequences of it."""
     if quantization is None:
         return weights
     from jaxinfer import quant
 
-    return quant.quantize_weights(weights, quantization)
+    if quantization != "int4-awq":
+        return quant.quantize_weights(weights, quantization)
+    from jaxinfer import awq
+
+    if tokenizer is None:
+        raise ValueError("quantization='int4-awq' calibrates on text and needs the model's "
+                         "tokenizer; this model has none (no tokenizer.json)")
+    with open(CALIBRATION_TEXT, encoding="utf-8") as f:
+        ids = tokenizer.encode(f.read())
+    n, T = CALIBRATION_SHAPE
+    n = min(n, len(ids) // T)
+    calibration = [ids[i * T:(i + 1) * T] for i in range(n)]
+    return awq.awq_int4(cfg, weights, calibration)[0]
 
 
 def _build(cfg: ModelConfig, weights: dict, dtype, partitioner):
