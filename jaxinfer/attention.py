@@ -169,10 +169,10 @@ def ragged_paged_attention(q, k_pages, v_pages, page_rows, page_starts, lengths,
     cache; the Pallas kernel does the same per row on a device).
 
     q [B, N, H]: one query per row, at position lengths[b] - 1. k_pages, v_pages [Np, Z, K, H]:
-    the listed pages, already gathered (float, or QuantizedKV dequantized here); page i belongs to row page_rows[i] (B marks a padding
-    page, whose keys are all hidden) and holds positions page_starts[i] + z. A row's keys are
-    its positions below lengths[b]. Returns [B, N, H] in q.dtype; a row with no listed keys gets
-    zeros.
+    the listed pages, already gathered (float, or QuantizedKV dequantized here); page i
+    belongs to row page_rows[i] (B marks a padding page, whose keys are all hidden) and holds
+    positions page_starts[i] + z. A row's keys are its positions below lengths[b]. Returns
+    [B, N, H] in q.dtype; a row with no listed keys gets zeros.
     """
     B, N, H = q.shape
     Np, Z, K, _ = k_pages.shape

@@ -84,9 +84,10 @@ def main(argv):
     print(f"{name}: perplexity {r['perplexity']:.3f}, params {r['param_bytes'] / 2**20:.1f} MiB "
           f"(loaded in {r['load_s']:.1f} s)")
     if "float32_perplexity" in r:
+        ratio = r["perplexity"] / r["float32_perplexity"]
         print(f"float32: perplexity {r['float32_perplexity']:.3f}, params "
               f"{r['float32_param_bytes'] / 2**20:.1f} MiB; greedy agreement "
-              f"{r['greedy_agreement']:.4f}; perplexity x{r['perplexity'] / r['float32_perplexity']:.4f}")
+              f"{r['greedy_agreement']:.4f}; perplexity x{ratio:.4f}")
     if _JSON.value:
         with open(_JSON.value, "w") as f:
             json.dump(r, f, indent=2)
