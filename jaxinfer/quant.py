@@ -426,7 +426,10 @@ def matmul(x: jax.Array, w: QuantizedWeight, spec: str) -> jax.Array:
     matrix first writes and re-reads 4 bytes per weight through memory, which made int8
     decode half as fast as float32 (XLA:CPU fuses no convert into a dot). Elsewhere a
     per-channel weight without offsets (int8, fp8) multiplies its codes converted to x's dtype
-    and scales the result; a grouped one is dequantized first."""
+    and scales the result; a grouped one is dequantized first. fp8 weights on a GPU multiply
+    fp8 activations (fp8_activations, _fp8_product)."""
+    if w.kind == "fp8" and fp8_activations():
+        return _fp8_product(x, w, spec)
     if jax.default_backend() != "cpu":
         if w.group_size == 0 and w.offset is None:
             y = jnp.einsum(spec, x, jnp.asarray(w.q).astype(x.dtype),
@@ -447,6 +450,32 @@ def matmul(x: jax.Array, w: QuantizedWeight, spec: str) -> jax.Array:
     n = w.shape[out_axis] // tile
     _, ys = jax.lax.scan(one_tile, None, jnp.arange(n, dtype=jnp.int32))  # [n, ..., tile]
     return jnp.moveaxis(ys, 0, -2).reshape(x.shape[:-1] + (n * tile,))
+
+
+# fp8 weights multiply fp8 activations (W8A8) where the hardware has fp8 matmuls: None = on
+# GPUs. Tests set it to check the path on CPU, where XLA runs fp8 dots too (slowly).
+FP8_ACTIVATIONS: Optional[bool] = None
+
+
+def fp8_activations() -> bool:
+    if FP8_ACTIVATIONS is not None:
+        return FP8_ACTIVATIONS
+    return jax.default_backend() == "gpu"
+
+
+def _fp8_product(x: jax.Array, w: QuantizedWeight, spec: str) -> jax.Array:
+    """einsum(spec, x, w) as an fp8 x fp8 dot accumulated in float32: x quantized to e4m3
+    per token (its rows, the contraction being x's last axis) with a dynamic scale
+    max|x| / 448, w per output channel; both scales applied to the float32 result."""
+    if w.group_size != 0 or w.offset is not None:
+        raise ValueError(f"fp8 activations need a per-channel symmetric fp8 weight, got group "
+                         f"size {w.group_size} with{'out' if w.offset is None else ''} offsets")
+    xf = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(xf), axis=-1, keepdims=True)
+    x_scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    xq = (xf / x_scale).astype(jnp.float8_e4m3fn)
+    y = jnp.einsum(spec, xq, jnp.asarray(w.q), preferred_element_type=jnp.float32)
+    return y * x_scale * jnp.asarray(w.scale, jnp.float32).reshape(-1)
 
 
 def _tile(shape: tuple[int, int], out_axis: int) -> Optional[int]:

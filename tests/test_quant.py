@@ -257,3 +257,31 @@ def test_fp8_decoded_from_raw_bytes_exactly():
     finite = ~np.isnan(want)
     assert finite.sum() == 254
     np.testing.assert_array_equal(got[finite].view(np.uint32), want[finite].view(np.uint32))
+
+
+def test_fp8_weights_times_fp8_activations(monkeypatch):
+    """The GPU path for fp8 weights (forced here on CPU, where XLA runs fp8 dots too): one
+    fp8 x fp8 dot with x quantized per token. Its only error against the dequantized weight's
+    product is x's e4m3 rounding, |x - x_hat| <= 2^-4 |x| (or 2^-10 of the token's scale below
+    e4m3's normal range), so |y - x @ W| <= (2^-4 |x| + 2^-10 s) @ |W| (+ float32 slack)."""
+    monkeypatch.setattr(quant, "FP8_ACTIVATIONS", True)
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((4, 64)).astype(np.float32)
+    x[1] *= 1e-3                     # tokens of very different magnitude
+    x[2] = 0.0                       # an all-zero token
+    w = weights((64, 48))
+    for qw, spec in [(quant.quantize_fp8(w, 0), "ni,io->no"),
+                     (quant.quantize_fp8(w.T, 1), "nd,vd->nv")]:
+        f = jax.jit(lambda x, qw: quant.matmul(x, qw, spec))
+        assert "f8E4M3FN" in f.lower(jnp.asarray(x), qw).as_text().split("dot_general")[1][:200]
+        got = np.asarray(f(jnp.asarray(x), qw), np.float64)
+        wd = np.asarray(quant.dequantize(qw), np.float64)
+        wd = wd if spec == "ni,io->no" else wd.T
+        want = x.astype(np.float64) @ wd
+        s = np.abs(x).max(-1, keepdims=True) / quant.FP8_MAX
+        bound = (2.0 ** -4 * np.abs(x) + 2.0 ** -10 * s) @ np.abs(wd)
+        assert (np.abs(got - want) <= bound * (1 + 1e-5) + 1e-6).all()
+        assert (got[2] == 0).all()
+    grouped = quant.quantize_int4(w, 0, 32).replace(kind="fp8")
+    with pytest.raises(ValueError, match="per-channel symmetric fp8 weight"):
+        quant.matmul(jnp.asarray(x), grouped, "ni,io->no")
