@@ -2,7 +2,7 @@
 dequantized) through the same scoring forward (llama.sequence_logits).
 
 "int4" on SmolLM2's Q4_1 file keeps the file's blocks (and its Q8_0 embedding), so it is the
-float model: measured logits identical (max |diff| 0.0; bound 1e-5, float32). "int8" and
+float model: logits equal up to float32 summation order (max |diff| 1.4e-4, bound 5e-4). "int8" and
 "fp8" requantize the dequantized weights per output channel: they are checked by greedy
 (argmax) agreement over all 116 positions of 4 golden sequences, measured int8 0.991 and fp8
 0.914, bounded at 0.97 and 0.88. Parameter bytes against float32, measured: int4 0.179, int8
@@ -45,7 +45,10 @@ def test_int4_on_a_q4_1_file_is_the_float_model(scored):
     assert isinstance(params.layers[0].wq, quant.QuantizedWeight)
     assert params.layers[0].wq.kind == "int4" and params.layers[0].wq.group_size == 32
     assert params.embed.kind == "int8"  # the file's Q8_0 embedding, kept
-    np.testing.assert_allclose(got, ref, atol=1e-5, rtol=0)
+    # The same weights; on CPU the int4 product sums two nibble-half dots over tiles, in
+    # another order than the float matmul: measured max |diff| 1.4e-4 on logits up to ~20.
+    np.testing.assert_allclose(got, ref, atol=5e-4, rtol=0)
+    assert (got.argmax(-1) == ref.argmax(-1)).all()
 
 
 @pytest.mark.parametrize("mode,bound", [("int8", 0.97), ("fp8", 0.88)])
