@@ -411,10 +411,11 @@ def quantize_weights(weights: dict, mode: str, group_size: int = 32) -> dict:
     return out
 
 
-# Elements of one dequantized tile in matmul on CPU: 512 KiB of float32, within a core's L2,
-# so the converted tile is still in cache when its dot reads it (swept on SmolLM2's shapes:
-# 2^16..2^18 elements; see docs/quantization.md).
-TILE_ELEMENTS = 1 << 17
+# Elements of one dequantized tile in matmul on CPU: 896 KiB of float32, within a core's L2
+# (1 MiB here), so the converted tile is still in cache when its dot reads it. Swept on
+# SmolLM2 batch-1 decode, int8 against float32 (docs/quantization.md): 2^16 0.62x, 2^17
+# 0.93-0.96x, 3 * 2^16 1.00-1.05x, 7 * 2^15 1.04x, 2^19 0.68x.
+TILE_ELEMENTS = 7 << 15
 
 
 def matmul(x: jax.Array, w: QuantizedWeight, spec: str) -> jax.Array:
