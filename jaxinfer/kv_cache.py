@@ -18,7 +18,8 @@ layer_keys (what attention reads) / kernel_pages (the paged kernel's layout) -> 
 Either cache's k and v are float arrays, or QuantizedKV (kv_cache_dtype "int8" / "fp8"): codes
 of the same shape and one float32 scale per (slot, kv head), written by write_layer as each
 token's keys are quantized and read as codes plus scales, so attention (the reference or the
-kernels) dequantizes what it reads and the cache never holds a float copy.
+kernels) dequantizes what it reads and the cache never holds a float copy. Reads index and
+reshape the leading axes only, through jax.tree.map, so they serve both forms alike.
 """
 
 from __future__ import annotations
@@ -85,12 +86,6 @@ def dense(kv, dtype) -> jax.Array:
     return kv.dequantize(dtype) if isinstance(kv, QuantizedKV) else kv
 
 
-def _leaves(fn, buf):
-    """fn applied to each array of a K or V buffer (codes and scale alike; indexing and
-    reshapes of the leading axes apply to both)."""
-    return jax.tree.map(fn, buf)
-
-
 def _set(buf, index, new: jax.Array):
     """buf.at[index].set(new, mode="drop"), new [..., K, H] float quantized first when buf is."""
     if isinstance(buf, QuantizedKV):
@@ -155,10 +150,10 @@ class RingKVCache:
         rows `rows` (None: all rows); kpos is write_positions() of this call's plan."""
         if rows is None:
             pick = lambda a: a[layer, :, :S]  # noqa: E731
-            return _leaves(pick, k_all), _leaves(pick, v_all), kpos[:, :S]
+            return jax.tree.map(pick, k_all), jax.tree.map(pick, v_all), kpos[:, :S]
         rows = _clip_rows(rows, kpos.shape[0])
         pick = lambda a: a[layer][rows, :S]  # noqa: E731
-        return _leaves(pick, k_all), _leaves(pick, v_all), kpos[rows, :S]
+        return jax.tree.map(pick, k_all), jax.tree.map(pick, v_all), kpos[rows, :S]
 
     def kernel_pages(self, k_all, v_all, layer: int, S: int, rows: jax.Array | None = None,
                      page_size: int = 16):
@@ -171,7 +166,7 @@ class RingKVCache:
         per_row = S // page_size
         as_pages = lambda a: a.reshape((G * per_row, page_size) + a.shape[2:])  # noqa: E731
         tables = jnp.arange(G * per_row, dtype=jnp.int32).reshape(G, per_row)
-        return _leaves(as_pages, k), _leaves(as_pages, v), tables
+        return jax.tree.map(as_pages, k), jax.tree.map(as_pages, v), tables
 
     def advance(self, k_all, v_all, kpos, num_new) -> "RingKVCache":
         """num_new [B]: tokens written per cache row by this call."""
@@ -188,7 +183,7 @@ class RingKVCache:
     def pad_rows(self, batch: int) -> "RingKVCache":
         """The cache with empty rows appended up to `batch` rows."""
         pad = lambda a: _pad(a, batch, 0, axis=1)  # noqa: E731
-        return RingKVCache(k=_leaves(pad, self.k), v=_leaves(pad, self.v),
+        return RingKVCache(k=jax.tree.map(pad, self.k), v=jax.tree.map(pad, self.v),
                            positions=_pad(self.positions, batch, -1),
                            lengths=_pad(self.lengths, batch, 0))
 
@@ -339,7 +334,7 @@ class PagedKVCache:
         P, Z = self.num_pages, self.page_size
         gather = lambda a: a[layer].reshape((P, Z) + a.shape[2:])[tables].reshape(  # noqa: E731
             (tables.shape[0], S) + a.shape[2:])
-        return _leaves(gather, k_all), _leaves(gather, v_all), kpos
+        return jax.tree.map(gather, k_all), jax.tree.map(gather, v_all), kpos
 
     def page_list(self, lengths: jax.Array, num_pages: int, rows: jax.Array | None = None):
         """The pages holding the first lengths[g] positions of cache rows `rows` (None: all),
@@ -370,7 +365,7 @@ class PagedKVCache:
             # Materialised as whole rows: XLA:CPU would otherwise fuse the gather into its
             # consumers (with a transpose) and index element by element, several times slower.
             return jax.lax.optimization_barrier(flat).reshape((pages.shape[0], Z) + a.shape[2:])
-        return _leaves(gather, buf)
+        return jax.tree.map(gather, buf)
 
     def kernel_pages(self, k_all, v_all, layer: int, S: int, rows: jax.Array | None = None,
                      page_size: int = 16):
@@ -378,7 +373,7 @@ class PagedKVCache:
         what the paged kernel reads."""
         as_pages = lambda a: a[layer].reshape((self.num_pages, self.page_size)  # noqa: E731
                                               + a.shape[2:])
-        return _leaves(as_pages, k_all), _leaves(as_pages, v_all), self._tables(S, rows)
+        return jax.tree.map(as_pages, k_all), jax.tree.map(as_pages, v_all), self._tables(S, rows)
 
     def rollback(self, lengths: jax.Array) -> "PagedKVCache":
         """Forgets every position at or past lengths [B]: a paged row's visible positions follow
