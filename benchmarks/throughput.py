@@ -3,7 +3,8 @@
     pip install -e ".[bench]"   # torch, transformers, llama-cpp-python (compiles llama.cpp)
     python benchmarks/throughput.py [--num-requests 64] [--output-len 128] [--output-len-min N]
         [--prompt-len-min 32] [--prompt-len-max 256] [--seed 0] [--threads 2]
-        [--peers hf,llamacpp] [--runs 2] [--max-num-seqs 16] [--hf-batch 16] [--json PATH]
+        [--peers hf,llamacpp] [--runs 2] [--max-num-seqs 16] [--hf-batch 16]
+        [--dtypes float32,bfloat16] [--json PATH]
 
 Workload: --num-requests requests that all arrive at t=0. Prompt lengths are uniform in
 [--prompt-len-min, --prompt-len-max] and output lengths uniform in [--output-len-min,
@@ -17,7 +18,8 @@ the first --threads CPUs. A worker loads the model, warms up untimed on two requ
 also compiles every shape with LLM.warmup()), then serves the whole workload --runs times; the
 run with the highest throughput is reported. Load and warm-up times are reported separately.
   jaxinfer  LLM.generate on all requests at once: continuous batching of up to --max-num-seqs,
-            float32 weights dequantized from the GGUF. XLA's CPU thread pool follows the CPUs the
+            weights dequantized from the GGUF into each of --dtypes (on CPU, bfloat16 is the
+            weights' dtype only: activations and the KV cache stay float32), one worker each. XLA's CPU thread pool follows the CPUs the
             process may use; XLA has no flag for its size (intra_op_parallelism_threads is a
             TensorFlow option, and --xla_cpu_multi_thread_eigen=true is already the default).
   hf        transformers generate, float32 weights from the same GGUF, sdpa attention,
@@ -76,7 +78,7 @@ class JaxInfer(Engine):
 
         self.ji = ji
         self.llm = ji.LLM(spec["model"], max_seq_len=spec["max_seq_len"],
-                          max_num_seqs=spec["max_num_seqs"])
+                          max_num_seqs=spec["max_num_seqs"], dtype=spec["dtype"])
         self.versions = {"jaxinfer": version("jaxinfer"), "jax": jax.__version__,
                          "backend": jax.default_backend()}
 
@@ -170,9 +172,10 @@ class LlamaCpp(Engine):
 ENGINES = {"jaxinfer": JaxInfer, "hf": HF, "llamacpp": LlamaCpp}
 
 
-def worker(name: str, spec_path: str, result_path: str) -> None:
+def worker(name: str, spec_path: str, result_path: str, dtype: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
+    spec["dtype"] = dtype
     cpus = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, cpus[:spec["threads"]])  # before any engine sizes its thread pool
     t = time.perf_counter()
@@ -220,10 +223,10 @@ def summarize(wall: float, times: list[list[float]]) -> dict:
             "itl_request_p50_ms": ms(per_request, 50), "itl_request_p99_ms": ms(per_request, 99)}
 
 
-def run_worker(name: str, spec_path: str, timeout: float) -> dict:
-    result_path = f"{spec_path}.{name}.json"
+def run_worker(name: str, spec_path: str, timeout: float, dtype: str = "float32") -> dict:
+    result_path = f"{spec_path}.{name}.{dtype}.json"
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, "--spec", spec_path,
-           "--result", result_path]
+           "--result", result_path, "--dtype", dtype]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-20:])
@@ -248,16 +251,22 @@ def main():
     ap.add_argument("--max-num-seqs", type=int, default=16, help="jaxinfer's batch size")
     ap.add_argument("--hf-batch", type=int, default=16)
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per engine")
+    ap.add_argument("--dtypes", default="float32,bfloat16",
+                    help="jaxinfer's dtypes, comma-separated; each runs as its own engine")
     ap.add_argument("--json", metavar="PATH", help="also write every figure to PATH")
+    ap.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     ap.add_argument("--worker", choices=sorted(ENGINES), help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        return worker(args.worker, args.spec, args.result)
+        return worker(args.worker, args.spec, args.result, args.dtype)
 
     out_min = args.output_len if args.output_len_min is None else args.output_len_min
     peers = [p for p in args.peers.split(",") if p]
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    if not dtypes or any(d not in ("float32", "bfloat16", "float16") for d in dtypes):
+        ap.error(f"--dtypes must name dtypes from float32, bfloat16, float16; got {args.dtypes!r}")
     if any(p not in ENGINES or p == "jaxinfer" for p in peers):
         ap.error(f"--peers must name engines from hf, llamacpp; got {args.peers!r}")
     if not (1 <= args.prompt_len_min <= args.prompt_len_max and 1 <= out_min <= args.output_len
@@ -284,9 +293,10 @@ def main():
         spec_path = os.path.join(tmp, "spec.json")
         with open(spec_path, "w") as f:
             json.dump(spec, f)
-        for name in ["jaxinfer"] + peers:
+        for name, dtype in [("jaxinfer", d) for d in dtypes] + [(p, "float32") for p in peers]:
             t = time.perf_counter()
-            r = run_worker(name, spec_path, args.timeout)
+            r = run_worker(name, spec_path, args.timeout, dtype)
+            name = f"{name}-{dtype}" if name == "jaxinfer" else name
             print(f"{name}: done in {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
             for run in r["runs"]:
                 produced = [len(t) for t in run["token_times"]]
@@ -297,21 +307,21 @@ def main():
             engines[name] = {"load_s": r["load_s"], "warmup_s": r["warmup_s"], "cpus": r["cpus"],
                              "versions": r["versions"], "runs": runs,
                              "best": max(runs, key=lambda s: s["tok_per_s"])}
-    ratios = {p: {k: engines["jaxinfer"]["best"][k] / engines[p]["best"][k]
-                  for k, _, _ in COLUMNS if engines[p]["best"][k]}
-              for p in peers}
+    ratios = {f"jaxinfer-{d}/{p}": {k: engines[f"jaxinfer-{d}"]["best"][k] / engines[p]["best"][k]
+                                    for k, _, _ in COLUMNS if engines[p]["best"][k]}
+              for d in dtypes for p in peers}
 
     print(f"{args.num_requests} requests, prompts {args.prompt_len_min}-{args.prompt_len_max} "
           f"tokens, outputs {out_min}-{args.output_len} tokens ({sum(out_lens)} in all), "
           f"{args.threads} threads, best of {args.runs} runs; times in ms")
-    print(f"{'engine':<10}{'load s':>8}{'warmup s':>10}"
+    print(f"{'engine':<18}{'load s':>8}{'warmup s':>10}"
           + "".join(f"{h:>12}" for _, h, _ in COLUMNS) + "   tok/s of each run")
     for name, e in engines.items():
-        print(f"{name:<10}{e['load_s']:>8.1f}{e['warmup_s']:>10.1f}"
+        print(f"{name:<18}{e['load_s']:>8.1f}{e['warmup_s']:>10.1f}"
               + "".join(f"{e['best'][k]:>12.{d}f}" for k, _, d in COLUMNS)
               + "   " + " ".join(f"{r['tok_per_s']:.1f}" for r in e["runs"]))
-    for peer, r in ratios.items():
-        print(f"jaxinfer/{peer}: " + ", ".join(f"{h} {r[k]:.2f}x" for k, h, _ in COLUMNS
+    for pair, r in ratios.items():
+        print(f"{pair}: " + ", ".join(f"{h} {r[k]:.2f}x" for k, h, _ in COLUMNS
                                                if k in r))
     print("versions: " + ", ".join(f"{k} {v}" for e in engines.values()
                                    for k, v in e["versions"].items()))

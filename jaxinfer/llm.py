@@ -24,6 +24,7 @@ from jaxinfer.engine.paged import PagedSlots
 from jaxinfer.engine.request import RequestMetrics, RequestOutput, SamplingParams
 from jaxinfer.engine.textstream import TextStream
 from jaxinfer.kv_cache import KV_DTYPES
+from jaxinfer.models import llama
 from jaxinfer.sampling import MAX_LOGPROBS
 from jaxinfer.speculative import SpeculativeConfig
 
@@ -109,7 +110,14 @@ class LLM:
         enable_compilation_cache()
         loaded = load_model(model, dtype=_DTYPES[dtype], partitioner=partitioner,
                             quantization=quantization)
-        cfg = loaded.config
+        cfg, params = loaded.config, loaded.params
+        # XLA:CPU runs 16-bit elementwise math and cache scatters by converting whole arrays
+        # (a bf16 paged pool is converted to float32 and back at every layer's write), but its
+        # bf16 dots run at twice the float32 rate. So on CPU a 16-bit dtype is the weights'
+        # alone: activations and the KV cache stay float32.
+        act_dtype = _DTYPES[dtype]
+        if jax.default_backend() == "cpu" and act_dtype != jnp.float32:
+            act_dtype, params = jnp.float32, llama.with_float32_activations(params)
         draft = None
         if speculative is not None and speculative.method == "draft":
             drafter = load_model(speculative.draft_model, dtype=_DTYPES[dtype],
@@ -119,7 +127,10 @@ class LLM:
                     f"draft_model {speculative.draft_model!r} has a vocabulary of "
                     f"{drafter.config.vocab_size} tokens; the target's has {cfg.vocab_size} "
                     "(a draft must share the target's vocabulary)")
-            draft = (drafter.params, drafter.config)
+            draft_params = drafter.params
+            if act_dtype != _DTYPES[dtype]:
+                draft_params = llama.with_float32_activations(draft_params)
+            draft = (draft_params, drafter.config)
         limit = cfg.max_position_embeddings
         if max_seq_len is None:
             max_seq_len = min(limit, 2048)
@@ -182,8 +193,8 @@ class LLM:
                                           max_num_batched_tokens=max_num_batched_tokens,
                                           dtype=dtype, attention=attn_impl,
                                           speculative=speculative)
-        self._engine = Engine(cfg, loaded.params, loaded.tokenizer, self.engine_config,
-                              capacity=capacity, dtype=_DTYPES[dtype], paged=paged,
+        self._engine = Engine(cfg, params, loaded.tokenizer, self.engine_config,
+                              capacity=capacity, dtype=act_dtype, paged=paged,
                               num_pages=num_pages or 0, draft=draft, partitioner=partitioner,
                               kv_dtype=KV_DTYPES.get(kv_cache_dtype))
         if memory_left:

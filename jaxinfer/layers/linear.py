@@ -1,5 +1,14 @@
 """Linear layers. Weights are stored [in, out] (the layout `x @ w` wants), float or quantized
-(jaxinfer.quant.QuantizedWeight): one layer serves both."""
+(jaxinfer.quant.QuantizedWeight): one layer serves both.
+
+Float weights may be narrower than the activations: 16-bit weights with float32 activations
+(LLM(dtype="bfloat16") on CPU) multiply the activations rounded to the weights' dtype, with
+float32 accumulation. On XLA:CPU such a bf16 dot runs at twice the float32 rate and reads half
+the weight bytes, where promoting the weights to float32 would convert the whole matrix each
+call.
+"""
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +21,24 @@ def linear(x: jax.Array, w, b: jax.Array | None = None) -> jax.Array:
     if isinstance(w, QuantizedWeight):
         y = matmul(x, w, "...i,io->...o")
     else:
-        y = jnp.einsum("...i,io->...o", x, w, preferred_element_type=jnp.float32)
+        y = float_matmul(x, w, "...i,io->...o")
     if b is not None:
         y = y + b.astype(jnp.float32)
     return y.astype(x.dtype)
+
+
+def float_matmul(x: jax.Array, w: jax.Array, spec: str) -> jax.Array:
+    """einsum(spec, x, w) for a float w, in w's dtype with float32 accumulation (x is rounded to
+    w's dtype when it is wider). spec's x operand is "...<contracted>". On CPU a single row of x
+    is padded to two: XLA:CPU hands a one-row dot to a path without 16-bit support, which
+    converts the whole weight matrix to float32 on every call (45 ms instead of 2.5 for
+    SmolLM2's [49152, 576] head)."""
+    if jnp.finfo(x.dtype).bits > jnp.finfo(w.dtype).bits:
+        x = x.astype(w.dtype)
+    lead = x.shape[:-1]
+    if (w.dtype.itemsize == 2 and math.prod(lead) == 1
+            and jax.default_backend() == "cpu"):
+        x2 = jnp.concatenate([x.reshape(1, -1), jnp.zeros((1, x.shape[-1]), x.dtype)])
+        y = jnp.einsum(spec, x2, w, preferred_element_type=jnp.float32)
+        return y[:1].reshape(lead + y.shape[-1:])
+    return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)

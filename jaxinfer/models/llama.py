@@ -27,7 +27,8 @@ from jaxinfer.kv_cache import KV_DTYPES, PagedKVCache, RingKVCache, WritePlan
 from jaxinfer.quant import QuantizedWeight, matmul, take_rows
 
 KVCache = RingKVCache | PagedKVCache
-from jaxinfer.layers import apply_rope, linear, rms_norm, rope_angles, rope_inv_freq, swiglu_mlp
+from jaxinfer.layers import (apply_rope, float_matmul, linear, rms_norm, rope_angles,
+                             rope_inv_freq, swiglu_mlp)
 
 
 @flax.struct.dataclass
@@ -147,7 +148,7 @@ def embed(params: LlamaParams, tokens: jax.Array) -> jax.Array:
     if isinstance(params.embed, QuantizedWeight):
         rows = take_rows(params.embed, tokens.reshape(-1))
         return rows.reshape(tokens.shape + rows.shape[-1:]).astype(activation_dtype(params))
-    return jnp.take(params.embed, tokens, axis=0)
+    return jnp.take(params.embed, tokens, axis=0).astype(activation_dtype(params))
 
 
 def activation_dtype(params: LlamaParams):
@@ -155,15 +156,28 @@ def activation_dtype(params: LlamaParams):
     return params.final_norm.dtype
 
 
+def with_float32_activations(params: LlamaParams) -> LlamaParams:
+    """params with the vectors (norm weights, biases) in float32 and the matrices as they are:
+    activations and the KV cache then run in float32 (activation_dtype) while every matmul
+    reads 16-bit weights (layers.float_matmul)."""
+    def vec(x):
+        return None if x is None else x.astype(jnp.float32)
+
+    layers = tuple(layer.replace(attn_norm=vec(layer.attn_norm), mlp_norm=vec(layer.mlp_norm),
+                                 bq=vec(layer.bq), bk=vec(layer.bk), bv=vec(layer.bv))
+                   for layer in params.layers)
+    return params.replace(layers=layers, final_norm=vec(params.final_norm))
+
+
 def lm_head(params: LlamaParams, h: jax.Array) -> jax.Array:
     """h [..., D] (already normalised) -> logits [..., V] in float32."""
     if params.lm_head is None:
         if isinstance(params.embed, QuantizedWeight):
             return matmul(h, params.embed, "...D,VD->...V")
-        return jnp.einsum("...D,VD->...V", h, params.embed, preferred_element_type=jnp.float32)
+        return float_matmul(h, params.embed, "...D,VD->...V")
     if isinstance(params.lm_head, QuantizedWeight):
         return matmul(h, params.lm_head, "...D,DV->...V")
-    return jnp.einsum("...D,DV->...V", h, params.lm_head, preferred_element_type=jnp.float32)
+    return float_matmul(h, params.lm_head, "...D,DV->...V")
 
 
 class Query(NamedTuple):
