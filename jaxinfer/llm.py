@@ -115,9 +115,10 @@ class LLM:
         # (a bf16 paged pool is converted to float32 and back at every layer's write), but its
         # bf16 dots run at twice the float32 rate. So on CPU a 16-bit dtype is the weights'
         # alone: activations and the KV cache stay float32.
-        act_dtype = _DTYPES[dtype]
-        if jax.default_backend() == "cpu" and act_dtype != jnp.float32:
-            act_dtype, params = jnp.float32, llama.with_float32_activations(params)
+        weights_only = jax.default_backend() == "cpu" and dtype != "float32"
+        act_dtype = jnp.float32 if weights_only else _DTYPES[dtype]
+        if weights_only:
+            params = llama.with_float32_activations(params)
         draft = None
         if speculative is not None and speculative.method == "draft":
             drafter = load_model(speculative.draft_model, dtype=_DTYPES[dtype],
@@ -127,10 +128,8 @@ class LLM:
                     f"draft_model {speculative.draft_model!r} has a vocabulary of "
                     f"{drafter.config.vocab_size} tokens; the target's has {cfg.vocab_size} "
                     "(a draft must share the target's vocabulary)")
-            draft_params = drafter.params
-            if act_dtype != _DTYPES[dtype]:
-                draft_params = llama.with_float32_activations(draft_params)
-            draft = (draft_params, drafter.config)
+            draft = (llama.with_float32_activations(drafter.params) if weights_only
+                     else drafter.params, drafter.config)
         limit = cfg.max_position_embeddings
         if max_seq_len is None:
             max_seq_len = min(limit, 2048)

@@ -5,4 +5,5 @@ from jaxinfer.layers.mlp import swiglu_mlp
 from jaxinfer.layers.norm import rms_norm
 from jaxinfer.layers.rope import apply_rope, rope_angles, rope_inv_freq
 
-__all__ = ["apply_rope", "float_matmul", "linear", "rms_norm", "rope_angles", "rope_inv_freq", "swiglu_mlp"]
+__all__ = ["apply_rope", "float_matmul", "linear", "rms_norm", "rope_angles", "rope_inv_freq",
+           "swiglu_mlp"]
