@@ -27,14 +27,16 @@ FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 HEAD_DIMS = (32, 64, 128, 256)
 
 
-def check_inputs(q, k_pages, v_pages, lengths, block_tables, sliding_window=None, softcap=None,
-                 k_scale=None, v_scale=None):
-    """Raises ValueError for wrong ranks, dtypes, shapes, N % K != 0 or an unsupported head dim,
-    and for scales that do not fit the pages (see flash_attention.reference.check_scales: given
-    together, exactly for int8 / float8_e4m3fn pages, shape [P, page_size, K], floating).
-    Returns True for quantized pages."""
-    for name, x, rank in (("q", q, 3), ("k_pages", k_pages, 4), ("v_pages", v_pages, 4),
-                          ("lengths", lengths, 1), ("block_tables", block_tables, 2)):
+def check_pool_inputs(q, k_pages, v_pages, index_inputs, sliding_window=None, softcap=None,
+                      k_scale=None, v_scale=None):
+    """The checks of every kernel over a page pool: q [., N, H] and k_pages, v_pages
+    [P, page_size, K, H] of float dtypes (or int8 / float8_e4m3fn codes with k_scale, v_scale
+    [P, page_size, K]: flash_attention.reference.check_scales), index_inputs ((name, array,
+    rank), ...) int32 of those ranks, a supported head dim, N % K == 0, a window >= 1 and a
+    softcap > 0. Raises ValueError naming the value; returns True for quantized pages. Only
+    .shape and .dtype are read."""
+    for name, x, rank in (("q", q, 3), ("k_pages", k_pages, 4),
+                          ("v_pages", v_pages, 4)) + tuple(index_inputs):
         if jnp.ndim(x) != rank:
             raise ValueError(f"{name} must have rank {rank}; got shape {jnp.shape(x)}")
     if k_pages.shape != v_pages.shape:
@@ -47,24 +49,35 @@ def check_inputs(q, k_pages, v_pages, lengths, block_tables, sliding_window=None
             raise ValueError(f"{name} has dtype {x.dtype}; expected float32, bfloat16 or float16"
                              + ("" if name == "q" else " (or int8 / float8_e4m3fn codes with "
                                                      "k_scale, v_scale)"))
-    for name, x in (("lengths", lengths), ("block_tables", block_tables)):
+    for name, x, _ in index_inputs:
         if jnp.dtype(x.dtype) != jnp.int32:
             raise ValueError(f"{name} has dtype {x.dtype}; expected int32")
-    B, N, H = q.shape
-    P, page_size, K, Hk = k_pages.shape
+    N, H = q.shape[1:]
+    K, Hk = k_pages.shape[2:]
     if H not in HEAD_DIMS:
         raise ValueError(f"head dim {H} is not supported; expected one of {HEAD_DIMS}")
     if Hk != H:
         raise ValueError(f"k_pages head dim {Hk} != q head dim {H}")
     if K == 0 or N % K:
         raise ValueError(f"{N} query heads are not a multiple of {K} kv heads")
-    if lengths.shape != (B,) or block_tables.shape[0] != B:
-        raise ValueError(f"lengths {lengths.shape} and block_tables {block_tables.shape} must have "
-                         f"{B} rows like q {q.shape}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window is {sliding_window}; it must be >= 1 (or None)")
     if softcap is not None and softcap <= 0:
         raise ValueError(f"softcap is {softcap}; it must be > 0 (or None)")
+    return quantized
+
+
+def check_inputs(q, k_pages, v_pages, lengths, block_tables, sliding_window=None, softcap=None,
+                 k_scale=None, v_scale=None):
+    """check_pool_inputs for one query token per row, plus one length and one block-table row
+    per query row. Returns True for quantized pages."""
+    quantized = check_pool_inputs(q, k_pages, v_pages, (("lengths", lengths, 1),
+                                                        ("block_tables", block_tables, 2)),
+                                  sliding_window, softcap, k_scale, v_scale)
+    B = q.shape[0]
+    if lengths.shape != (B,) or block_tables.shape[0] != B:
+        raise ValueError(f"lengths {lengths.shape} and block_tables {block_tables.shape} must have "
+                         f"{B} rows like q {q.shape}")
     return quantized
 
 

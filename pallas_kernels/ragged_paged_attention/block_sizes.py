@@ -1,0 +1,73 @@
+"""Block sizes of the ragged paged-attention kernel, one small table per backend.
+
+A program holds a query block of `block_q` tokens of one row times the query heads of one kv head
+(the GQA group padded to a power of two, `group_rows`): [block_q * group_rows, H] rows. A loop step
+reads `pages_per_block` pages of that kv head: [pages_per_block * page_size, H] keys. The table
+gives target numbers of query rows and key tokens rather than token or page counts, so one entry
+serves every GQA ratio and page size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    kv_tokens_per_block: int       # target keys per loop step (pages_per_block = this // page_size)
+    min_kv_tokens_per_block: int   # a floor that also applies to an explicit pages_per_block
+    q_rows_per_block: int          # target query rows per program (block_q = this // group_rows)
+    min_q_rows: int                # a floor on block_q * group_rows, also for an explicit block_q
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+
+# The GPU body lowers through Triton: its dots need every dimension >= 16 (query rows, keys per
+# step) and every loaded block must have a power-of-two size. Interpret mode on CPU has neither
+# constraint; small blocks there keep the masked tails (a decode row's single query, the last
+# keys of a step) cheap.
+BLOCK_SIZES = {
+    "gpu": BlockSizes(kv_tokens_per_block=64, min_kv_tokens_per_block=16, q_rows_per_block=64,
+                      min_q_rows=16, num_warps=4, num_stages=2),
+    "cpu": BlockSizes(kv_tokens_per_block=32, min_kv_tokens_per_block=1, q_rows_per_block=16,
+                      min_q_rows=1),
+}
+
+
+def next_power_of_2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (x - 1).bit_length()
+
+
+def block_sizes_for(backend: str) -> BlockSizes:
+    return BLOCK_SIZES.get(backend, BLOCK_SIZES["cpu"])
+
+
+def pages_per_block_for(backend: str, page_size: int, max_pages: int,
+                        requested: int | None = None) -> int:
+    """Pages per loop step: `requested`, or the table's target as a power of two at most the
+    (rounded-up) block-table width; either raised to the backend's floor of keys per step."""
+    sizes = block_sizes_for(backend)
+    page_size = max(page_size, 1)
+    if requested is None:
+        target = max(1, sizes.kv_tokens_per_block // page_size)
+        requested = min(1 << (target.bit_length() - 1), next_power_of_2(max_pages))
+    return max(requested, next_power_of_2(-(-sizes.min_kv_tokens_per_block // page_size)))
+
+
+def group_rows_for(group: int) -> int:
+    """Rows one query token takes in a query block: the GQA group padded to a power of two (the
+    padded rows are computed and discarded)."""
+    return next_power_of_2(group)
+
+
+def block_q_for(backend: str, group_rows: int, tokens_per_row: int,
+                requested: int | None = None) -> int:
+    """Query tokens per program: `requested`, or the table's target rows over `group_rows` as a
+    power of two at most the (rounded-up) mean tokens per row, ceil(T / R) (a static figure of
+    the shapes: a decode-only batch, T = R, gets the smallest block); either raised so that the
+    block has the backend's floor of rows."""
+    sizes = block_sizes_for(backend)
+    if requested is None:
+        target = max(1, sizes.q_rows_per_block // group_rows)
+        requested = min(1 << (target.bit_length() - 1), next_power_of_2(tokens_per_row))
+    return max(requested, next_power_of_2(-(-sizes.min_q_rows // group_rows)))
