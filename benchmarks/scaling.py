@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 
 from jaxinfer import sharding  # noqa: E402
 from jaxinfer.config import MeshConfig  # noqa: E402
-from jaxinfer.kv_cache import RingKVCache  # noqa: E402
+from jaxinfer.kv_cache import PagedKVCache  # noqa: E402
 from jaxinfer.loading.safetensors import config_from_hf  # noqa: E402
 from jaxinfer.models import llama  # noqa: E402
 
@@ -102,8 +102,8 @@ def compile_step(cfg, mesh_cfg: MeshConfig, batch: int, tokens: int, capacity: i
     part = sharding.Partitioner(sharding.make_mesh(mesh_cfg))
     params = jax.eval_shape(lambda: llama.init_params(cfg, jax.random.key(0), dtype))
     p_axes = sharding.param_axes(cfg, params, llama.param_specs)
-    cache = jax.eval_shape(lambda: RingKVCache.create(cfg.num_layers, batch, capacity,
-                                                      cfg.num_kv_heads, cfg.head_dim, dtype))
+    cache = jax.eval_shape(lambda: PagedKVCache.ring(cfg.num_layers, batch, capacity,
+                                                     cfg.num_kv_heads, cfg.head_dim, dtype))
     c_axes = cache.logical_axes()
     tok = jax.ShapeDtypeStruct((batch, tokens), jnp.int32)
     num = jax.ShapeDtypeStruct((batch,), jnp.int32)

@@ -6,10 +6,13 @@
 """
 
 from jaxinfer.config import MeshConfig
+from jaxinfer.decode import DecodeState, RowParams, StepOutput, admit_rows, step
 from jaxinfer.engine.request import RequestMetrics, RequestOutput, SamplingParams
 from jaxinfer.llm import LLM
 from jaxinfer.speculative import SpeculativeConfig
+from jaxinfer.token_batch import TokenBatch
 
 __all__ = ["LLM", "MeshConfig", "RequestMetrics", "RequestOutput", "SamplingParams",
-           "SpeculativeConfig"]
+           "SpeculativeConfig", "step", "admit_rows", "DecodeState", "RowParams", "StepOutput",
+           "TokenBatch"]
 __version__ = "0.1.0"

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 from typing import Sequence
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 
@@ -162,44 +163,168 @@ def reference_attention(q, q_positions, segments, *, sliding_window=None, softca
     return out.reshape(B, T, N, H).astype(q.dtype)
 
 
-def ragged_paged_attention(q, k_pages, v_pages, page_rows, page_starts, lengths, *,
-                           sliding_window=None, softcap=None, sm_scale=None):
-    """Single-token decode attention over a flat list of pages: work in proportion to the
-    pages rows actually hold, not to the longest row (the pure-jnp decode path of a paged
-    cache; the Pallas kernel does the same per row on a device).
+PAGES_PER_BLOCK = 4  # pages the jnp attention gathers per tile and loop iteration
 
-    q [B, N, H]: one query per row, at position lengths[b] - 1. k_pages, v_pages [Np, Z, K, H]:
-    the listed pages, already gathered (float, or QuantizedKV dequantized here); page i
-    belongs to row page_rows[i] (B marks a padding page, whose keys are all hidden) and holds
-    positions page_starts[i] + z. A row's keys are its positions below lengths[b]. Returns
-    [B, N, H] in q.dtype; a row with no listed keys gets zeros.
+
+@flax.struct.dataclass
+class RaggedMeta:
+    """Where a flat step's queries sit, built once per forward and read by every layer.
+
+    The kernel's view: row b owns queries query_start[b] .. + num_queries[b] of the flat batch
+    and has kv_lengths[b] keys once the step's tokens are written (its last query at position
+    kv_lengths[b] - 1). The jnp path's view: the queries cut into Nt tiles of Q queries, each
+    tile within one row, tile_index [Nt, Q] their flat token (T: none), tile_pos [Nt, Q] their
+    position (-1: none), tile_row [Nt] (B: an empty tile), first_page [Nt] the first logical
+    page (position // Z) a tile's queries may see, and num_blocks the trip count of the page
+    loop: blocks of pages_per_block pages, enough for every tile.
     """
-    B, N, H = q.shape
-    Np, Z, K, _ = k_pages.shape
-    G = N // K
+
+    query_start: jax.Array
+    num_queries: jax.Array
+    kv_lengths: jax.Array
+    tile_index: jax.Array
+    tile_pos: jax.Array
+    tile_row: jax.Array
+    first_page: jax.Array
+    num_blocks: jax.Array
+    pages_per_block: int = flax.struct.field(pytree_node=False, default=PAGES_PER_BLOCK)
+    # A static trip count instead (every page a row's table can hold): a loop of fixed length
+    # that reverse-mode differentiation can go through (scoring and training forwards).
+    static_blocks: int | None = flax.struct.field(pytree_node=False, default=None)
+
+
+def ragged_meta(query_start: jax.Array, num_queries: jax.Array, kv_lengths: jax.Array, *,
+                num_tokens: int, query_tile: int, num_tiles: int, page_size: int,
+                sliding_window: int | None = None, pages_per_block: int = PAGES_PER_BLOCK,
+                static_blocks: int | None = None) -> RaggedMeta:
+    """RaggedMeta of a step (see there); num_tiles must cover sum_b ceil(num_queries[b] /
+    query_tile) (num_tiles_bound gives a safe value). static_blocks: see RaggedMeta."""
+    B, Q, Z = query_start.shape[0], query_tile, page_size
+    tiles = (num_queries + Q - 1) // Q                                    # [B]
+    ends = jnp.cumsum(tiles)
+    t = jnp.arange(num_tiles, dtype=jnp.int32)
+    row = jnp.searchsorted(ends, t, side="right").astype(jnp.int32)      # B past the last tile
+    r = jnp.minimum(row, B - 1)
+    qi = (t - (ends - tiles)[r])[:, None] * Q + jnp.arange(Q, dtype=jnp.int32)[None, :]
+    valid = (row < B)[:, None] & (qi < num_queries[r][:, None])
+    index = jnp.where(valid, query_start[r][:, None] + qi, num_tokens)
+    pos = jnp.where(valid, (kv_lengths - num_queries)[r][:, None] + qi, -1)
+    last = jnp.max(pos, axis=1)                                           # -1: empty tile
+    lo = jnp.where(valid, pos, jnp.iinfo(jnp.int32).max).min(axis=1)
+    first = jnp.zeros_like(last) if sliding_window is None else \
+        jnp.maximum(lo - sliding_window + 1, 0) // Z
+    first = jnp.where(last >= 0, first, 0)
+    span = jnp.where(last >= 0, last // Z + 1 - first, 0)                 # pages a tile needs
+    blocks = jnp.max((span + pages_per_block - 1) // pages_per_block)
+    # Computed once per step: unbarriered, XLA fuses the searches into every layer's uses.
+    return jax.lax.optimization_barrier(RaggedMeta(
+        query_start=query_start, num_queries=num_queries, kv_lengths=kv_lengths,
+        tile_index=index, tile_pos=pos, tile_row=jnp.where(last >= 0, row, B),
+        first_page=first, num_blocks=blocks, pages_per_block=pages_per_block,
+        static_blocks=static_blocks))
+
+
+def num_tiles_bound(num_tokens: int, query_tile: int, num_rows: int) -> int:
+    """Tiles that any split of num_tokens queries over at most num_rows rows can need."""
+    if query_tile == 1:
+        return num_tokens
+    return num_tokens // query_tile + min(num_rows, num_tokens)
+
+
+def ragged_attention(q: jax.Array, k_all, v_all, layer: int, block_tables: jax.Array,
+                     meta: RaggedMeta, *, page_size: int, sliding_window: int | None = None,
+                     softcap: float | None = None, sm_scale: float | None = None,
+                     implementation: str = "reference", wraps: bool = False) -> jax.Array:
+    """Attention of a flat step's queries q [T, N, H] over layer `layer` of a page pool k_all,
+    v_all [L, P * Z, K, H] (float or QuantizedKV), each query over its row's keys up to its own
+    position (and within the window). Returns [T, N, H] in q.dtype; tokens of no row get zeros.
+
+    implementation "reference": the jnp path (paged_loop_attention); "pallas": the ragged paged
+    attention kernel (interpret mode on CPU), unless the cache is a ring that wraps (wraps:
+    positions map to table entries modulo the table width, which the kernel does not do).
+    """
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown attention implementation {implementation!r}; "
+                         f"available: {IMPLEMENTATIONS}")
+    if implementation == "reference" or wraps:
+        return paged_loop_attention(q, k_all, v_all, layer, block_tables, meta,
+                                    page_size=page_size, sliding_window=sliding_window,
+                                    softcap=softcap, sm_scale=sm_scale)
+    from pallas_kernels import ragged_paged_attention
+
+    P = jax.tree.leaves(k_all)[0].shape[1] // page_size
+    pages = lambda a: a[layer].reshape((P, page_size) + a.shape[2:])  # noqa: E731
+    k_pages, v_pages = jax.tree.map(pages, k_all), jax.tree.map(pages, v_all)
+    kernel = functools.partial(ragged_paged_attention, sliding_window=sliding_window,
+                               softcap=softcap, sm_scale=sm_scale,
+                               interpret=jax.default_backend() == "cpu")
+    heads = "q_heads" if heads_split_evenly(q.shape[-2], jax.tree.leaves(k_all)[0].shape[-2]) \
+        else None
+    kv_heads = "kv_heads" if heads else None
+    page_axes = (None, None, kv_heads, None)
+    k_pages, v_pages, scales, scale_axes = _split_scales(k_pages, v_pages, page_axes)
+    return _on_shards(lambda q, k, v, n, t, s, c, *sc: kernel(q, k, v, n, t, s, c,
+                                                              **_scale_kw(sc)),
+                      (None, heads, None), page_axes, page_axes, (None,), (None, None),
+                      (None,), (None,), *scale_axes)(
+        q, k_pages, v_pages, meta.kv_lengths, block_tables, meta.query_start,
+        meta.num_queries, *scales)
+
+
+def paged_loop_attention(q, k_all, v_all, layer: int, block_tables, meta: RaggedMeta, *,
+                         page_size: int, sliding_window=None, softcap=None, sm_scale=None):
+    """The jnp ragged attention, written for XLA:CPU: a while loop of dynamic trip count
+    (meta.num_blocks) walks every tile's pages pages_per_block at a time, each step gathering
+    one block of pages per tile straight from the pool (indexed by layer and page together:
+    slicing the layer out first made XLA copy it whole) and folding it into an online softmax
+    in float32. Work follows the longest row of the step, with no static page-count bucket.
+    Logical page j of a row is table entry j % M, so a wrapping ring reads the same way."""
+    T, N, H = q.shape
+    Z, pb = page_size, meta.pages_per_block
+    K = jax.tree.leaves(k_all)[0].shape[-2]
+    G, (Nt, Q), B = N // K, meta.tile_pos.shape, block_tables.shape[0]
+    M = block_tables.shape[1]
     scale = sm_scale if sm_scale is not None else H ** -0.5
-    k_pages, v_pages = dense(k_pages, q.dtype), dense(v_pages, q.dtype)
-    owner = jnp.minimum(page_rows, B - 1)
-    kpos = page_starts[:, None] + jnp.arange(Z, dtype=jnp.int32)[None, :]       # [Np, Z]
-    qpos = jnp.where(page_rows < B, lengths[owner], 0)[:, None] - 1             # [Np, 1]
-    visible = (kpos <= qpos)
-    if sliding_window is not None:
-        visible &= kpos > qpos - sliding_window
-    # Row selection as one-hot matmuls: XLA:CPU gathers and scatters of small slices are slow.
-    onehot = (page_rows[:, None] == jnp.arange(B, dtype=page_rows.dtype)[None, :])
-    onehot = onehot.astype(jnp.float32)                                         # [Np, B]
-    qo = (onehot @ q.reshape(B, N * H).astype(jnp.float32)).reshape(Np, K, G, H)
-    s = jnp.einsum("PKGH,PZKH->PZKG", qo, k_pages, preferred_element_type=jnp.float32) * scale
-    if softcap is not None:
-        s = softcap * jnp.tanh(s / softcap)
-    s = jnp.where(visible[:, :, None, None], s, -jnp.inf)                       # [Np, Z, K, G]
-    m = jax.ops.segment_max(jnp.max(s, axis=1), page_rows, num_segments=B)     # [B, K, G]
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.exp(s - m[owner][:, None])
-    denom = jax.ops.segment_sum(jnp.sum(p, axis=1), page_rows, num_segments=B)
-    # Hidden slots may hold anything (a page's unwritten tail): 0 * NaN would leak.
-    v = jnp.where(visible[:, :, None, None], v_pages, jnp.zeros((), v_pages.dtype))
-    o = jnp.einsum("PZKG,PZKH->PKGH", p, v, preferred_element_type=jnp.float32)
-    out = (onehot.T @ o.reshape(Np, N * H)).reshape(B, K, G, H)
-    out = out / jnp.where(denom == 0, 1.0, denom)[..., None]
-    return out.reshape(B, N, H).astype(q.dtype)
+    qt = q.at[meta.tile_index].get(mode="fill", fill_value=0)            # [Nt, Q, N, H]
+    qt = (qt.astype(jnp.float32) * scale).reshape(Nt, Q, K, G, H)
+    # Sequence parallelism: the tiles split over `sequence` as the step's tokens do.
+    qt = sharding.constrain(qt, ("rows", None, "kv_heads", None, None))
+    tables = block_tables[jnp.minimum(meta.tile_row, B - 1)]               # [Nt, M]
+    view = lambda a: a.reshape((a.shape[0], -1, Z) + a.shape[2:])          # noqa: E731
+    k_pool, v_pool = jax.tree.map(view, k_all), jax.tree.map(view, v_all)
+    qpos = meta.tile_pos[:, None, None, :, None]                           # [Nt, 1, 1, Q, 1]
+    z = jnp.arange(Z, dtype=jnp.int32)
+
+    def body(i, carry):
+        m, l, acc = carry                                   # [Nt, K, G, Q], same, [.., H]
+        j = meta.first_page[:, None] + i * pb + jnp.arange(pb, dtype=jnp.int32)[None]  # [Nt, pb]
+        pages = jnp.take_along_axis(tables, j % M, axis=1)
+        gather = lambda a: a[layer, pages]                  # noqa: E731  [Nt, pb, Z, K(, H)]
+        k = dense(jax.tree.map(gather, k_pool), jnp.float32).reshape(Nt, pb * Z, K, H)
+        v = dense(jax.tree.map(gather, v_pool), jnp.float32).reshape(Nt, pb * Z, K, H)
+        kpos = (j[:, :, None] * Z + z).reshape(Nt, 1, 1, 1, pb * Z)
+        visible = kpos <= qpos
+        if sliding_window is not None:
+            visible &= kpos > qpos - sliding_window
+        s = jnp.einsum("tqkgh,tskh->tkgqs", qt, k)
+        if softcap is not None:
+            s = softcap * jnp.tanh(s / softcap)
+        s = jnp.where(visible, s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        m_use = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.exp(s - m_use[..., None])
+        corr = jnp.where(jnp.isfinite(m), jnp.exp(m - m_use), 0.0)
+        # Unwritten slots may hold anything (a fresh page is not zeroed): 0 * NaN would leak.
+        key_seen = jnp.any(visible, axis=(1, 2, 3))[..., None, None]      # [Nt, S, 1, 1]
+        v = jnp.where(key_seen, v, 0.0)
+        acc = acc * corr[..., None] + jnp.einsum("tkgqs,tskh->tkgqh", p, v)
+        return m_new, l * corr + jnp.sum(p, axis=-1), acc
+
+    stats = lambda x: sharding.constrain(x, ("rows", "kv_heads") + (None,) * (x.ndim - 2))  # noqa: E731
+    init = (stats(jnp.full((Nt, K, G, Q), -jnp.inf)), stats(jnp.zeros((Nt, K, G, Q))),
+            stats(jnp.zeros((Nt, K, G, Q, H))))
+    trips = meta.num_blocks if meta.static_blocks is None else meta.static_blocks
+    _, l, acc = jax.lax.fori_loop(0, trips, body, init)
+    out = acc / jnp.where(l == 0, 1.0, l)[..., None]
+    out = out.transpose(0, 3, 1, 2, 4).reshape(Nt * Q, N, H).astype(q.dtype)
+    return jnp.zeros((T, N, H), q.dtype).at[meta.tile_index.reshape(-1)].set(out, mode="drop")

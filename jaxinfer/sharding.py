@@ -1,7 +1,7 @@
 """Sharding over a device mesh: the mesh, the logical-axis rules, and placement.
 
 Every parameter and cache array declares its logical axes once (`llama.param_specs`,
-`RingKVCache.logical_axes`, `PagedKVCache.logical_axes`, `DecodeState.logical_axes`). RULES map
+`PagedKVCache.logical_axes`, `DecodeState.logical_axes`). RULES map
 each logical axis to a mesh axis; nothing else in the code names a mesh axis. A logical axis
 whose size the mesh axis does not divide stays whole (replicated) on every device, so one rule
 set serves every shape: a batch bucket of 1 row on a 2-way data axis, a vocabulary that 3 does

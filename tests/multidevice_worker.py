@@ -64,7 +64,6 @@ def meshes() -> dict:
         eng = llm._engine
         local, total = device_bytes(eng.params)
         outs = llm.generate(prompts, params)
-        eng._ensure_batch()
         out["runs"][f"{d},{t},{s}"] = {
             "tokens": [o.token_ids for o in outs],
             "finish": [o.finish_reason for o in outs],
@@ -159,18 +158,21 @@ def kernels() -> dict:
     out = random_model_runs(shape, {
         "single": {"attention": "reference"},
         "pallas_mesh": {"attention": "pallas", "mesh": ji.MeshConfig(data=2, tensor=2)}})
-    # The flash kernel's call, traced on the mesh: a shard_map over batch rows and heads.
-    q = jax.ShapeDtypeStruct((4, 8, 4, 32), np.float32)
-    k = jax.ShapeDtypeStruct((4, 16, 2, 32), np.float32)
-    pos = jax.ShapeDtypeStruct((4, 8), np.int32)
-    kpos = jax.ShapeDtypeStruct((4, 16), np.int32)
+    # The ragged kernel's call, traced on the mesh: a shard_map over heads.
+    q = jax.ShapeDtypeStruct((8, 4, 32), np.float32)
+    pool = jax.ShapeDtypeStruct((1, 64, 2, 32), np.float32)
+    tables = jax.ShapeDtypeStruct((4, 4), np.int32)
     n = jax.ShapeDtypeStruct((4,), np.int32)
     part = sharding.Partitioner(sharding.make_mesh(ji.MeshConfig(data=2, tensor=2)))
+
+    def call(q, k, v, tables, start, count, lengths):
+        meta = attention.ragged_meta(start, count, lengths, num_tokens=8, query_tile=4,
+                                     num_tiles=6, page_size=16)
+        return attention.ragged_attention(q, k, v, 0, tables, meta, page_size=16,
+                                          implementation="pallas")
     with part.active():
-        jaxpr = jax.make_jaxpr(lambda q, k, v, p, kp, o, n: attention.attention(
-            q, p, [(k, v, kp)], implementation="flash", lengths=(o, n)))(q, k, k, pos, kpos, n, n)
-    text = str(jaxpr)
-    out["flash_shard_map"] = "shard_map" in text and "in_specs=(P('data', None, 'tensor'" in text
+        text = str(jax.make_jaxpr(call)(q, pool, pool, tables, n, n, n))
+    out["kernel_shard_map"] = "shard_map" in text and "in_specs=(P(None, 'tensor'" in text
     return out
 
 

@@ -77,8 +77,10 @@ def test_folding_any_scales_keeps_the_model(cfg):
     folded = awq.fold_scales(cfg, weights, scales)
     assert not np.allclose(folded["layers.0.wv"], weights["layers.0.wv"])
     toks = tokens(cfg, (2, 24))
+    # float32 on both sides; the folded products (scales up to e^3 either way) round
+    # differently: measured at most 1.03e-4 on logits of magnitude ~12 (under 1e-5 relative).
     np.testing.assert_allclose(logits(cfg, folded, toks), logits(cfg, weights, toks),
-                               atol=1e-4, rtol=0)
+                               atol=2e-4, rtol=0)
 
 
 def _flat(x) -> np.ndarray:
@@ -344,9 +346,12 @@ def test_smollm2_calibration_forward_matches_model(smollm2):
     cfg, weights, tokenizer = smollm2
     toks = jnp.asarray([_license_tokens(tokenizer, "Apache-2.0")[:128]])
     params = llama.params_from_weights(cfg, weights)
+    # float32; the model's attention sums keys in blocks with an online softmax, the
+    # calibration forward in one softmax: 30 layers of summation-order differences (measured
+    # at most 1.4e-4 on logits of magnitude ~20).
     np.testing.assert_allclose(np.asarray(awq.calibration_logits(params, cfg, toks)),
                                np.asarray(llama.sequence_logits(params, cfg, toks)),
-                               atol=1e-4, rtol=0)
+                               atol=2e-4, rtol=0)
 
 
 @pytest.mark.slow

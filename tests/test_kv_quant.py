@@ -1,5 +1,6 @@
-"""The quantized KV cache (kv_cache_dtype "int8" / "fp8"): quantization error bounds, and the
-model over quantized ring and paged caches against one-shot forwards and the float cache.
+"""The quantized KV cache (kv_cache_dtype "int8" / "fp8"): quantization error bounds, attention
+over quantized keys (segments, the page pool's ragged attention and the kernels), and the model
+over quantized ring and paged caches against one-shot forwards and the float cache.
 
 Error bounds: int8 rounds each element to the nearest multiple of its (token, kv head) scale
 amax / 127, so |x - x_hat| <= scale / 2; e4m3 keeps 3 mantissa bits, so |x - x_hat| <= 2^-4 |x|
@@ -11,14 +12,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.attention import attention, reference_attention
+from jaxinfer.attention import attention, ragged_attention, ragged_meta, reference_attention
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import memory
-from jaxinfer.kv_cache import KV_DTYPES, PagedKVCache, QuantizedKV, RingKVCache, quantize_kv
+from jaxinfer.kv_cache import KV_DTYPES, PagedKVCache, QuantizedKV, quantize_kv
 from jaxinfer.models import llama
+from jaxinfer.token_batch import host_batch
 
-forward = jax.jit(llama.forward, static_argnums=(1,),
-                  static_argnames=("kv_view", "attn_impl", "decode_pages"))
+forward = jax.jit(llama.forward, static_argnums=(1,), static_argnames=("attn_impl",))
+forward_tokens = jax.jit(llama.forward_tokens, static_argnums=(1,),
+                         static_argnames=("attn_impl", "query_tile", "num_tiles"))
 CFG = ModelConfig("llama", vocab_size=97, d_model=64, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=32, ffn_dim=64, max_position_embeddings=512)
 
@@ -74,7 +77,9 @@ def _quantized_segment(B, S, K, H, dtype, seed):
 def test_attention_over_quantized_keys_reads_what_was_stored(kv):
     """attention() over QuantizedKV: the reference equals the reference over the dequantized
     arrays (the same float math), and the Pallas kernels (interpret mode), which take codes and
-    scales, equal it within float32 rounding (1e-5)."""
+    scales, equal it within float32 rounding (1e-5). The model's path, ragged_attention over
+    the same keys as a quantized page pool (the jnp page loop, and the ragged Pallas kernel),
+    equals it within float32 rounding too."""
     B, T, S, N, K, H = 2, 3, 16, 4, 2, 32
     k, v = _quantized_segment(B, S, K, H, KV_DTYPES[kv], seed=2)
     rng = np.random.default_rng(3)
@@ -94,6 +99,28 @@ def test_attention_over_quantized_keys_reads_what_was_stored(kv):
     one = attention(q[:, -1:], qpos[:, -1:], [(k, v, kpos)], implementation="paged",
                     lengths=(lengths - 1, lengths), pages=(*pages, tables))
     np.testing.assert_allclose(np.asarray(one), np.asarray(want[:, -1:]), atol=1e-5, rtol=0)
+    # The flat step: the rows' T queries side by side over a one-layer pool of 4-slot pages.
+    pool = jax.tree.map(lambda a: a.reshape((1, B * S) + a.shape[2:]), (k, v))
+    assert isinstance(pool[0], QuantizedKV)
+    meta = ragged_meta(jnp.asarray([0, T], jnp.int32), jnp.full((B,), T, jnp.int32), lengths,
+                       num_tokens=B * T, query_tile=T, num_tiles=B, page_size=4)
+    flat_want = np.asarray(want).reshape(B * T, N, H)
+    impls = ["reference"]
+    if _ragged_kernel_importable():
+        impls.append("pallas")
+    for impl in impls:
+        flat = ragged_attention(q.reshape(B * T, N, H), *pool, 0, tables, meta, page_size=4,
+                                implementation=impl)
+        np.testing.assert_allclose(np.asarray(flat), flat_want, atol=1e-5, rtol=0,
+                                   err_msg=impl)
+
+
+def _ragged_kernel_importable() -> bool:
+    try:
+        from pallas_kernels import ragged_paged_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _paged(cfg, B, pages_per_row, dtype, rng):
@@ -103,58 +130,75 @@ def _paged(cfg, B, pages_per_row, dtype, rng):
                                order.reshape(B, pages_per_row).astype(np.int32), dtype)
 
 
-def _chunked_run(params, prompts, steps, cache, **kw):
-    """Chunked prefill (chunks of 8) then greedy decode; logits of every position per row."""
+def _chunked_run(params, prompts, steps, cache, flat=False, **kw):
+    """Chunked prefill (chunks of 8) then greedy decode; logits of every position per row.
+    flat: each step as one flat TokenBatch (llama.forward_tokens): the rows' tokens packed side
+    by side with the padding at the end, prefill chunks cut into query tiles of 4."""
     B = len(prompts)
     lens = np.array([len(p) for p in prompts])
     logits = [[] for _ in range(B)]
+
+    def run(toks, num):
+        """Row b's first num[b] tokens of toks [B, T] through the model: (logits of each row's
+        tokens, cache)."""
+        if not flat:
+            h, c = forward(params, CFG, jnp.asarray(toks), cache, jnp.asarray(num), **kw)
+            lg = np.asarray(llama.lm_head(params, h))
+            return [lg[b, :num[b]] for b in range(B)], c
+        T = toks.shape[1]
+        batch = host_batch(B * T + 1, B, [(b, toks[b, :num[b]]) for b in range(B) if num[b]])
+        h, c = forward_tokens(params, CFG, batch, cache, query_tile=min(T, 4), **kw)
+        lg = np.asarray(llama.lm_head(params, h))
+        start = np.asarray(batch.query_start)
+        return [lg[start[b]:start[b] + num[b]] for b in range(B)], c
+
     for s in range(0, lens.max(), 8):
         toks = np.zeros((B, 8), np.int32)
         num = np.clip(lens - s, 0, 8).astype(np.int32)
         for b, p in enumerate(prompts):
             toks[b, :num[b]] = p[s:s + num[b]]
-        h, cache = forward(params, CFG, jnp.asarray(toks), cache, jnp.asarray(num),
-                           **{k: v for k, v in kw.items() if k != "decode_pages"})
-        lg = np.asarray(llama.lm_head(params, h))
+        lg, cache = run(toks, num)
         for b in range(B):
-            logits[b].extend(lg[b, :num[b]])
+            logits[b].extend(lg[b])
     seqs = [list(p) for p in prompts]
     for _ in range(steps):
         nxt = np.array([np.argmax(logits[b][-1]) for b in range(B)], np.int32)
         for b in range(B):
             seqs[b].append(int(nxt[b]))
-        h, cache = forward(params, CFG, jnp.asarray(nxt[:, None]), cache, jnp.ones(B, jnp.int32),
-                           **kw)
-        lg = np.asarray(llama.lm_head(params, h))[:, 0]
+        lg, cache = run(nxt[:, None], np.ones(B, np.int32))
         for b in range(B):
-            logits[b].append(lg[b])
+            logits[b].append(lg[b][0])
     return [np.stack(x) for x in logits], seqs, cache
 
 
 @pytest.mark.parametrize("kv", ["int8", "fp8"])
-@pytest.mark.parametrize("layout", ["ring", "paged", "paged-ragged", "paged-pallas"])
+@pytest.mark.parametrize("layout", ["ring", "paged", "paged-flat", "paged-pallas"])
 def test_quantized_cache_under_the_model(kv, layout):
     """Chunked prefill and decode over a quantized ring or paged cache (reference attention,
-    the flat page list, or the Pallas kernels) against the one-shot forward with the same KV
-    dtype (llama.sequence_logits(kv_cache_dtype=)): every key is quantized the same way in
-    both, so they agree to 1e-3 (float32; a key computed in another order may round to the
-    neighbouring code, so not to float32's 1e-5), and against the float cache within the
+    flat ragged token batches, or the Pallas ragged kernel) against the one-shot forward with
+    the same KV dtype (llama.sequence_logits(kv_cache_dtype=)): every key is quantized the same
+    way in both, so they agree to 1e-3 (float32; a key computed in another order may round to
+    the neighbouring code, so not to float32's 1e-5), and against the float cache within the
     quantization's error (measured max |logit diff| over all rows and layouts: int8 0.021, fp8
     0.098, on logits up to ~3 in magnitude; bounds about 3x: 0.06 and 0.3)."""
+    if layout == "paged-pallas" and not _ragged_kernel_importable():
+        pytest.skip("pallas_kernels.ragged_paged_attention is not importable yet")
     dtype = KV_DTYPES[kv]
     params = llama.init_params(CFG, jax.random.key(0))
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, CFG.vocab_size, n).tolist() for n in (13, 1, 22)]
     if layout == "ring":
-        cache, kw = RingKVCache.create(CFG.num_layers, 3, 64, CFG.num_kv_heads, CFG.head_dim,
-                                       dtype), {}
+        cache, kw = PagedKVCache.ring(CFG.num_layers, 3, 64, CFG.num_kv_heads, CFG.head_dim,
+                                      dtype), {}
+        assert cache.wraps
     else:
         cache = _paged(CFG, 3, 16, dtype, rng)
-        kw = {"paged": dict(kv_view=32), "paged-ragged": dict(kv_view=32, decode_pages=16),
-              "paged-pallas": dict(kv_view=32, attn_impl="pallas")}[layout]
+        kw = {"paged": {}, "paged-flat": dict(flat=True),
+              "paged-pallas": dict(attn_impl="pallas")}[layout]
     assert isinstance(cache.k, QuantizedKV) and cache.k.codes.dtype == dtype
     got, seqs, cache = _chunked_run(params, prompts, 5, cache, **kw)
     assert isinstance(cache.k, QuantizedKV)
+    assert np.asarray(cache.lengths).tolist() == [len(s) for s in seqs]
     bound = {"int8": 0.06, "fp8": 0.3}[kv]
     for b, seq in enumerate(seqs):
         tokens = jnp.asarray([seq])

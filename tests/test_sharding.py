@@ -172,7 +172,7 @@ def test_pallas_kernels_run_under_shard_map_on_a_mesh():
     got = run_worker("kernels")
     one, mesh = got["single"], got["pallas_mesh"]
     assert mesh["attention"] == "pallas" and mesh["wk_spec"] == "P(None, 'tensor')"
-    assert got["flash_shard_map"]
+    assert got["kernel_shard_map"]
     assert mesh["tokens"] == one["tokens"]
     np.testing.assert_allclose(mesh["logprobs"], one["logprobs"], atol=1e-5, rtol=0)
 

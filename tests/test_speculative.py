@@ -7,6 +7,7 @@
 - speculative_loop, greedy: the same tokens as decode_loop, on a ring, a wrapping
   sliding-window ring and a paged pool with NaN in every unused slot, with rows accepting
   different counts and rollback across page boundaries; stop ids end rows as in decode_loop;
+  the device-kept n-gram history ends as each row's prompt and output;
 - speculative_loop, sampled: the first two tokens follow the model's exact joint distribution
   (n-gram and draft model); n-gram speculation emits exactly decode_loop's sampled tokens;
 - the LLM API on the real model: greedy speculative output == the HF goldens, token by token
@@ -22,12 +23,13 @@ import numpy as np
 import pytest
 
 import jaxinfer as ji
-from jaxinfer import decode
+from jaxinfer import decode, speculative_loop
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache import PagedKVCache
 from jaxinfer.models import llama
 from jaxinfer.sampling import SamplingArrays
 from jaxinfer.speculative import ngram_propose, verify
+from jaxinfer.token_batch import TokenBatch
 
 TINY = ModelConfig("llama", vocab_size=16, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
                    head_dim=8, ffn_dim=64, rope_theta=10000.0, max_position_embeddings=512)
@@ -45,9 +47,8 @@ def _sampling(B, temperature=0.0, top_k=0, seed=None):
 def _rows(B, max_new, stop=-1, **sampling):
     return decode.RowParams(sampling=_sampling(B, **sampling),
                             max_new=np.full(B, max_new, np.int32),
-                            stop_ids=np.full((B, 2), stop, np.int32), active=np.ones(B, bool),
-                            start_index=np.zeros(B, np.int32), logprobs=np.zeros(B, bool),
-                            prompt_logprobs=np.zeros(B, bool))
+                            stop_ids=np.full((B, 2), stop, np.int32),
+                            logprobs=np.zeros(B, bool), prompt_logprobs=np.zeros(B, bool))
 
 
 # ---- n-gram lookup ------------------------------------------------------------------------------
@@ -167,53 +168,81 @@ def test_verify_greedy_is_prefix_matching():
 PAGE = 4
 
 
-def _prefill(cfg, params, prompts, cache, rows, draft=None):
-    """State after prefilling ragged prompts (first tokens sampled); draft: (params, cfg) of a
-    draft model, whose cache (128 slots a row) is prefilled too."""
+HISTORY = 128  # n-gram history positions per row (every prompt plus its output fits)
+
+
+def _prefill(cfg, params, prompts, cache, rows, draft=None, chunk=None, draft_capacity=128):
+    """State after admitting rows (RowParams, with each row's prompt as its n-gram history) and
+    prefilling ragged prompts (first tokens sampled); draft: (params, cfg) of a draft model,
+    whose ring (draft_capacity slots a row) is prefilled too. chunk: feed the prompts in flat
+    steps of at most that many tokens a row (a sliding-window ring holds window + the most
+    tokens a row writes in one call), each row sampling in the step that ends its prompt;
+    None: one decode.prefill."""
     B, T = len(prompts), max(len(p) for p in prompts)
-    toks = np.zeros((B, T), np.int32)
+    C = T if chunk is None else chunk
+    toks = np.zeros((B, -(-T // C) * C), np.int32)
+    hist = np.zeros((B, HISTORY), np.int32)
     for b, p in enumerate(prompts):
         toks[b, :len(p)] = p
+        hist[b, :len(p)] = p
     draft_params, draft_cfg = draft or (None, None)
     state = decode.DecodeState.create(cfg, B, 0, cache=cache, draft_cfg=draft_cfg,
-                                      draft_capacity=128)
+                                      draft_capacity=draft_capacity, history=HISTORY,
+                                      num_stop_ids=rows.stop_ids.shape[1])
+    state = decode.admit_rows(state, np.ones(B, bool), np.zeros(B, np.int32),
+                              np.zeros(B, np.int32), rows, hist)
     lens = np.array([len(p) for p in prompts], np.int32)
-    state, first, *_ = decode.prefill_chunk(params, state, toks, lens, np.ones(B, bool),
-                                            np.full((B, T), -1, np.int32), rows, cfg=cfg,
-                                            draft_params=draft_params, draft_cfg=draft_cfg)
-    return state, [[int(t)] for t in np.asarray(first)]
+    if chunk is None:
+        first, state = decode.prefill(params, state, toks, lens, cfg=cfg,
+                                      draft_params=draft_params, draft_cfg=draft_cfg)
+        return state, [[int(t)] for t in np.asarray(first)]
+    first = np.zeros(B, np.int32)
+    for s in range(0, toks.shape[1], C):
+        num = np.clip(lens - s, 0, C).astype(np.int32)
+        ends = (lens > s) & (lens <= s + C)
+        sample_rows = np.where(ends, np.arange(B), B).astype(np.int32)
+        batch = TokenBatch.dense(jnp.asarray(toks[:, s:s + C]), jnp.asarray(num), None, B)
+        out, state = decode.step_jit(params, state, batch, sample_rows, cfg=cfg, query_tile=C,
+                                     draft_params=draft_params, draft_cfg=draft_cfg)
+        first = np.where(ends, np.asarray(out.tokens), first)
+    return state, [[int(t)] for t in first]
 
 
-def _generate(cfg, params, prompts, cache, rows, spec, draft_on=None, steps=4, k=4, draft=None):
-    """Every row to its end through decode_loop or speculative_loop (host-side history between
-    dispatches, as the engine keeps it; n-gram drafts, or draft = (params, cfg) of a draft
-    model). Returns (tokens per row, summed SpecCounts, final state)."""
-    state, out_ids = _prefill(cfg, params, prompts, cache, rows, draft)
+def _generate(cfg, params, prompts, cache, rows, spec, draft_on=None, steps=4, k=4, draft=None,
+              chunk=None):
+    """Every row to its end through decode_loop or speculative_loop (n-gram drafts from the
+    history the device keeps in the state, or draft = (params, cfg) of a draft model). Each
+    dispatch lists the rows not yet done (padded with B to a fixed length, as the engine
+    does). Checks that the device's history ends as each row's prompt and output. Returns
+    (tokens per row, summed SpecCounts, final state)."""
+    state, out_ids = _prefill(cfg, params, prompts, cache, rows, draft, chunk)
     draft_params, draft_cfg = draft or (None, None)
     B = len(prompts)
     counts = np.zeros((3, B), int)
-    rows = rows.replace(active=np.ones(B, bool))
+    listed = np.arange(B, dtype=np.int32)
     for _ in range(100):
         if spec:
-            hist = np.zeros((B, 128), np.int32)
-            for b in range(B):
-                ids = list(prompts[b]) + out_ids[b]
-                hist[b, :len(ids)] = ids
             on = np.ones(B, bool) if draft_on is None else draft_on
-            state, out, num, done, _, c = decode.speculative_loop(
-                params, state, rows, hist, on, cfg=cfg, num_steps=steps, num_draft=k,
+            state, out, num, done, _, c = speculative_loop.speculative_loop(
+                params, state, listed, on, cfg=cfg, num_steps=steps, num_draft=k,
                 ngram_max=3, ngram_min=1, draft_params=draft_params, draft_cfg=draft_cfg)
             counts += np.stack([np.asarray(c.steps), np.asarray(c.drafted),
                                 np.asarray(c.accepted)])
         else:
-            state, out, num, done, _ = decode.decode_loop(params, state, rows, cfg=cfg,
+            state, out, num, done, _ = decode.decode_loop(params, state, listed, cfg=cfg,
                                                           num_steps=steps)
-        out, num = np.asarray(out), np.asarray(num)
+        out, num, done = np.asarray(out), np.asarray(num), np.asarray(done)
         for b in range(B):
             out_ids[b] += out[b, :num[b]].tolist()
-        rows = rows.replace(active=~np.asarray(done))
-        if np.asarray(done).all():
+        if done.all():
+            hist = np.asarray(state.history)
+            for b in range(B):
+                ids = list(prompts[b]) + out_ids[b]
+                assert hist[b, :len(ids)].tolist() == ids, b
             return out_ids, counts, state
+        live = np.flatnonzero(~done)
+        listed = np.full(B, B, np.int32)
+        listed[:len(live)] = live
     raise AssertionError("rows never finished")
 
 
@@ -248,7 +277,7 @@ def _draft_of(cfg, params, seed):
 def test_speculative_loop_greedy_equals_decode_loop(cache_kind, drafter):
     cfg = TINY.replace(vocab_size=97)
     k = 4
-    if cache_kind == "ring_window":  # capacity = window + k: the ring wraps many times
+    if cache_kind == "ring_window":
         cfg = cfg.replace(sliding_window=6)
     params = llama.init_params(cfg, jax.random.key(3))
     draft = _draft_of(cfg, params, 9) if drafter == "draft" else None
@@ -257,15 +286,21 @@ def test_speculative_loop_greedy_equals_decode_loop(cache_kind, drafter):
     B = len(prompts)
     rows = _rows(B, max_new=40)
 
+    # A sliding-window ring holds window + the most tokens a row writes in one call: the
+    # verification's k + 1 (the prompts are fed in chunks of as many), 11 slots in all.
+    chunk = k + 1 if cache_kind == "ring_window" else None
+
     def cache():
         if cache_kind == "paged":
             return _paged(cfg, B, np.random.default_rng(4))
-        capacity = 6 + k if cache_kind == "ring_window" else 128
-        return decode.DecodeState.create(cfg, B, capacity).cache
+        capacity = 6 + chunk if cache_kind == "ring_window" else 128
+        return PagedKVCache.ring(cfg.num_layers, B, capacity, cfg.num_kv_heads, cfg.head_dim)
 
-    plain, _, _ = _generate(cfg, params, prompts, cache(), rows, spec=False)
+    if cache_kind == "ring_window":
+        assert cache().capacity == 11           # one page of 11 slots: it wraps many times
+    plain, _, _ = _generate(cfg, params, prompts, cache(), rows, spec=False, chunk=chunk)
     spec, counts, state = _generate(cfg, params, prompts, cache(), rows, spec=True, k=k,
-                                    draft=draft)
+                                    draft=draft, chunk=chunk)
     assert spec == plain
     steps, drafted, accepted = counts
     # Some rows accepted everything they drafted, others only part of it: rollback ran.
@@ -282,7 +317,8 @@ def test_stop_ids_end_rows_as_in_decode_loop():
     params = llama.init_params(cfg, jax.random.key(3))
     prompts = _loop_prompts(np.random.default_rng(3), cfg.vocab_size)
     B = len(prompts)
-    make = lambda: decode.DecodeState.create(cfg, B, 128).cache  # noqa: E731
+    make = lambda: PagedKVCache.ring(cfg.num_layers, B, 128, cfg.num_kv_heads,  # noqa: E731
+                                     cfg.head_dim)
     plain, _, _ = _generate(cfg, params, prompts, make(), _rows(B, max_new=40), spec=False)
     stop = plain[3][-1]                 # row 3 ends in a loop of two tokens, drafted and accepted
     want, _, _ = _generate(cfg, params, prompts, make(), _rows(B, max_new=40, stop=stop),
@@ -319,15 +355,19 @@ def test_sampled_speculation_follows_the_models_joint_distribution(drafter):
         rows = _rows(B, max_new=2, temperature=1.0)
         rows = rows.replace(sampling=rows.sampling.replace(
             seed=np.arange(start, start + B, dtype=np.uint32)))
+        # The prefill's sampled token is replaced by the prompt's last, in the history too.
         state, _ = _prefill(cfg, params, [prompt[:-1]] * B,
-                            decode.DecodeState.create(cfg, B, 16).cache, rows, draft)
-        state = state.replace(last_token=jnp.full((B,), prompt[-1], jnp.int32),
-                              num_generated=jnp.zeros((B,), jnp.int32))
-        hist = np.zeros((B, 16), np.int32)
+                            PagedKVCache.ring(cfg.num_layers, B, 16, cfg.num_kv_heads,
+                                              cfg.head_dim), rows, draft, draft_capacity=16)
+        hist = np.zeros((B, HISTORY), np.int32)
         hist[:, :len(prompt)] = prompt
-        state, out, num, done, _, c = decode.speculative_loop(
-            params, state, rows, hist, np.ones(B, bool), cfg=cfg, num_steps=2, num_draft=3,
-            ngram_max=3, ngram_min=1, draft_params=draft_params, draft_cfg=draft_cfg)
+        state = state.replace(last_token=jnp.full((B,), prompt[-1], jnp.int32),
+                              num_generated=jnp.zeros((B,), jnp.int32),
+                              history=jnp.asarray(hist))
+        state, out, num, done, _, c = speculative_loop.speculative_loop(
+            params, state, np.arange(B, dtype=np.int32), np.ones(B, bool), cfg=cfg,
+            num_steps=2, num_draft=3, ngram_max=3, ngram_min=1, draft_params=draft_params,
+            draft_cfg=draft_cfg)
         out, num = np.asarray(out), np.asarray(num)
         assert (num == 2).all()
         np.add.at(counts, (out[:, 0], out[:, 1]), 1)
@@ -353,7 +393,8 @@ def test_ngram_speculation_samples_the_tokens_of_decode_loop(drafting):
     prompts = _loop_prompts(np.random.default_rng(6), cfg.vocab_size)
     B = len(prompts)
     rows = _rows(B, max_new=30, temperature=0.8, top_k=20)
-    make = lambda: decode.DecodeState.create(cfg, B, 128).cache  # noqa: E731
+    make = lambda: PagedKVCache.ring(cfg.num_layers, B, 128, cfg.num_kv_heads,  # noqa: E731
+                                     cfg.head_dim)
     plain, _, _ = _generate(cfg, params, prompts, make(), rows, spec=False)
     spec, counts, _ = _generate(cfg, params, prompts, make(), rows, spec=True,
                                 draft_on=np.full(B, drafting))
@@ -378,6 +419,7 @@ def _generate_goldens(data_dir, spec):
     return outs, llm.stats()
 
 
+@pytest.mark.slow  # the real model end to end; tiny-model checks cover the default run
 def test_llm_ngram_speculation_matches_hf_greedy_goldens(data_dir):
     outs, stats = _generate_goldens(data_dir, ji.SpeculativeConfig("ngram", num_draft_tokens=4))
     assert stats["draft_tokens"] > 0 and 0 < stats["acceptance_rate"] <= 1

@@ -13,7 +13,7 @@ SmolLM2's matmuls alone).
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Optional, Sequence
+from typing import Optional
 
 import flax.struct
 import jax
@@ -21,12 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import sharding
-from jaxinfer.attention import attention, ragged_paged_attention
+from jaxinfer.attention import (PAGES_PER_BLOCK, num_tiles_bound, ragged_attention,
+                                ragged_meta)
 from jaxinfer.config import ModelConfig
-from jaxinfer.kv_cache import KV_DTYPES, PagedKVCache, RingKVCache, WritePlan
+from jaxinfer.kv_cache import KV_DTYPES, PagedKVCache
 from jaxinfer.quant import QuantizedWeight, matmul, take_rows
-
-KVCache = RingKVCache | PagedKVCache
+from jaxinfer.token_batch import TokenBatch
 from jaxinfer.layers import (apply_rope, float_matmul, linear, rms_norm, rope_angles,
                              rope_inv_freq, swiglu_mlp)
 
@@ -180,154 +180,80 @@ def lm_head(params: LlamaParams, h: jax.Array) -> jax.Array:
     return float_matmul(h, params.lm_head, "...D,DV->...V")
 
 
-class Query(NamedTuple):
-    """One group of query rows for forward_groups.
-
-    tokens [G, T] int32, of which the first num_new[g] of row g are real (the rest padding);
-    rows [G] int32: the cache row each query row reads and appends to (None: query row b is
-    cache row b, all rows). A rows entry equal to the cache's row count marks a padding row
-    (num_new 0): it writes nothing and its output is meaningless.
-    """
-
-    tokens: jax.Array
-    num_new: jax.Array
-    rows: Optional[jax.Array] = None
+# Queries per attention tile of a dense block: whole rows up to this, so decode (1) and
+# verification (k + 1) blocks make one tile a row, and long prefills many (which sequence
+# parallelism splits over its shards).
+DENSE_QUERY_TILE = 16
 
 
-def forward(params: LlamaParams, cfg: ModelConfig, tokens: jax.Array, cache: KVCache,
-            num_new: jax.Array, *, kv_view: int | None = None,
+def forward(params: LlamaParams, cfg: ModelConfig, tokens: jax.Array, cache: PagedKVCache,
+            num_new: jax.Array, *, rows: jax.Array | None = None,
             attn_impl: str = "reference",
-            decode_pages: int | None = None) -> tuple[jax.Array, KVCache]:
-    """Runs T new tokens per row through the model and appends their K/V to the cache.
+            differentiable: bool = False) -> tuple[jax.Array, PagedKVCache]:
+    """forward_tokens for a block of tokens [R, T]: block row i feeds cache row rows[i] (None:
+    row i) its first num_new[i] tokens, at positions cache.lengths[row] + t (the rest is
+    padding). Returns the final-normed hidden states [R, T, D] and the cache. differentiable:
+    attention loops a fixed number of times (see forward_tokens)."""
+    R, T = tokens.shape
+    batch = TokenBatch.dense(tokens, num_new, rows, cache.batch)
+    tile = min(T, DENSE_QUERY_TILE)
+    h, cache = forward_tokens(params, cfg, batch, cache, attn_impl=attn_impl, query_tile=tile,
+                              num_tiles=R * -(-T // tile), differentiable=differentiable)
+    return h.reshape(R, T, -1), cache
 
-    tokens [B, T] int32, of which the first num_new[b] of row b are real (the rest padding);
-    they sit at absolute positions cache.lengths[b] + t. kv_view (static) limits attention to
-    the first kv_view cache slots (positions, for a paged cache: a multiple of its page size);
-    the caller guarantees that every slot a row uses, the new tokens' included, lies below it
-    (or passes None / the capacity). The cache is a RingKVCache or a PagedKVCache. Returns the
-    final-normed hidden states [B, T, D] and the cache with lengths advanced by num_new.
-    decode_pages: see forward_groups.
+
+def forward_tokens(params: LlamaParams, cfg: ModelConfig, batch: TokenBatch,
+                   cache: PagedKVCache, *, attn_impl: str = "reference", query_tile: int = 16,
+                   num_tiles: int | None = None,
+                   differentiable: bool = False) -> tuple[jax.Array, PagedKVCache]:
+    """Runs a flat step's tokens (jaxinfer.token_batch) through the model and appends their
+    K/V to the cache. Returns the final-normed hidden states [T, D] and the cache with each
+    row's length advanced by its num_queries.
+
+    Every matmul sees [T, D] at once. Each layer writes its new K/V into the donated cache
+    first (in place) and then attends over the cache alone (jaxinfer.attention.ragged_attention):
+    a ring is sized so that the write never overwrites a key the step's queries still see.
+    query_tile (static): queries per attention tile (the tokens a row feeds in one step: 1 for
+    decode); num_tiles (static) defaults to a bound that holds for any split of the batch.
+    differentiable (static): the jnp attention loops over every page a row's table can hold
+    (a fixed trip count, which jax.grad can go through) instead of the step's longest row.
     """
-    (h,), cache = forward_groups(params, cfg, [Query(tokens, num_new)], cache, kv_view=kv_view,
-                                 attn_impl=attn_impl, decode_pages=decode_pages)
-    return h, cache
-
-
-def _as_plan(parts: list[jax.Array], plan: WritePlan) -> jax.Array:
-    """New K or V of the groups a plan writes ([G, T, K, H] each), shaped like the plan."""
-    K, H = parts[0].shape[-2:]
-    flat = jnp.concatenate([p.reshape(-1, K, H) for p in parts]) if len(parts) > 1 else parts[0]
-    return flat.reshape(plan.rows.shape + (K, H))
-
-
-def forward_groups(params: LlamaParams, cfg: ModelConfig, queries: Sequence[Query],
-                   cache: KVCache, *, kv_view: int | None = None,
-                   attn_impl: str = "reference",
-                   decode_pages: int | None = None) -> tuple[list[jax.Array], KVCache]:
-    """forward() for several groups of query rows with different token counts in one pass:
-    e.g. one decode token for every running row and a prefill chunk for a few others.
-
-    The groups' tokens go through every matmul together (one [sum G*T, D] activation), so a
-    decode batch rides along with a prefill chunk for the price of the weights' one read;
-    attention runs per group. No cache row may receive tokens from two groups. Returns the
-    final-normed hidden states of each group ([G, T, D]) and the updated cache.
-
-    decode_pages (static; a paged cache under the reference implementation): single-token
-    groups attend through a flat list of this many pages, each row over its own pages only
-    (ragged_paged_attention) instead of over kv_view slots. The caller guarantees that the
-    pages of those rows, the new tokens' included, number at most decode_pages.
-    """
-    N, K, H, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.d_model
-    B = cache.lengths.shape[0]
-    S = cache.capacity if kv_view is None else min(kv_view, cache.capacity)
-    shapes = [q.tokens.shape for q in queries]
-    sizes = [G * T for G, T in shapes]
-    plans = [cache.plan_write(q.num_new, T, q.rows) for q, (_, T) in zip(queries, shapes)]
+    N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    T, B, Z = batch.num_tokens, cache.batch, cache.page_size
+    positions = batch.positions(cache.lengths)                             # [T]
+    slots = cache.write_slots(batch.rows, positions)                       # [T]
+    kv_lengths = cache.lengths + batch.num_queries
+    meta = ragged_meta(batch.query_start, batch.num_queries, kv_lengths, num_tokens=T,
+                       query_tile=query_tile,
+                       num_tiles=num_tiles or num_tiles_bound(T, query_tile, B),
+                       page_size=Z, sliding_window=cfg.sliding_window,
+                       static_blocks=-(-cache.block_tables.shape[1] // PAGES_PER_BLOCK) if differentiable
+                       else None)
     inv_freq = rope_inv_freq(H, cfg.rope_theta, cfg.rope_scaling, cfg.rope_freq_factors)
-    angles = [rope_angles(p.positions, inv_freq) for p in plans]
-    # Write each layer's new K/V before attending (one in-place update of the donated cache),
-    # unless a sliding-window ring could overwrite keys that earlier tokens of this chunk still
-    # need: then the chunk attends to the old cache and to itself, and is written afterwards.
-    wraps = isinstance(cache, RingKVCache) and cfg.sliding_window is not None
-    first = [T == 1 or not wraps for _, T in shapes]
-    early = WritePlan.merge([p for p, f in zip(plans, first) if f])
-    late = WritePlan.merge([p for p, f in zip(plans, first) if not f])
-    kpos = cache.write_positions(early) if early is not None else cache.positions
-    # Unless a ring wraps (the engine sizes full-attention rings to max_seq_len), row slot j
-    # holds position j and the kernels can read the cache directly.
-    lengths = [None if wraps else (p.positions[:, 0], p.positions[:, 0] + q.num_new)
-               for p, q in zip(plans, queries)]  # a plan's first position is the row's length
-    ragged = [decode_pages is not None and isinstance(cache, PagedKVCache) and T == 1
-              and first[g] and attn_impl == "reference" for g, (_, T) in enumerate(shapes)]
-    page_lists = [cache.page_list(jnp.where(q.num_new > 0, p.positions[:, 0] + q.num_new, 0),
-                                  decode_pages, q.rows) if r else None
-                  for q, p, r in zip(queries, plans, ragged)]
+    cos, sin = rope_angles(positions[None], inv_freq)
     k_all, v_all = cache.k, cache.v
-    k_late, v_late = [], []
-
-    def split(x, last_dims):
-        parts = jnp.split(x, np.cumsum(sizes)[:-1], axis=0) if len(sizes) > 1 else [x]
-        return [p.reshape(shape + last_dims) for p, shape in zip(parts, shapes)]
-
-    # Sequence parallelism: the step's tokens split over `sequence` through every matmul;
-    # attention gathers each chunk's queries (T x N x H: small) and leaves the keys where the
-    # cache shards hold them, combining partial softmax statistics across shards (see
-    # docs/scaling.md for why this beats moving K/V, by ring or all-gather, for chunks).
-    rows = lambda x: sharding.constrain(x, ("rows", "embed"))
-    h = rows(jnp.concatenate([embed(params, q.tokens).reshape(-1, D) for q in queries]))
+    # Sequence parallelism: the step's tokens split over `sequence` through every matmul.
+    rows = lambda x: sharding.constrain(x, ("rows", "embed"))  # noqa: E731
+    h = rows(embed(params, batch.tokens[None])[0])
     for i, lp in enumerate(params.layers):
         with jax.named_scope(f"layer_{i}"):
             with jax.named_scope("attention"):
                 x = rms_norm(h, lp.attn_norm, cfg.rms_norm_eps)
-                qs = split(linear(x, lp.wq, lp.bq), (N, H))
-                ks = split(linear(x, lp.wk, lp.bk), (K, H))
-                vs = split(linear(x, lp.wv, lp.bv), (K, H))
-                qs = [sharding.constrain(apply_rope(q, *a), ("batch", None, "q_heads", None))
-                      for q, a in zip(qs, angles)]
-                ks = [apply_rope(k, *a) for k, a in zip(ks, angles)]
-                if early is not None:
-                    k_all = cache.write_layer(
-                        k_all, i, _as_plan([k for k, f in zip(ks, first) if f], early), early)
-                    v_all = cache.write_layer(
-                        v_all, i, _as_plan([v for v, f in zip(vs, first) if f], early), early)
-                outs = []
-                for g, query in enumerate(queries):
-                    if ragged[g]:
-                        page_rows, pages, starts = page_lists[g]
-                        o = ragged_paged_attention(
-                            qs[g][:, 0], cache.gather_pages(k_all, i, pages),
-                            cache.gather_pages(v_all, i, pages), page_rows, starts,
-                            plans[g].positions[:, 0] + 1, sliding_window=cfg.sliding_window)
-                        outs.append(o.reshape(-1, N * H))
-                        continue
-                    segments = [cache.layer_keys(k_all, v_all, i, S, kpos, query.rows)]
-                    pages = None
-                    if first[g]:
-                        if attn_impl != "reference" and lengths[g] is not None:
-                            pages = cache.kernel_pages(k_all, v_all, i, S, query.rows)
-                    else:
-                        segments.append((ks[g], vs[g], plans[g].key_positions))
-                        k_late.append(ks[g])
-                        v_late.append(vs[g])
-                    o = attention(qs[g], plans[g].positions, segments,
-                                  sliding_window=cfg.sliding_window, implementation=attn_impl,
-                                  lengths=lengths[g] if first[g] else None, pages=pages)
-                    outs.append(o.reshape(-1, N * H))
-                h = rows(h + linear(jnp.concatenate(outs) if len(outs) > 1 else outs[0], lp.wo))
+                q = apply_rope(linear(x, lp.wq, lp.bq).reshape(1, T, N, H), cos, sin)[0]
+                k = apply_rope(linear(x, lp.wk, lp.bk).reshape(1, T, K, H), cos, sin)[0]
+                v = linear(x, lp.wv, lp.bv).reshape(T, K, H)
+                q = sharding.constrain(q, (None, "q_heads", None))
+                k_all = cache.write_layer(k_all, i, k, slots)
+                v_all = cache.write_layer(v_all, i, v, slots)
+                o = ragged_attention(q, k_all, v_all, i, cache.block_tables, meta,
+                                     page_size=Z, sliding_window=cfg.sliding_window,
+                                     implementation=attn_impl, wraps=cache.wraps)
+                h = rows(h + linear(o.reshape(T, N * H), lp.wo))
             with jax.named_scope("mlp"):
                 x = rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps)
                 h = rows(h + swiglu_mlp(x, lp.w_gate, lp.w_up, lp.w_down))
-    if late is not None:
-        per_layer = len(k_late) // cfg.num_layers
-        for i in range(cfg.num_layers):
-            layer = slice(i * per_layer, (i + 1) * per_layer)
-            k_all = cache.write_layer(k_all, i, _as_plan(k_late[layer], late), late)
-            v_all = cache.write_layer(v_all, i, _as_plan(v_late[layer], late), late)
-        kpos = cache.write_positions(late, kpos)
-    written = WritePlan.merge(plans).tokens_per_row(B)
-    cache = cache.advance(k_all, v_all, kpos, written)
-    h = rms_norm(h, params.final_norm, cfg.rms_norm_eps)
-    return split(h, (D,)), cache
+    cache = cache.advance(k_all, v_all, batch.num_queries)
+    return rms_norm(h, params.final_norm, cfg.rms_norm_eps), cache
 
 
 @functools.partial(jax.jit, static_argnums=(1,), static_argnames=("kv_cache_dtype",))
@@ -338,6 +264,6 @@ def sequence_logits(params: LlamaParams, cfg: ModelConfig, tokens: jax.Array,
     layer attends to its keys and values as a quantized cache stores them."""
     B, T = tokens.shape
     dtype = activation_dtype(params) if kv_cache_dtype is None else KV_DTYPES[kv_cache_dtype]
-    cache = RingKVCache.create(cfg.num_layers, B, T, cfg.num_kv_heads, cfg.head_dim, dtype)
-    h, _ = forward(params, cfg, tokens, cache, jnp.full((B,), T, jnp.int32))
+    cache = PagedKVCache.ring(cfg.num_layers, B, T, cfg.num_kv_heads, cfg.head_dim, dtype)
+    h, _ = forward(params, cfg, tokens, cache, jnp.full((B,), T, jnp.int32), differentiable=True)
     return lm_head(params, h)

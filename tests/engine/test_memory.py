@@ -49,26 +49,3 @@ def test_too_little_memory_names_the_numbers(monkeypatch):
                                          r".*needs 17"):
         _llm(monkeypatch, 2_000_000, 1_500_000)
 
-
-def test_map_budget_raises_before_the_process_runs_out_of_maps(tmp_path):
-    """MapBudget against files standing in for /proc/self/maps and vm.max_map_count: programs
-    of 300 maps under a cap of 1000 stop with the numbers once the next would not fit."""
-    maps, limit = tmp_path / "maps", tmp_path / "max_map_count"
-    limit.write_text("1000\n")
-    maps.write_text("x\n" * 100)
-    budget = memory.MapBudget(str(maps), str(limit))
-    maps.write_text("x\n" * 400)       # one program: 300 maps
-    budget.check(programs_left=5)
-    maps.write_text("x\n" * 700)       # 700 + 300 = 1000: the next still fits
-    budget.check(programs_left=5)
-    maps.write_text("x\n" * 750)
-    with pytest.raises(RuntimeError, match=r"750 of the 1000 allowed .* up to 300, with 4 "
-                                           r"programs left"):
-        budget.check(programs_left=4)
-    budget.check(programs_left=0)      # nothing left to compile: nothing to refuse
-
-
-def test_map_budget_is_inert_without_a_limit(tmp_path):
-    budget = memory.MapBudget(str(tmp_path / "none"), str(tmp_path / "missing"))
-    assert budget.limit is None and budget.count() == 0
-    budget.check(programs_left=10)

@@ -1,0 +1,264 @@
+"""The model runner: device state, inputs built in numpy at bucketed shapes, one dispatch and
+one device-to-host fetch per step.
+
+Programs (every one compiled by warmup, none afterwards): the flat step at each token bucket
+(steps that prefill), and the multi-step decode loop (or speculative loop) at each row bucket
+(dispatches with nothing to prefill). Nothing else is a compile-time shape: no per-request
+padding, no key-length or page-count buckets (attention walks each row's pages in a loop of
+dynamic trip count).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Optional
+
+import jax
+import numpy as np
+
+from jaxinfer import decode, sharding, speculative_loop
+from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.engine import buckets
+from jaxinfer.kv_cache import PagedKVCache, kv_buffer, ring_tables
+from jaxinfer.sharding import Partitioner, fetch
+from jaxinfer.token_batch import host_batch
+
+MAX_STOP_IDS = 8
+
+
+@dataclasses.dataclass
+class StepResult:
+    """A flat step's outputs on the host."""
+
+    tokens: dict          # slot -> sampled token
+    logprobs: dict        # slot -> (ids, values, chosen), for rows that want them
+    prompt_logprobs: Optional[tuple]  # (ids [T, k], values [T, k], chosen [T]) when wanted
+
+
+class Runner:
+    def __init__(self, cfg: ModelConfig, params, engine_cfg: EngineConfig, *, num_slots: int,
+                 capacity: int, dtype, kv_dtype, page_size: int, num_pages: int,
+                 paged: bool, draft: Optional[tuple] = None,
+                 partitioner: Optional[Partitioner] = None, eos_ids: tuple = ()):
+        self.cfg, self.ecfg = cfg, engine_cfg
+        self.partitioner = partitioner
+        # Weights and state are committed to the device (or to their shardings on the mesh):
+        # jit keys its compiled programs on whether each argument is.
+        self.device = jax.local_devices()[0]
+        self.params = self._place_params(params, cfg)
+        self.draft_kw = {"draft_params": self._place_params(*draft) if draft else None,
+                         "draft_cfg": draft[1] if draft else None}
+        self.num_slots, self.capacity = num_slots, capacity
+        self.dtype, self.kv_dtype = dtype, kv_dtype
+        self.page_size, self.num_pages, self.paged = page_size, num_pages, paged
+        self.eos_ids = eos_ids
+        self.spec = engine_cfg.speculative
+        tune = buckets.backend_settings(jax.default_backend())
+        self.query_tile = tune["query_tile"]
+        budget = engine_cfg.max_num_batched_tokens
+        self.token_buckets = buckets.doubling(budget, min(tune["min_tokens"], budget))
+        self.row_buckets = buckets.doubling(num_slots, 1)
+        self.state: Optional[decode.DecodeState] = None
+
+    # ---- placement -----------------------------------------------------------------------
+
+    def _place_params(self, params, cfg: ModelConfig):
+        if self.partitioner is None:
+            return jax.device_put(params, self.device)
+        from jaxinfer.models import get_model
+        return self.partitioner.put_tree(
+            params, sharding.param_axes(cfg, params, get_model(cfg.architecture).param_specs))
+
+    def _place_state(self, state: decode.DecodeState) -> decode.DecodeState:
+        if self.partitioner is None:
+            return jax.device_put(state, self.device)
+        return self.partitioner.put_tree(state, state.logical_axes())
+
+    def on_mesh(self):
+        """The context of every dispatch: the mesh, whose rules the jitted steps' sharding
+        constraints resolve against (nothing without one)."""
+        return self.partitioner.active() if self.partitioner is not None \
+            else contextlib.nullcontext()
+
+    def _zeros(self, shape: tuple[int, ...]):
+        """An empty K or V buffer, made where it lives: on the device, or shard by shard."""
+        if self.partitioner is None:
+            return kv_buffer(shape, self.kv_dtype)
+        axes = PagedKVCache.KV_AXES
+        return kv_buffer(shape, self.kv_dtype, lambda sh, dt: self.partitioner.zeros(
+            sh, dt, tuple(axes)[:len(sh)]))
+
+    def new_state(self) -> decode.DecodeState:
+        """The device state: the page pool (or one ring per slot) and empty rows."""
+        B, L = self.num_slots, self.cfg.num_layers
+        K, H = self.cfg.num_kv_heads, self.cfg.head_dim
+        if self.paged:
+            Z, M = self.page_size, -(-self.capacity // self.page_size)
+            tables, P, wraps = np.zeros((B, M), np.int32), self.num_pages, False
+        else:
+            Z = min(self.page_size, self.capacity)
+            M = -(-self.capacity // Z)
+            tables, P, wraps = np.asarray(ring_tables(B, M)), B * M, True
+        shape = (L, P * Z, K, H)
+        cache = PagedKVCache(k=self._zeros(shape), v=self._zeros(shape), block_tables=tables,
+                             lengths=np.zeros(B, np.int32), page_size=Z, wraps=wraps)
+        history = self.ecfg.max_seq_len if self.spec is not None and \
+            self.spec.method == "ngram" else 0
+        return self._place_state(decode.DecodeState.create(
+            self.cfg, B, self.capacity, self.dtype, cache=cache,
+            draft_cfg=self.draft_kw["draft_cfg"], draft_capacity=self.ecfg.max_seq_len,
+            history=history, num_stop_ids=MAX_STOP_IDS))
+
+    def ensure_state(self) -> None:
+        if self.state is None:
+            self.state = self.new_state()
+
+    # ---- admission -------------------------------------------------------------------------
+
+    def admit(self, admitted: list, tables) -> None:
+        """Writes newly admitted requests' rows: start position (prefix-cache hits), tokens
+        generated before a preemption, sampling parameters and n-gram history."""
+        B = self.num_slots
+        mask, start = np.zeros(B, bool), np.zeros(B, np.int32)
+        generated = np.zeros(B, np.int32)
+        rows = decode.RowParams.empty(B, MAX_STOP_IDS)
+        history = None if self.state.history is None else \
+            np.zeros(self.state.history.shape, np.int32)
+        for req, cached in admitted:
+            b, p = req.slot, req.params
+            mask[b], start[b], generated[b] = True, cached, len(req.token_ids)
+            s = rows.sampling
+            s.temperature[b], s.top_k[b], s.top_p[b] = p.temperature, p.top_k, p.top_p
+            s.min_p[b], s.repetition_penalty[b], s.seed[b] = p.min_p, p.repetition_penalty, req.seed
+            rows.max_new[b] = req.max_new
+            rows.logprobs[b] = p.logprobs is not None
+            rows.prompt_logprobs[b] = p.prompt_logprobs is not None
+            if not p.ignore_eos:
+                ids = self.eos_ids[:MAX_STOP_IDS]
+                rows.stop_ids[b, :len(ids)] = ids
+            if history is not None:
+                ids = req.prefill_ids[:history.shape[1]]
+                history[b, :len(ids)] = ids
+        self.state = decode.admit_rows(self.state, mask, start, generated, rows, history, tables)
+
+    def set_tables(self, tables) -> None:
+        if tables is not None:
+            self.state = decode.set_block_tables(self.state, tables)
+
+    # ---- the flat step -----------------------------------------------------------------------
+
+    def step(self, segments: list, sample_slots: list, next_tokens: Optional[list] = None,
+             want_logprobs: bool = False) -> StepResult:
+        """One flat step: segments [(slot, token ids)] in batch order; sample_slots: the slots
+        that sample a token from their last one; next_tokens: per segment the prompt token
+        after each of its tokens (-1: none), when a row wants prompt logprobs."""
+        total = sum(len(ids) for _, ids in segments)
+        T = buckets.pick(self.token_buckets, total)
+        batch = host_batch(T, self.num_slots, segments)
+        S = min(self.num_slots, T)
+        sample_rows = np.full(S, self.num_slots, np.int32)
+        sample_rows[:len(sample_slots)] = sorted(sample_slots)
+        nxt = np.full(T, -1, np.int32)
+        if next_tokens is not None:
+            t = 0
+            for (_, ids), after in zip(segments, next_tokens):
+                nxt[t:t + len(after)] = after
+                t += len(ids)
+        out, self.state = self._step(batch, sample_rows, nxt)
+        # One device-to-host fetch: the tokens, and the logprobs only when a row wants them.
+        tokens, lp, prompt_lp = fetch((out.tokens, out.logprobs if want_logprobs else None,
+                                       out.prompt_logprobs if next_tokens is not None else None))
+        listed = [(i, int(s)) for i, s in enumerate(sample_rows) if s < self.num_slots]
+        return StepResult(tokens={s: int(tokens[i]) for i, s in listed},
+                          logprobs={} if lp is None else
+                          {s: tuple(x[i] for x in lp) for i, s in listed},
+                          prompt_logprobs=prompt_lp)
+
+    def _step(self, batch, sample_rows, next_tokens):
+        return decode.step_jit(self.params, self.state, batch, sample_rows, next_tokens,
+                               cfg=self.cfg, attn_impl=self.ecfg.attention,
+                               query_tile=self.query_tile, **self.draft_kw)
+
+    # ---- multi-step decode ------------------------------------------------------------------
+
+    def rows_array(self, slots: list) -> np.ndarray:
+        R = buckets.pick(self.row_buckets, len(slots))
+        rows = np.full(R, self.num_slots, np.int32)
+        rows[:len(slots)] = slots
+        return rows
+
+    def decode(self, slots: list, draft_on: Optional[np.ndarray], exit_on_stop: bool):
+        """One decode dispatch for the listed slots. Returns (out [B, W], num_out [B],
+        done [B], logprobs or None (fetched when asked), counts or None)."""
+        rows = self.rows_array(slots)
+        if self.spec is not None:
+            self.state, out, num_out, done, lp, counts = self._speculative_loop(
+                rows, draft_on, exit_on_stop)
+            counts = fetch(counts)
+        else:
+            self.state, out, num_out, done, lp = self._decode_loop(rows, exit_on_stop)
+            counts = None
+        return fetch((out, num_out, done)) + (lp, counts)
+
+    def _decode_loop(self, rows, exit_on_stop: bool):
+        return decode.decode_loop(self.params, self.state, rows, cfg=self.cfg,
+                                  num_steps=self.ecfg.decode_steps, attn_impl=self.ecfg.attention,
+                                  exit_on_stop=np.bool_(exit_on_stop), **self.draft_kw)
+
+    def _speculative_loop(self, rows, draft_on, exit_on_stop: bool):
+        return speculative_loop.speculative_loop(
+            self.params, self.state, rows, draft_on, cfg=self.cfg,
+            num_steps=self.ecfg.decode_steps, num_draft=self.spec.num_draft_tokens,
+            ngram_max=self.spec.ngram_max, ngram_min=self.spec.ngram_min,
+            attn_impl=self.ecfg.attention, exit_on_stop=np.bool_(exit_on_stop), **self.draft_kw)
+
+    # ---- compilation -------------------------------------------------------------------------
+
+    def num_programs(self) -> int:
+        """The model programs warmup compiles: a flat step per token bucket, a decode (or
+        speculative) loop per row bucket."""
+        return len(self.token_buckets) + len(self.row_buckets)
+
+    def warmup(self, tables) -> None:
+        """Compiles every program the engine can dispatch, on an idle state (every row empty:
+        the programs run but change nothing), and the small ones admission and page growth
+        use (tables: the current block tables of a paged cache, None for a ring)."""
+        self.ensure_state()
+        B = self.num_slots
+        self.admit([], tables)
+        self.set_tables(tables)
+        for T in self.token_buckets:
+            out, self.state = self._step(host_batch(T, B, []),
+                                         np.full(min(B, T), B, np.int32), np.full(T, -1, np.int32))
+        for R in self.row_buckets:
+            rows = np.full(R, B, np.int32)
+            if self.spec is not None:
+                self.state, *_ = self._speculative_loop(rows, np.zeros(B, bool), False)
+            else:
+                self.state, *_ = self._decode_loop(rows, False)
+        jax.block_until_ready(self.state)
+
+    def step_scratch_bytes(self) -> int:
+        """Scratch (temporary) bytes of the largest programs (the biggest token bucket and row
+        bucket), from XLA's memory analysis. Compiles them with abstract inputs."""
+        B = self.num_slots
+        state = jax.eval_shape(self.new_state)
+        T, R = self.token_buckets[-1], self.row_buckets[-1]
+        common = dict(cfg=self.cfg, attn_impl=self.ecfg.attention, **self.draft_kw)
+        programs = [decode.step_jit.lower(self.params, state, host_batch(T, B, []),
+                                          np.full(min(B, T), B, np.int32),
+                                          np.full(T, -1, np.int32), query_tile=self.query_tile,
+                                          **common)]
+        rows = np.full(R, B, np.int32)
+        if self.spec is None:
+            programs.append(decode.decode_loop.lower(
+                self.params, state, rows, num_steps=self.ecfg.decode_steps,
+                exit_on_stop=np.bool_(False), **common))
+        else:
+            programs.append(speculative_loop.speculative_loop.lower(
+                self.params, state, rows, np.zeros(B, bool), num_steps=self.ecfg.decode_steps,
+                num_draft=self.spec.num_draft_tokens, ngram_max=self.spec.ngram_max,
+                ngram_min=self.spec.ngram_min, exit_on_stop=np.bool_(False), **common))
+        return max(p.compile().memory_analysis().temp_size_in_bytes for p in programs)
+

@@ -1,0 +1,141 @@
+"""The scheduler: which requests run this step, and how many of their tokens.
+
+Host bookkeeping only. Each step it (1) admits waiting requests into free slots while pages last
+(prefix-cache hits start a row past its cached tokens), (2) if any row is still prefilling, plans
+one flat step: one token for every decoding row plus prefill chunks of the oldest prefilling
+requests within the token budget (max_num_batched_tokens, decodes first: SARATHI-style
+decode-maximal batching), or (3) with nothing to prefill, one multi-step decode dispatch.
+Pages for the planned tokens are reserved here, preempting the newest running requests (pages
+freed, requeued first, recomputed on readmission) while pages run short.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Optional
+
+from jaxinfer.engine.paged import PagedSlots
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    admitted: list            # [(request, cached tokens)] placed in slots this step
+    prefill: list             # [(request, tokens)]: chunks from request.prefilled on
+    decode: list              # requests feeding their newest token
+    multi_step: bool          # nothing to prefill: one dispatch of several decode steps
+    preempted: list = dataclasses.field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode) + sum(n for _, n in self.prefill)
+
+
+class Scheduler:
+    def __init__(self, num_slots: int, max_num_batched_tokens: int, prefill_chunk: int,
+                 paged: Optional[PagedSlots] = None, data: int = 1):
+        self.slots: list = [None] * num_slots
+        self.waiting: collections.deque = collections.deque()
+        self.budget = max_num_batched_tokens
+        self.prefill_chunk = prefill_chunk
+        self.paged = paged
+        self.data = data
+        self.admissions = 0
+        self.preemptions = 0
+
+    def running(self) -> list:
+        return [r for r in self.slots if r is not None]
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting) or any(r is not None for r in self.slots)
+
+    def free(self, req) -> None:
+        """Releases a finished (or aborted) request's slot and pages."""
+        if self.paged is not None:
+            self.paged.release(req)
+        if req.slot is not None and self.slots[req.slot] is req:
+            self.slots[req.slot] = None
+
+    def schedule(self) -> SchedulerOutput:
+        admitted = self._admit()
+        decoding = [r for r in self.slots if r is not None and r.prefilled == len(r.prefill_ids)]
+        prefilling = sorted((r for r in self.slots
+                             if r is not None and r.prefilled < len(r.prefill_ids)),
+                            key=lambda r: r.admitted_order)
+        if not prefilling:
+            return SchedulerOutput(admitted, [], decoding, multi_step=True)
+        preempted = self.reserve(decoding, 1) if decoding else []
+        decoding = [r for r in decoding if r.slot is not None]
+        budget = self.budget - len(decoding)
+        chunks = []
+        for req in prefilling:
+            if req.slot is None:  # preempted just now
+                continue
+            take = min(len(req.prefill_ids) - req.prefilled, self.prefill_chunk, budget)
+            if take <= 0:
+                break
+            chunks.append((req, take))
+            budget -= take
+        return SchedulerOutput(admitted, chunks, decoding, multi_step=not chunks,
+                               preempted=preempted)
+
+    def _admit(self) -> list:
+        """Moves waiting requests into free slots, first come first served, while pages last."""
+        now = time.perf_counter()
+        admitted = []
+        for b, slot in enumerate(self.slots):
+            if slot is not None or not self.waiting:
+                continue
+            req = self.waiting[0]
+            # After a preemption the tokens already produced are re-prefilled, never re-sampled.
+            req.prefill_ids = req.prompt_ids + req.token_ids
+            cached = 0
+            if self.paged is not None:
+                cached = self.paged.admit(req, b, b * self.data // len(self.slots))
+                if cached is None:
+                    break  # wait for pages
+            self.waiting.popleft()
+            req.slot, req.prefilled = b, cached
+            req.metrics.prefix_cache_hit_tokens += cached
+            req.admitted_order = self.admissions
+            self.admissions += 1
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+            self.slots[b] = req
+            admitted.append((req, cached))
+        return admitted
+
+    def reserve(self, decoding: list, tokens: int) -> list:
+        """Gives every decoding request pages for `tokens` more tokens, preempting the newest
+        running requests while pages run short. Returns the preempted requests (their slot is
+        None afterwards)."""
+        if self.paged is None:
+            return []
+        preempted = []
+        for req in sorted(decoding, key=lambda r: r.admitted_order):
+            if req.slot is None:
+                continue  # preempted meanwhile
+            while not self.paged.grow(req, len(req.prompt_ids) + len(req.token_ids) + tokens):
+                victim = max(self.running(), key=lambda r: r.admitted_order)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+        return preempted
+
+    def _preempt(self, req) -> None:
+        self.paged.release(req)
+        self.slots[req.slot] = None
+        req.slot, req.prefilled = None, 0
+        req.metrics.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(req)
+
+    def take_tables(self, always: bool = False):
+        """A paged cache's block tables if they changed since the last call (always: in any
+        case), else None; None for a ring."""
+        if self.paged is None:
+            return None
+        tables = self.paged.take_tables()
+        return self.paged.tables.copy() if tables is None and always else tables

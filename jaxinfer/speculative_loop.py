@@ -1,0 +1,219 @@
+"""speculative_loop: decode_loop with drafting and exact verification, over decode.py's state.
+
+Shape legend: B cache rows, R listed rows of a dispatch, k draft tokens per step, V vocab,
+W tokens a dispatch can emit per row.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.decode import (LOOP_COMPILER_OPTIONS, DecodeState, _forward_rows, _put, _take)
+from jaxinfer.kv_cache import PagedKVCache
+from jaxinfer.models import llama
+from jaxinfer.sampling import SamplingArrays, mark_seen, maybe_top_logprobs, no_logprobs, sample
+from jaxinfer.speculative import draw_draft, ngram_propose, verify
+
+
+def _run_if(pred: jax.Array, fn, operand, default):
+    """fn(operand) -> (operand', out) when pred, else (operand, default): a while loop that
+    runs at most once. XLA updates a while loop's buffers in place, but copies a cache passed
+    into lax.cond's branches at every write (two full copies per layer)."""
+    def body(carry):
+        _, x, _ = carry
+        return (jnp.bool_(False),) + fn(x)
+
+    _, operand, out = jax.lax.while_loop(lambda c: c[0], body, (pred, operand, default))
+    return operand, out
+
+
+def _draft_model_steps(draft_params, draft_cfg: ModelConfig, draft_cache: PagedKVCache,
+                       last_token: jax.Array, seen: jax.Array, num_generated: jax.Array,
+                       sampling: SamplingArrays, rows: jax.Array, fed: jax.Array, k: int):
+    """k single-token steps of the draft model on the listed rows [R] of draft_cache, the first
+    feeding each row's last token [R] and each later one the token drawn before, then one more
+    feeding the last draft (its K/V only: no head). seen, num_generated, sampling: the rows'
+    own ([R, ...]). Returns (drafts [R, k], their distributions q [R, k, V], draft cache)."""
+    fed = fed.astype(jnp.int32)
+
+    def body(carry, i):
+        cache, token, seen = carry
+        h, cache = llama.forward(draft_params, draft_cfg, token[:, None], cache, fed, rows=rows)
+        logits = llama.lm_head(draft_params, h[:, 0])
+        drawn, q = draw_draft(logits, sampling, seen, num_generated + i)
+        seen = mark_seen(seen, drawn[:, None], fed[:, None] > 0)
+        return (cache, drawn, seen), (drawn, q)
+
+    (cache, last, _), (drafts, q) = jax.lax.scan(
+        body, (draft_cache, last_token, seen), jnp.arange(k, dtype=jnp.int32))
+    _, cache = llama.forward(draft_params, draft_cfg, last[:, None], cache, fed, rows=rows)
+    return drafts.T, jnp.swapaxes(q, 0, 1), cache
+
+
+def _emitted(drafts: jax.Array, accepted: jax.Array, token: jax.Array) -> jax.Array:
+    """[B, k+1]: a verification step's tokens, the accepted drafts then the redrawn or bonus
+    token (entries past it are filler)."""
+    j = jnp.arange(drafts.shape[1] + 1, dtype=jnp.int32)[None, :]
+    return jnp.where(j < accepted[:, None], jnp.concatenate([drafts, drafts[:, :1]], axis=1),
+                     token[:, None])
+
+
+@flax.struct.dataclass
+class SpecCounts:
+    """Per-row speculation counts of one dispatch, [B] int32 each."""
+
+    steps: jax.Array     # verification steps in which the row had drafts
+    drafted: jax.Array   # tokens proposed
+    accepted: jax.Array  # proposals accepted
+
+
+@functools.partial(jax.jit,
+                   static_argnames=("cfg", "num_steps", "num_draft", "ngram_max", "ngram_min",
+                                    "attn_impl", "draft_cfg"),
+                   donate_argnums=(1,), compiler_options=LOOP_COMPILER_OPTIONS)
+def speculative_loop(params, state: DecodeState, rows: jax.Array, draft_on: jax.Array, *,
+                     cfg: ModelConfig, num_steps: int, num_draft: int, ngram_max: int = 3,
+                     ngram_min: int = 1, attn_impl: str = "reference",
+                     exit_on_stop: jax.Array | bool = False, draft_params=None,
+                     draft_cfg: ModelConfig | None = None):
+    """decode_loop with speculation for the listed rows [R]: up to num_steps verification
+    steps, each emitting 1 to num_draft + 1 tokens per row.
+
+    Each step proposes up to k = num_draft tokens per row (rows where draft_on [B] is False
+    propose none): by prompt lookup in state.history (speculative.ngram_propose), or with
+    draft_cfg by k single-token steps of the draft model on state.draft_cache (drawn from its q
+    with the row's sampling parameters; a (k+1)-th step feeds the last draft, so the draft
+    cache holds whatever the target keeps). It then runs each row's last token and its drafts
+    through the target as one flat batch of R * (k + 1) tokens, accepts a prefix of them by
+    exact rejection sampling (speculative.verify) and rolls the cache back past the first
+    rejected position (lengths only: nothing is copied). A step in which no row has a draft
+    runs decode_loop's single-token step instead. Stop ids and max_new cut a step's tokens
+    where they occur.
+
+    Returns (state, out_tokens [B, W] int32 with W = num_steps * (k + 1), num_out [B], done [B],
+    logprobs ([B, W, ...] as decode_loop's), counts (SpecCounts)).
+    """
+    B, k, R = state.last_token.shape[0], num_draft, rows.shape[0]
+    W = num_steps * (k + 1)
+    listed = jnp.zeros((B,), bool).at[rows].set(True, mode="drop")
+    stopped = ~listed | (state.num_generated >= state.rows.max_new)
+    stopped |= jnp.any(state.last_token[:, None] == state.rows.stop_ids, axis=-1) & listed
+    stopped_before = stopped
+    j = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+    zeros = jnp.zeros((B,), jnp.int32)
+    sp = jax.tree.map(lambda x: _take(x, rows), state.rows.sampling)      # [R] parameters
+    max_new, stop_ids = _take(state.rows.max_new, rows), _take(state.rows.stop_ids, rows)
+    want_lp_rows = _take(state.rows.logprobs, rows)
+    real = rows < B
+
+    def cond(carry):
+        step, _, stopped, *_ = carry
+        freed = exit_on_stop & jnp.any(stopped & ~stopped_before)
+        return (step < num_steps) & ~jnp.all(stopped) & ~freed
+
+    def body(carry):
+        step, state, stopped, out, num_out, lp_out, counts = carry
+        running = _take(~stopped, rows) & real                             # [R]
+        length = _take(state.cache.lengths, rows)
+        generated = _take(state.num_generated, rows)
+        last_token, seen = _take(state.last_token, rows), _take(state.seen, rows)
+        room = jnp.maximum(max_new - generated - 1, 0)  # the last token is free
+        want_lp = want_lp_rows & running
+        can_draft = running & _take(draft_on, rows) & (room > 0)
+        if draft_cfg is None:
+            ngram_drafts, num = ngram_propose(_take(state.history, rows), length + 1, k,
+                                              ngram_max, ngram_min)
+            num = jnp.where(can_draft, jnp.minimum(num, room), 0)
+        else:
+            num = jnp.where(can_draft, jnp.minimum(k, room), 0)
+
+        def verify_drafts(caches):
+            """Drafts (the draft model's k + 1 steps, or the n-gram ones), then the last token
+            and the drafts through the target; exact acceptance."""
+            cache, draft_cache = caches
+            if draft_cfg is None:
+                drafts, draft_probs = ngram_drafts, None
+            else:
+                drafts, draft_probs, draft_cache = _draft_model_steps(
+                    draft_params, draft_cfg, draft_cache, last_token, seen, generated, sp,
+                    rows, running, k)
+            tokens = jnp.concatenate([last_token[:, None], drafts], axis=1)  # [R, k+1]
+            h, cache = _forward_rows(params, cfg, cache, tokens,
+                                     jnp.where(running, 1 + num, 0), rows, attn_impl)
+            logits = llama.lm_head(params, h)                                # [R, k+1, V]
+            accepted, token = verify(logits, drafts, num, sp, seen, generated, draft_probs)
+            emitted = _emitted(drafts, accepted, token)
+            lp = maybe_top_logprobs(want_lp, lambda x: x, logits, emitted)
+            return (cache, draft_cache), (drafts, accepted, token, lp)
+
+        def plain_step(caches):
+            """No row drafts: one token per row, as decode_loop (a (k+1)-token forward would
+            cost more for nothing); a draft model's cache only takes the last token's K/V."""
+            cache, draft_cache = caches
+            fed = running.astype(jnp.int32)
+            h, cache = _forward_rows(params, cfg, cache, last_token[:, None], fed, rows,
+                                     attn_impl)
+            if draft_cfg is not None:
+                _, draft_cache = llama.forward(draft_params, draft_cfg, last_token[:, None],
+                                               draft_cache, fed, rows=rows)
+            logits = llama.lm_head(params, h[:, 0])
+            token = sample(logits, sp, seen, generated)
+            lp = maybe_top_logprobs(want_lp, lambda x: x, logits, token)
+            lp = jax.tree.map(lambda x: jnp.pad(x[:, None], [(0, 0), (0, k)] +
+                                                [(0, 0)] * (x.ndim - 1)), lp)
+            return (cache, draft_cache), (jnp.zeros((R, k), jnp.int32), zeros[:R], token, lp)
+
+        any_draft = jnp.any(num > 0)
+        none = (jnp.zeros((R, k), jnp.int32), zeros[:R], zeros[:R], no_logprobs((R, k + 1)))
+        caches, drafted_out = _run_if(any_draft, verify_drafts,
+                                      (state.cache, state.draft_cache), none)
+        (cache, draft_cache), plain_out = _run_if(~any_draft, plain_step, caches, none)
+        drafts, accepted, token, lp = jax.tree.map(lambda a, b: jnp.where(any_draft, a, b),
+                                                   drafted_out, plain_out)
+        emitted = _emitted(drafts, accepted, token)                          # [R, k+1]
+        n = jnp.minimum(accepted + 1, max_new - generated)
+        is_stop = jnp.any(emitted[..., None] == stop_ids[:, None, :], axis=-1) & (
+            j < n[:, None])
+        hit_stop = jnp.any(is_stop, axis=1)
+        n = jnp.where(hit_stop, jnp.argmax(is_stop, axis=1) + 1, n)
+        n = jnp.where(running, n, 0)
+        keep = j < n[:, None]
+        # The cache keeps the last token and the emitted tokens but the newest (fed next step).
+        new_len = _put(cache.lengths, rows, length + n)
+        cache = cache.rollback(new_len)
+        if draft_cache is not None:
+            draft_cache = draft_cache.rollback(new_len)
+        new_last = jnp.take_along_axis(emitted, jnp.maximum(n - 1, 0)[:, None], axis=1)[:, 0]
+        done_out = _take(num_out, rows)
+        slot = jnp.where(keep, done_out[:, None] + j, W)
+        row_ix = jnp.broadcast_to(jnp.where(real, rows, B)[:, None], emitted.shape)
+        out = out.at[row_ix, slot].set(emitted, mode="drop")
+        lp_out = jax.tree.map(lambda buf, x: buf.at[row_ix, slot].set(x, mode="drop"),
+                              lp_out, lp)
+        history = state.history
+        if history is not None:
+            history = history.at[row_ix, jnp.where(keep, length[:, None] + 1 + j,
+                                                   history.shape[1])].set(emitted, mode="drop")
+        num_generated = _put(state.num_generated, rows, generated + n)
+        state = DecodeState(
+            cache=cache, rows=state.rows, history=history, draft_cache=draft_cache,
+            last_token=_put(state.last_token, rows, jnp.where(running, new_last, last_token)),
+            num_generated=num_generated,
+            seen=_put(state.seen, rows, mark_seen(seen, emitted, keep)))
+        ended = running & (hit_stop | (generated + n >= max_new))
+        stopped = stopped | _put(jnp.zeros((B,), bool), rows, ended)
+        counts = SpecCounts(steps=counts.steps + _put(zeros, rows, (num > 0).astype(jnp.int32)),
+                            drafted=counts.drafted + _put(zeros, rows, num),
+                            accepted=counts.accepted + _put(zeros, rows, accepted))
+        return (step + 1, state.constrained(), stopped, out, num_out + _put(zeros, rows, n),
+                lp_out, counts)
+
+    carry = (jnp.int32(0), state, stopped, jnp.zeros((B, W), jnp.int32), zeros,
+             no_logprobs((B, W)), SpecCounts(steps=zeros, drafted=zeros, accepted=zeros))
+    _, state, stopped, out, num_out, lp_out, counts = jax.lax.while_loop(cond, body, carry)
+    return state.constrained(), out, num_out, stopped, lp_out, counts
