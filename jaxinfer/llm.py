@@ -42,6 +42,12 @@ def enable_compilation_cache() -> Optional[str]:
     setting = os.environ.get("JAXINFER_COMPILATION_CACHE")
     if setting == "0":
         return None
+    if jax.process_count() > 1:
+        # Off in multi-process runs: JAX writes the cache from process 0 only, and on XLA:CPU a
+        # step program process 0 loaded from it ran its gloo collectives in another order than
+        # the same program freshly compiled in process 1 (the run aborted on mismatched
+        # collectives every time the cache was warm).
+        return None
     if jax.config.jax_compilation_cache_dir:
         return jax.config.jax_compilation_cache_dir
     path = setting or os.path.join(cache_dir(), "xla")
