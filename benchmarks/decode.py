@@ -1,6 +1,6 @@
 """Batch-1 decode and 512-token prefill throughput against the weight-bandwidth roofline.
 
-    python benchmarks/decode.py [--model smollm2-135m] [--runs 5] [--decode_tokens 128]
+    python benchmarks/decode.py [--model smollm2-135m] [--dtype D] [--runs 5] [--decode_tokens 128]
 
 Prints, all measured in this one process, interleaved run by run so that machine noise hits
 them alike:
@@ -8,7 +8,14 @@ them alike:
   * decode tokens/s at batch 1 (ignore_eos, tokens after the first);
   * prefill tokens/s for a 512-token prompt;
   * roofline = bandwidth / weight bytes read per decode token; fraction = decode / roofline,
-    per run, and the median of those.
+    per run, and the median of those;
+  * a --rows-row decode step against the bare matmul stack of the same model for as many rows:
+    --rows requests with prompts of --context_min..--context_max tokens (seeded) are prefilled,
+    then each run times one engine step (LLM.step(): a dispatch of decode_steps decode steps
+    for every row, host booking included) and one call of a jitted loop of decode_steps
+    iterations of the model's linears alone (q, k, v, o, gate, up, down per layer and the
+    head, through the same quantization-aware `linear`, no norms, RoPE, attention or
+    sampling). Both per step; the ratio step / stack per run, and its median.
 """
 
 from __future__ import annotations
@@ -46,15 +53,20 @@ def weight_bytes(params) -> int:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--dtype", default=None, help="LLM's dtype (default: its own default)")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--decode_tokens", type=int, default=128)
     ap.add_argument("--prefill_tokens", type=int, default=512)
+    ap.add_argument("--rows", type=int, default=16, help="rows of the batched decode step "
+                    "compared with the matmul stack (0: skip)")
+    ap.add_argument("--context_min", type=int, default=128)
+    ap.add_argument("--context_max", type=int, default=384)
     ap.add_argument("--json", action="store_true", help="print one JSON line instead of text")
     args = ap.parse_args()
 
     import jaxinfer as ji
 
-    llm = ji.LLM(args.model, max_num_seqs=1, max_seq_len=1024)
+    llm = ji.LLM(args.model, max_num_seqs=1, max_seq_len=1024, dtype=args.dtype)
     wbytes = weight_bytes(llm._engine.params)
     rng = np.random.default_rng(0)
     prefill_prompt = rng.integers(100, llm.model_config.vocab_size, args.prefill_tokens).tolist()
@@ -87,6 +99,9 @@ def main():
         "roofline_tokens_per_s": roofline,
         "fraction_of_roofline": statistics.median(fractions), "fraction_runs": fractions,
     }
+    del llm
+    if args.rows:
+        result.update(batch_step_vs_matmuls(args))
     if args.json:
         print(json.dumps(result))
         return
@@ -100,6 +115,64 @@ def main():
     print(f"roofline              {roofline:8.2f} tokens/s (bandwidth / weight bytes)")
     print(f"fraction of roofline  {result['fraction_of_roofline']:8.2f} (median of per-run "
           f"fractions: {', '.join(f'{x:.2f}' for x in fractions)})")
+    if args.rows:
+        print(f"{args.rows}-row decode step  {result['batch_step_ms']:8.2f} ms (median; "
+              f"contexts {args.context_min}-{args.context_max} tokens)")
+        print(f"{args.rows}-row matmul stack {result['matmul_stack_ms']:8.2f} ms (median)")
+        print(f"step / matmul stack   {result['step_over_stack']:8.2f} (median of per-run "
+              f"ratios: {', '.join(f'{x:.2f}' for x in result['step_over_stack_runs'])})")
+
+
+def matmul_stack(params, x, *, num_steps: int):
+    """num_steps iterations of the model's linears over x [R, D] (see the module docstring):
+    each layer's q, k, v, o, gate, up and down, then the head; chained so none is dead code."""
+    from jaxinfer.layers import linear
+    from jaxinfer.models import llama
+
+    def body(_, x):
+        for lp in params.layers:
+            q = linear(x, lp.wq)
+            kv = linear(x, lp.wk) + linear(x, lp.wv)
+            o = q + jnp.tile(kv, q.shape[-1] // kv.shape[-1])
+            x = x + linear(o, lp.wo)
+            x = x + linear(jax.nn.silu(linear(x, lp.w_gate)) * linear(x, lp.w_up), lp.w_down)
+        logits = llama.lm_head(params, x)
+        return x + 1e-6 * logits[:, :x.shape[-1]]
+    return jax.lax.fori_loop(0, num_steps, body, x)
+
+
+def batch_step_vs_matmuls(args) -> dict:
+    import jaxinfer as ji
+    from jaxinfer import tuning
+
+    R = args.rows
+    llm = ji.LLM(args.model, max_num_seqs=R, dtype=args.dtype)
+    engine = llm._engine
+    steps = engine.ecfg.decode_steps
+    rng = np.random.default_rng(1)
+    V = llm.model_config.vocab_size
+    for n in rng.integers(args.context_min, args.context_max + 1, R):
+        llm.add_request(rng.integers(100, V, int(n)).tolist(),
+                        ji.SamplingParams(max_tokens=2048 - args.context_max - 1,
+                                          ignore_eos=True))
+    while any(r is None or r.prefilled < len(r.prefill_ids) for r in engine.slots):
+        llm.step()  # admission and prefill (and their compilation)
+    llm.step()      # compiles the R-row decode loop
+    stack = tuning.loop_jit(matmul_stack, static_argnames="num_steps")
+    x = jnp.asarray(rng.standard_normal((R, llm.model_config.d_model)), jnp.float32) * 0.01
+    stack(engine.params, x, num_steps=steps).block_until_ready()
+    step_ms, stack_ms = [], []
+    for _ in range(args.runs):
+        t = time.perf_counter()
+        llm.step()
+        step_ms.append((time.perf_counter() - t) * 1e3 / steps)
+        t = time.perf_counter()
+        stack(engine.params, x, num_steps=steps).block_until_ready()
+        stack_ms.append((time.perf_counter() - t) * 1e3 / steps)
+    ratios = [a / b for a, b in zip(step_ms, stack_ms)]
+    return {"rows": R, "batch_step_ms": statistics.median(step_ms),
+            "matmul_stack_ms": statistics.median(stack_ms),
+            "step_over_stack": statistics.median(ratios), "step_over_stack_runs": ratios}
 
 
 if __name__ == "__main__":

@@ -1,14 +1,17 @@
 """Offline serving throughput: jaxinfer against HF transformers and llama.cpp on the same requests.
 
     pip install -e ".[bench]"   # torch, transformers, llama-cpp-python (compiles llama.cpp)
-    python benchmarks/throughput.py [--num-requests 64] [--output-len 128] [--output-len-min N]
-        [--prompt-len-min 32] [--prompt-len-max 256] [--seed 0] [--threads 2]
+    python benchmarks/throughput.py [--workloads random,chat] [--num-requests 64]
+        [--output-len 128] [--output-len-min N] [--seed 0] [--threads 2]
         [--peers hf,llamacpp] [--runs 2] [--max-num-seqs 16] [--hf-batch 16]
-        [--dtypes float32,bfloat16] [--json PATH]
+        [--dtypes default] [--json PATH]
 
-Workload: --num-requests requests that all arrive at t=0. Prompt lengths are uniform in
-[--prompt-len-min, --prompt-len-max] and output lengths uniform in [--output-len-min,
---output-len] (by default both --output-len: fixed), drawn once from --seed. Prompt token ids are
+Workloads (--workloads, each served by every engine, one workload after the other):
+  random  prompts of 32-256 tokens (--prompt-len-min / --prompt-len-max)
+  chat    short chat-sized prompts of 20-30 tokens
+Each: --num-requests requests that all arrive at t=0, output lengths uniform in
+[--output-len-min, --output-len] (by default both --output-len: fixed), lengths drawn once
+from --seed. Prompt token ids are
 uniform over the model's normal (non-control) tokens and are drawn anew for every run, so no run
 is served from a prefix cache an earlier one filled; every engine gets exactly the same token-id
 lists. Decoding is greedy and every request generates exactly its output length (EOS ignored).
@@ -18,8 +21,9 @@ the first --threads CPUs. A worker loads the model, warms up untimed on two requ
 also compiles every shape with LLM.warmup()), then serves the whole workload --runs times; the
 run with the highest throughput is reported. Load and warm-up times are reported separately.
   jaxinfer  LLM.generate on all requests at once: continuous batching of up to --max-num-seqs,
-            weights dequantized from the GGUF into each of --dtypes (on CPU, bfloat16 is the
-            weights' dtype only: activations and the KV cache stay float32), one worker each. XLA's CPU thread pool follows the CPUs the
+            weights dequantized from the GGUF into each of --dtypes ("default": LLM's own
+            default, dtype=None; on CPU, bfloat16 is the weights' dtype only: activations and
+            the KV cache stay float32), one worker each. XLA's CPU thread pool follows the CPUs the
             process may use; XLA has no flag for its size (intra_op_parallelism_threads is a
             TensorFlow option, and --xla_cpu_multi_thread_eigen=true is already the default).
   hf        transformers generate, float32 weights from the same GGUF, sdpa attention,
@@ -77,10 +81,12 @@ class JaxInfer(Engine):
         import jaxinfer as ji
 
         self.ji = ji
+        dtype = None if spec["dtype"] == "default" else spec["dtype"]
         self.llm = ji.LLM(spec["model"], max_seq_len=spec["max_seq_len"],
-                          max_num_seqs=spec["max_num_seqs"], dtype=spec["dtype"])
-        self.versions = {"jaxinfer": version("jaxinfer"), "jax": jax.__version__,
-                         "backend": jax.default_backend()}
+                          max_num_seqs=spec["max_num_seqs"], dtype=dtype)
+        self.versions = {"jaxinfer_dtype": self.llm.dtype}
+        self.versions.update({"jaxinfer": version("jaxinfer"), "jax": jax.__version__,
+                              "backend": jax.default_backend()})
 
     def warmup(self, prompts, out_lens):
         self.llm.warmup()  # compiles every (batch, chunk, kv length) shape the engine can use
@@ -235,15 +241,76 @@ def run_worker(name: str, spec_path: str, timeout: float, dtype: str = "float32"
         return json.load(f)
 
 
+WORKLOADS = {"random": None, "chat": (20, 30)}  # random: --prompt-len-min/max
+
+
+def run_workload(args, name: str, prompt_range: tuple[int, int], out_min: int, peers, dtypes,
+                 model_path: str, vocab, pad_id) -> dict:
+    """Serves one workload with every engine, one after the other; prints its table."""
+    lo, hi = prompt_range
+    rng = np.random.default_rng(args.seed)
+    prompt_lens = rng.integers(lo, hi + 1, args.num_requests)
+    out_lens = rng.integers(out_min, args.output_len + 1, args.num_requests).tolist()
+    draw = lambda lens: [rng.choice(vocab, n).tolist() for n in lens]  # noqa: E731
+    spec = {"model": args.model, "model_path": model_path, "threads": args.threads,
+            "max_num_seqs": args.max_num_seqs, "hf_batch": args.hf_batch, "pad_id": pad_id,
+            # Room for the longest prompt and output, in whole 16-token pages.
+            "max_seq_len": -(-(hi + args.output_len) // 16) * 16,
+            "out_lens": out_lens, "warmup_prompts": draw(prompt_lens[:WARMUP_REQUESTS]),
+            "run_prompts": [draw(prompt_lens) for _ in range(args.runs)]}
+
+    engines = {}
+    with tempfile.TemporaryDirectory(prefix="jaxinfer-throughput-") as tmp:
+        spec_path = os.path.join(tmp, "spec.json")
+        with open(spec_path, "w") as f:
+            json.dump(spec, f)
+        for engine, dtype in [("jaxinfer", d) for d in dtypes] + [(p, "float32") for p in peers]:
+            t = time.perf_counter()
+            r = run_worker(engine, spec_path, args.timeout, dtype)
+            engine = f"{engine}-{dtype}" if engine == "jaxinfer" else engine
+            print(f"{name}: {engine} done in {time.perf_counter() - t:.0f} s", file=sys.stderr,
+                  flush=True)
+            for run in r["runs"]:
+                produced = [len(t) for t in run["token_times"]]
+                if produced != out_lens:
+                    raise RuntimeError(f"{engine} generated {sum(produced)} tokens, "
+                                       f"not the {sum(out_lens)} asked for")
+            runs = [summarize(run["wall_s"], run["token_times"]) for run in r["runs"]]
+            engines[engine] = {"load_s": r["load_s"], "warmup_s": r["warmup_s"],
+                               "cpus": r["cpus"], "versions": r["versions"], "runs": runs,
+                               "best": max(runs, key=lambda s: s["tok_per_s"])}
+    ratios = {f"jaxinfer-{d}/{p}": {k: engines[f"jaxinfer-{d}"]["best"][k] / engines[p]["best"][k]
+                                    for k, _, _ in COLUMNS if engines[p]["best"][k]}
+              for d in dtypes for p in peers}
+
+    print(f"[{name}] {args.num_requests} requests, prompts {lo}-{hi} tokens, outputs "
+          f"{out_min}-{args.output_len} tokens ({sum(out_lens)} in all), {args.threads} threads, "
+          f"best of {args.runs} runs; times in ms")
+    print(f"{'engine':<18}{'load s':>8}{'warmup s':>10}"
+          + "".join(f"{h:>12}" for _, h, _ in COLUMNS) + "   tok/s of each run")
+    for engine, e in engines.items():
+        print(f"{engine:<18}{e['load_s']:>8.1f}{e['warmup_s']:>10.1f}"
+              + "".join(f"{e['best'][k]:>12.{d}f}" for k, _, d in COLUMNS)
+              + "   " + " ".join(f"{r['tok_per_s']:.1f}" for r in e["runs"]))
+    for pair, r in ratios.items():
+        print(f"{pair}: " + ", ".join(f"{h} {r[k]:.2f}x" for k, h, _ in COLUMNS if k in r))
+    print("versions: " + ", ".join(f"{k} {v}" for e in engines.values()
+                                   for k, v in e["versions"].items()), flush=True)
+    return {"prompt_lens": prompt_lens.tolist(), "output_lens": out_lens,
+            "max_seq_len": spec["max_seq_len"], "engines": engines, "ratios": ratios}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m", help="jaxinfer alias or a .gguf path")
+    ap.add_argument("--workloads", default="random,chat",
+                    help=f"comma-separated, from: {', '.join(WORKLOADS)}")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--output-len-min", type=int, default=None,
                     help="draw output lengths uniformly from [this, --output-len]")
-    ap.add_argument("--prompt-len-min", type=int, default=32)
-    ap.add_argument("--prompt-len-max", type=int, default=256)
+    ap.add_argument("--prompt-len-min", type=int, default=32, help="the random workload's")
+    ap.add_argument("--prompt-len-max", type=int, default=256, help="the random workload's")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--peers", default="hf,llamacpp", help="comma-separated, from: hf, llamacpp")
@@ -251,8 +318,9 @@ def main():
     ap.add_argument("--max-num-seqs", type=int, default=16, help="jaxinfer's batch size")
     ap.add_argument("--hf-batch", type=int, default=16)
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per engine")
-    ap.add_argument("--dtypes", default="float32,bfloat16",
-                    help="jaxinfer's dtypes, comma-separated; each runs as its own engine")
+    ap.add_argument("--dtypes", default="default",
+                    help="jaxinfer's dtypes, comma-separated (default = LLM's dtype=None); "
+                         "each runs as its own engine")
     ap.add_argument("--json", metavar="PATH", help="also write every figure to PATH")
     ap.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     ap.add_argument("--worker", choices=sorted(ENGINES), help=argparse.SUPPRESS)
@@ -265,10 +333,15 @@ def main():
     out_min = args.output_len if args.output_len_min is None else args.output_len_min
     peers = [p for p in args.peers.split(",") if p]
     dtypes = [d for d in args.dtypes.split(",") if d]
-    if not dtypes or any(d not in ("float32", "bfloat16", "float16") for d in dtypes):
-        ap.error(f"--dtypes must name dtypes from float32, bfloat16, float16; got {args.dtypes!r}")
+    workloads = [w for w in args.workloads.split(",") if w]
+    if not dtypes or any(d not in ("default", "float32", "bfloat16", "float16") for d in dtypes):
+        ap.error("--dtypes must name dtypes from default, float32, bfloat16, float16; "
+                 f"got {args.dtypes!r}")
     if any(p not in ENGINES or p == "jaxinfer" for p in peers):
         ap.error(f"--peers must name engines from hf, llamacpp; got {args.peers!r}")
+    if not workloads or any(w not in WORKLOADS for w in workloads):
+        ap.error(f"--workloads must name workloads from {', '.join(WORKLOADS)}; "
+                 f"got {args.workloads!r}")
     if not (1 <= args.prompt_len_min <= args.prompt_len_max and 1 <= out_min <= args.output_len
             and args.num_requests >= WARMUP_REQUESTS and args.runs >= 1 and args.threads >= 1):
         ap.error("need 1 <= min <= max lengths, --num-requests >= 2, --runs >= 1, --threads >= 1")
@@ -277,59 +350,15 @@ def main():
 
     model_path = args.model if os.path.isfile(args.model) else resolve_alias(args.model)
     vocab, pad_id = normal_token_ids(model_path)
-    rng = np.random.default_rng(args.seed)
-    prompt_lens = rng.integers(args.prompt_len_min, args.prompt_len_max + 1, args.num_requests)
-    out_lens = rng.integers(out_min, args.output_len + 1, args.num_requests).tolist()
-    draw = lambda lens: [rng.choice(vocab, n).tolist() for n in lens]
-    spec = {"model": args.model, "model_path": model_path, "threads": args.threads,
-            "max_num_seqs": args.max_num_seqs, "hf_batch": args.hf_batch, "pad_id": pad_id,
-            # Room for the longest prompt and output, in whole 16-token pages.
-            "max_seq_len": -(-(args.prompt_len_max + args.output_len) // 16) * 16,
-            "out_lens": out_lens, "warmup_prompts": draw(prompt_lens[:WARMUP_REQUESTS]),
-            "run_prompts": [draw(prompt_lens) for _ in range(args.runs)]}
-
-    engines = {}
-    with tempfile.TemporaryDirectory(prefix="jaxinfer-throughput-") as tmp:
-        spec_path = os.path.join(tmp, "spec.json")
-        with open(spec_path, "w") as f:
-            json.dump(spec, f)
-        for name, dtype in [("jaxinfer", d) for d in dtypes] + [(p, "float32") for p in peers]:
-            t = time.perf_counter()
-            r = run_worker(name, spec_path, args.timeout, dtype)
-            name = f"{name}-{dtype}" if name == "jaxinfer" else name
-            print(f"{name}: done in {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
-            for run in r["runs"]:
-                produced = [len(t) for t in run["token_times"]]
-                if produced != out_lens:
-                    raise RuntimeError(f"{name} generated {sum(produced)} tokens, "
-                                       f"not the {sum(out_lens)} asked for")
-            runs = [summarize(run["wall_s"], run["token_times"]) for run in r["runs"]]
-            engines[name] = {"load_s": r["load_s"], "warmup_s": r["warmup_s"], "cpus": r["cpus"],
-                             "versions": r["versions"], "runs": runs,
-                             "best": max(runs, key=lambda s: s["tok_per_s"])}
-    ratios = {f"jaxinfer-{d}/{p}": {k: engines[f"jaxinfer-{d}"]["best"][k] / engines[p]["best"][k]
-                                    for k, _, _ in COLUMNS if engines[p]["best"][k]}
-              for d in dtypes for p in peers}
-
-    print(f"{args.num_requests} requests, prompts {args.prompt_len_min}-{args.prompt_len_max} "
-          f"tokens, outputs {out_min}-{args.output_len} tokens ({sum(out_lens)} in all), "
-          f"{args.threads} threads, best of {args.runs} runs; times in ms")
-    print(f"{'engine':<18}{'load s':>8}{'warmup s':>10}"
-          + "".join(f"{h:>12}" for _, h, _ in COLUMNS) + "   tok/s of each run")
-    for name, e in engines.items():
-        print(f"{name:<18}{e['load_s']:>8.1f}{e['warmup_s']:>10.1f}"
-              + "".join(f"{e['best'][k]:>12.{d}f}" for k, _, d in COLUMNS)
-              + "   " + " ".join(f"{r['tok_per_s']:.1f}" for r in e["runs"]))
-    for pair, r in ratios.items():
-        print(f"{pair}: " + ", ".join(f"{h} {r[k]:.2f}x" for k, h, _ in COLUMNS
-                                               if k in r))
-    print("versions: " + ", ".join(f"{k} {v}" for e in engines.values()
-                                   for k, v in e["versions"].items()))
+    results = {}
+    for w in workloads:
+        prompt_range = WORKLOADS[w] or (args.prompt_len_min, args.prompt_len_max)
+        results[w] = run_workload(args, w, prompt_range, out_min, peers, dtypes, model_path,
+                                  vocab, pad_id)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "model_path": model_path,
-                       "max_seq_len": spec["max_seq_len"], "prompt_lens": prompt_lens.tolist(),
-                       "output_lens": out_lens, "engines": engines, "ratios": ratios}, f, indent=1)
+            json.dump({"args": vars(args), "model_path": model_path, "workloads": results}, f,
+                      indent=1)
         print(f"wrote {args.json}")
 
 

@@ -20,19 +20,13 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jaxinfer import sharding
+from jaxinfer import sharding, tuning
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache import PagedKVCache
 from jaxinfer.models import llama
 from jaxinfer.sampling import SamplingArrays, mark_seen, maybe_top_logprobs, no_logprobs, sample
 from jaxinfer.token_batch import TokenBatch
 
-# The device loops are compiled without XLA's while-loop invariant code motion. Our loop bodies
-# hold nothing worth hoisting (weights are read as they are), and on XLA:CPU the pass hoists
-# the float32 copy of a bf16 embedding table that the backend makes to gather from it: the whole
-# table converted once per dispatch (36 ms for SmolLM2's, 5 ms a step), where inside the body
-# the convert fuses into the gather of the B rows it needs.
-LOOP_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
 
 
 @flax.struct.dataclass
@@ -224,8 +218,9 @@ def _forward_rows(params, cfg, state_cache, tokens, num_new, rows, attn_impl):
                          attn_impl=attn_impl)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "num_steps", "attn_impl", "draft_cfg"),
-                   donate_argnums=(1,), compiler_options=LOOP_COMPILER_OPTIONS)
+# Compiled with the backend's loop options (jaxinfer.tuning).
+@functools.partial(tuning.loop_jit, static_argnames=("cfg", "num_steps", "attn_impl", "draft_cfg"),
+                   donate_argnums=(1,))
 def decode_loop(params, state: DecodeState, rows: jax.Array, *, cfg: ModelConfig,
                 num_steps: int, attn_impl: str = "reference",
                 exit_on_stop: jax.Array | bool = False, draft_params=None,

@@ -19,7 +19,8 @@ position and masks them against the queries' positions (jaxinfer.attention).
 The model uses it as: write_slots (once per step) -> write_layer (per layer, in place, before
 the layer attends) -> attention over the pool -> advance.
 
-Either cache's k and v are float arrays, or QuantizedKV (kv_cache_dtype "int8" / "fp8"): codes
+Either cache's k and v are float arrays, Bits16KV (16-bit floats as raw bits, where the backend
+scatters 16-bit floats slowly: jaxinfer.tuning), or QuantizedKV (kv_cache_dtype "int8" / "fp8"): codes
 of the same shape and one float32 scale per (slot, kv head), written by write_layer as each
 token's keys are quantized and read as codes plus scales, so attention (the reference or the
 kernels) dequantizes what it reads and the cache never holds a float copy. Reads index and
@@ -61,6 +62,38 @@ class QuantizedKV:
         return (self.codes.astype(jnp.float32) * self.scale[..., None]).astype(dtype)
 
 
+@flax.struct.dataclass
+class Bits16KV:
+    """16-bit float keys or values kept as their raw uint16 bits (tuning.kv_16bit_as_bits).
+
+    XLA:CPU scatters into a bf16 or f16 array by converting the whole array to float32 and back
+    (1.2 s a step for SmolLM2's paged pool), but scatters integers in place (0.13 ms for the
+    same 30 layers' writes); reads gather the bits and turn them into floats after the gather.
+    """
+
+    bits: jax.Array  # [..., K, H] uint16
+    float_dtype: str = flax.struct.field(pytree_node=False, default="bfloat16")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.bits.shape
+
+    @property
+    def dtype(self):
+        return jnp.dtype(self.float_dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.bits.nbytes
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        return jax.lax.bitcast_convert_type(self.bits, self.dtype).astype(dtype)
+
+    @staticmethod
+    def encode(x: jax.Array, float_dtype) -> jax.Array:
+        return jax.lax.bitcast_convert_type(x.astype(float_dtype), jnp.uint16)
+
+
 def quantize_kv(x: jax.Array, dtype) -> QuantizedKV:
     """x [..., K, H] as codes of `dtype` (int8 or float8_e4m3fn) with per-[..., K] scales."""
     top = _KV_MAX[jnp.dtype(dtype)]
@@ -72,22 +105,29 @@ def quantize_kv(x: jax.Array, dtype) -> QuantizedKV:
     return QuantizedKV(codes=jnp.clip(y, -top, top).astype(dtype), scale=scale)
 
 
-def kv_buffer(shape: tuple[int, ...], dtype, zeros=jnp.zeros):
-    """An empty K or V buffer of `shape` [..., K, H]: a float array of `dtype`, or for a dtype
-    in KV_DTYPES' values a QuantizedKV. zeros(shape, dtype) makes each array."""
+def kv_buffer(shape: tuple[int, ...], dtype, zeros=jnp.zeros, bits16: bool = False):
+    """An empty K or V buffer of `shape` [..., K, H]: a float array of `dtype`, for a dtype in
+    KV_DTYPES' values a QuantizedKV, and with bits16 a 16-bit float dtype as Bits16KV.
+    zeros(shape, dtype) makes each array."""
     if jnp.dtype(dtype) in _KV_MAX:
         return QuantizedKV(codes=zeros(shape, dtype), scale=zeros(shape[:-1], jnp.float32))
+    if bits16 and jnp.dtype(dtype).itemsize == 2:
+        return Bits16KV(bits=zeros(shape, jnp.uint16), float_dtype=jnp.dtype(dtype).name)
     return zeros(shape, dtype)
 
 
 def kv_axes(buf, axes: tuple):
     """The logical axes of a K or V buffer whose arrays (codes) have `axes`."""
-    return QuantizedKV(codes=axes, scale=axes[:-1]) if isinstance(buf, QuantizedKV) else axes
+    if isinstance(buf, QuantizedKV):
+        return QuantizedKV(codes=axes, scale=axes[:-1])
+    if isinstance(buf, Bits16KV):
+        return Bits16KV(bits=axes, float_dtype=buf.float_dtype)
+    return axes
 
 
 def dense(kv, dtype) -> jax.Array:
-    """Keys or values as a float array: QuantizedKV dequantized to dtype, an array as it is."""
-    return kv.dequantize(dtype) if isinstance(kv, QuantizedKV) else kv
+    """Keys or values as a float array: QuantizedKV and Bits16KV as dtype, an array as it is."""
+    return kv.dequantize(dtype) if isinstance(kv, (QuantizedKV, Bits16KV)) else kv
 
 
 def _set(buf, index, new: jax.Array):
@@ -96,6 +136,9 @@ def _set(buf, index, new: jax.Array):
         q = quantize_kv(new, buf.codes.dtype)
         return QuantizedKV(codes=buf.codes.at[index].set(q.codes, mode="drop"),
                            scale=buf.scale.at[index].set(q.scale, mode="drop"))
+    if isinstance(buf, Bits16KV):
+        return buf.replace(bits=buf.bits.at[index].set(Bits16KV.encode(new, buf.dtype),
+                                                       mode="drop"))
     return buf.at[index].set(new.astype(buf.dtype), mode="drop")
 
 

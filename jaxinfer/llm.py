@@ -16,7 +16,7 @@ from typing import Iterator, Optional, Sequence, Union
 import jax
 import jax.numpy as jnp
 
-from jaxinfer import sharding
+from jaxinfer import sharding, tuning
 from jaxinfer.config import EngineConfig, MeshConfig
 from jaxinfer.engine import memory
 from jaxinfer.engine.engine import Engine, Request
@@ -58,7 +58,7 @@ def enable_compilation_cache() -> Optional[str]:
 
 
 def _default_dtype() -> str:
-    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    return tuning.for_backend().default_dtype
 
 
 _QUANTIZATIONS = ("int8", "int4", "int4-awq", "fp8")
@@ -117,11 +117,10 @@ class LLM:
         loaded = load_model(model, dtype=_DTYPES[dtype], partitioner=partitioner,
                             quantization=quantization)
         cfg, params = loaded.config, loaded.params
-        # XLA:CPU runs 16-bit elementwise math and cache scatters by converting whole arrays
-        # (a bf16 paged pool is converted to float32 and back at every layer's write), but its
-        # bf16 dots run at twice the float32 rate. So on CPU a 16-bit dtype is the weights'
-        # alone: activations and the KV cache stay float32.
-        weights_only = jax.default_backend() == "cpu" and dtype != "float32"
+        # XLA:CPU runs 16-bit elementwise math by converting whole arrays, but its bf16 dots
+        # run at twice the float32 rate. So on CPU a 16-bit dtype is the weights' and the KV
+        # cache's, and activations stay float32 (jaxinfer.tuning).
+        weights_only = tuning.for_backend().float32_activations and dtype != "float32"
         act_dtype = jnp.float32 if weights_only else _DTYPES[dtype]
         if weights_only:
             params = llama.with_float32_activations(params)
@@ -146,10 +145,9 @@ class LLM:
         self.max_seq_len = max_seq_len
         self.max_num_seqs = max_num_seqs
         self.dtype = dtype
-        # "auto": the kernels where they compile (GPU), the reference on CPU, where they would
-        # run in Pallas' interpret mode.
-        attn_impl = attention if attention != "auto" else (
-            "reference" if jax.default_backend() == "cpu" else "pallas")
+        # "auto": the kernels where they compile (GPU), the jnp path on CPU, where they would
+        # run in Pallas' interpret mode (jaxinfer.tuning).
+        attn_impl = attention if attention != "auto" else tuning.for_backend().default_attention
         kernel_head_dims = (32, 64, 128, 256)
         if attn_impl == "pallas" and cfg.head_dim not in kernel_head_dims:
             if attention == "pallas":
@@ -201,7 +199,7 @@ class LLM:
         self._engine = Engine(cfg, params, loaded.tokenizer, self.engine_config,
                               capacity=capacity, dtype=act_dtype, paged=paged,
                               num_pages=num_pages or 0, draft=draft, partitioner=partitioner,
-                              kv_dtype=KV_DTYPES.get(kv_cache_dtype))
+                              kv_dtype=KV_DTYPES.get(kv_cache_dtype, _DTYPES[dtype]))
         if memory_left:
             self._engine.set_num_pages(self._pages_from_memory(memory_left, page_size))
         self._ids = itertools.count()

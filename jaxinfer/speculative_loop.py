@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.decode import (LOOP_COMPILER_OPTIONS, DecodeState, _forward_rows, _put, _take)
+from jaxinfer import tuning
+from jaxinfer.decode import DecodeState, _forward_rows, _put, _take
 from jaxinfer.kv_cache import PagedKVCache
 from jaxinfer.models import llama
 from jaxinfer.sampling import SamplingArrays, mark_seen, maybe_top_logprobs, no_logprobs, sample
@@ -72,10 +73,10 @@ class SpecCounts:
     accepted: jax.Array  # proposals accepted
 
 
-@functools.partial(jax.jit,
+@functools.partial(tuning.loop_jit,
                    static_argnames=("cfg", "num_steps", "num_draft", "ngram_max", "ngram_min",
                                     "attn_impl", "draft_cfg"),
-                   donate_argnums=(1,), compiler_options=LOOP_COMPILER_OPTIONS)
+                   donate_argnums=(1,))
 def speculative_loop(params, state: DecodeState, rows: jax.Array, draft_on: jax.Array, *,
                      cfg: ModelConfig, num_steps: int, num_draft: int, ngram_max: int = 3,
                      ngram_min: int = 1, attn_impl: str = "reference",

@@ -20,15 +20,3 @@ def pick(buckets: tuple[int, ...], n: int) -> int:
             return b
     return buckets[-1]
 
-
-# Per-backend settings of the step, measured on each (docs/architecture.md, "Buckets"):
-#   min_tokens   smallest token bucket of a step with prefill;
-#   query_tile   queries per attention tile of such a step (jaxinfer.attention.RaggedMeta).
-BACKEND = {
-    "cpu": {"min_tokens": 16, "query_tile": 16},
-    "gpu": {"min_tokens": 16, "query_tile": 16},
-}
-
-
-def backend_settings(backend: str) -> dict:
-    return BACKEND.get(backend, BACKEND["gpu"])

@@ -17,7 +17,7 @@ from typing import Optional
 import jax
 import numpy as np
 
-from jaxinfer import decode, sharding, speculative_loop
+from jaxinfer import decode, sharding, speculative_loop, tuning
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine import buckets
 from jaxinfer.kv_cache import PagedKVCache, kv_buffer, ring_tables
@@ -54,10 +54,10 @@ class Runner:
         self.page_size, self.num_pages, self.paged = page_size, num_pages, paged
         self.eos_ids = eos_ids
         self.spec = engine_cfg.speculative
-        tune = buckets.backend_settings(jax.default_backend())
-        self.query_tile = tune["query_tile"]
+        tune = tuning.for_backend()
+        self.query_tile = tune.query_tile
         budget = engine_cfg.max_num_batched_tokens
-        self.token_buckets = buckets.doubling(budget, min(tune["min_tokens"], budget))
+        self.token_buckets = buckets.doubling(budget, min(tune.min_tokens, budget))
         self.row_buckets = buckets.doubling(num_slots, 1)
         self.state: Optional[decode.DecodeState] = None
 
@@ -83,11 +83,12 @@ class Runner:
 
     def _zeros(self, shape: tuple[int, ...]):
         """An empty K or V buffer, made where it lives: on the device, or shard by shard."""
+        bits16 = tuning.for_backend().kv_16bit_as_bits
         if self.partitioner is None:
-            return kv_buffer(shape, self.kv_dtype)
+            return kv_buffer(shape, self.kv_dtype, bits16=bits16)
         axes = PagedKVCache.KV_AXES
         return kv_buffer(shape, self.kv_dtype, lambda sh, dt: self.partitioner.zeros(
-            sh, dt, tuple(axes)[:len(sh)]))
+            sh, dt, tuple(axes)[:len(sh)]), bits16=bits16)
 
     def new_state(self) -> decode.DecodeState:
         """The device state: the page pool (or one ring per slot) and empty rows."""

@@ -13,6 +13,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxinfer import tuning
 from jaxinfer.quant import QuantizedWeight, matmul
 
 
@@ -37,7 +38,7 @@ def float_matmul(x: jax.Array, w: jax.Array, spec: str) -> jax.Array:
         x = x.astype(w.dtype)
     lead = x.shape[:-1]
     if (w.dtype.itemsize == 2 and math.prod(lead) == 1
-            and jax.default_backend() == "cpu"):
+            and tuning.for_backend().pad_single_row_16bit_dots):
         x2 = jnp.concatenate([x.reshape(1, -1), jnp.zeros((1, x.shape[-1]), x.dtype)])
         y = jnp.einsum(spec, x2, w, preferred_element_type=jnp.float32)
         return y[:1].reshape(lead + y.shape[-1:])
