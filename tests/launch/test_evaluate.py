@@ -32,8 +32,9 @@ def smollm2():
 
 def test_scores_match_a_float64_log_softmax(smollm2):
     """Windows of 64 over 150 tokens (64 + 64 + a padded 22): every predicted token's NLL
-    equals float64 numpy on the same logits of each window scored alone (1e-4: the logits
-    are float32), and the argmax too."""
+    equals float64 numpy on the same logits of each window scored alone, and the argmax too.
+    Tolerance 1e-4 + 2e-5 relative: the two float32 programs (the padded-window scorer and the
+    plain forward) sum in different orders; measured worst 1.3e-4 at an NLL of 14.85."""
     loaded, ids = smollm2
     s = evaluation.score(loaded.params, loaded.config, ids, window=64)
     nll, top = [], []
@@ -46,7 +47,7 @@ def test_scores_match_a_float64_log_softmax(smollm2):
         nll.append(-logp[np.arange(len(chunk) - 1), chunk[1:]])
         top.append(logits.argmax(-1))
     assert s.nll.shape == (63 + 63 + 21,)
-    np.testing.assert_allclose(s.nll, np.concatenate(nll), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(s.nll, np.concatenate(nll), atol=1e-4, rtol=2e-5)
     np.testing.assert_array_equal(s.argmax, np.concatenate(top))
     assert s.perplexity == pytest.approx(float(np.exp(np.concatenate(nll).mean())), rel=1e-5)
     assert evaluation.agreement(s, s) == 1.0

@@ -1,0 +1,184 @@
+"""Flags and set-up shared by the launch scripts that serve a model (generate, batch, serve).
+
+Defines, once per process, the model / engine / quantization / speculative flags, the sampling
+flags and --config, and turns them into LLM and SamplingParams keyword arguments. Mesh and
+multi-process flags live in launch/distributed.py.
+
+--config takes a preset name (configs/NAME.json at the repository root) or a path to a JSON file
+shaped {"model": {LLM kwargs}, "sampling": {SamplingParams kwargs}, "chat": bool}; flags passed
+on the command line override the preset. A preset's "speculative" entry is a dict of
+SpeculativeConfig fields. Defaults come from the library, so the command line and the Python API
+agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import os
+import sys
+import time
+
+from absl import flags
+
+from jaxinfer.engine.request import SamplingParams
+from jaxinfer.launch import distributed
+from jaxinfer.speculative import SpeculativeConfig
+
+SP_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
+_SPEC_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SpeculativeConfig)}
+
+
+def _llm_defaults() -> dict:
+    from jaxinfer.llm import LLM
+    return {name: p.default for name, p in inspect.signature(LLM.__init__).parameters.items()
+            if name != "self" and p.default is not inspect.Parameter.empty}
+
+
+LLM_DEFAULTS = _llm_defaults()
+
+CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "configs")
+PRESET_SECTIONS = ("model", "sampling", "chat")
+
+CONFIG = flags.DEFINE_string("config", None, "Preset name in configs/ (e.g. smollm2-cpu) or "
+                             "path to a preset JSON file; explicit flags override it.")
+# Model / engine (LLM kwargs).
+MODEL_FLAGS = ("model", "dtype", "max_seq_len", "max_num_seqs", "quantization",
+               "kv_cache_dtype", "attention", "page_size", "num_pages", "prefill_chunk",
+               "decode_steps", "max_num_batched_tokens")
+flags.DEFINE_string("model", LLM_DEFAULTS["model"], "Model alias, .gguf path, HF model "
+                    "directory or jaxinfer checkpoint.")
+flags.DEFINE_string("dtype", LLM_DEFAULTS["dtype"], "float32 | bfloat16 | float16 (default: "
+                    "float32 on CPU, bfloat16 on accelerators).")
+flags.DEFINE_integer("max_seq_len", LLM_DEFAULTS["max_seq_len"], "Longest sequence (prompt + "
+                     "generated tokens); default: min(model context, 2048).")
+flags.DEFINE_integer("max_num_seqs", LLM_DEFAULTS["max_num_seqs"],
+                     "Most sequences decoded together.")
+flags.DEFINE_string("quantization", LLM_DEFAULTS["quantization"],
+                    "Weight quantization: int8 | int4 | int4-awq | fp8 (default: none).")
+flags.DEFINE_string("kv_cache_dtype", LLM_DEFAULTS["kv_cache_dtype"],
+                    "KV cache storage: int8 | fp8 (default: the model's dtype).")
+flags.DEFINE_string("attention", LLM_DEFAULTS["attention"], "auto | reference | pallas.")
+flags.DEFINE_integer("page_size", LLM_DEFAULTS["page_size"], "Tokens per KV page.")
+flags.DEFINE_integer("num_pages", LLM_DEFAULTS["num_pages"], "KV pages in the pool "
+                     "(default: from device memory, or room for every slot at max_seq_len).")
+flags.DEFINE_integer("prefill_chunk", LLM_DEFAULTS["prefill_chunk"],
+                     "Longest chunk of one prompt per step.")
+flags.DEFINE_integer("decode_steps", LLM_DEFAULTS["decode_steps"],
+                     "Decode steps per dispatch when nothing waits to be scheduled.")
+flags.DEFINE_integer("max_num_batched_tokens", LLM_DEFAULTS["max_num_batched_tokens"],
+                     "Tokens one step may carry.")
+# Speculative decoding (SpeculativeConfig).
+SPECULATIVE = flags.DEFINE_enum("speculative", None, ["ngram", "draft"],
+                                "Speculative decoding: ngram (prompt lookup) or draft (a draft "
+                                "model, --draft_model).")
+NUM_DRAFT_TOKENS = flags.DEFINE_integer("num_draft_tokens", _SPEC_DEFAULTS["num_draft_tokens"],
+                                        "Tokens drafted per speculative step.")
+DRAFT_MODEL = flags.DEFINE_string("draft_model", None, "Draft model for --speculative=draft.")
+NGRAM_MAX = flags.DEFINE_integer("ngram_max", _SPEC_DEFAULTS["ngram_max"],
+                                 "Longest suffix n-gram matched for --speculative=ngram.")
+# Sampling (SamplingParams kwargs).
+SAMPLING_FLAGS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                  "seed", "stop", "ignore_eos")
+flags.DEFINE_integer("max_tokens", SP_DEFAULTS["max_tokens"], "Most tokens to generate.")
+flags.DEFINE_float("temperature", SP_DEFAULTS["temperature"], "Sampling temperature; 0 = greedy.")
+flags.DEFINE_integer("top_k", SP_DEFAULTS["top_k"], "Keep the k most likely tokens; 0 = off.")
+flags.DEFINE_float("top_p", SP_DEFAULTS["top_p"], "Nucleus sampling mass in (0, 1].")
+flags.DEFINE_float("min_p", SP_DEFAULTS["min_p"], "Drop tokens below min_p * max prob.")
+flags.DEFINE_float("repetition_penalty", SP_DEFAULTS["repetition_penalty"],
+                   "Penalty for tokens already seen; 1 = off.")
+flags.DEFINE_integer("seed", SP_DEFAULTS["seed"], "Seed for reproducible sampling.")
+flags.DEFINE_multi_string("stop", SP_DEFAULTS["stop"],
+                          "A string that ends generation (repeat the flag for several).")
+flags.DEFINE_bool("ignore_eos", SP_DEFAULTS["ignore_eos"], "Keep generating past EOS.")
+
+FLAGS = flags.FLAGS
+
+
+def resolve_preset_path(name_or_path: str) -> str:
+    """A bare name -> configs/NAME.json at the repository root; otherwise a path to a file."""
+    if os.path.isfile(name_or_path):
+        return name_or_path
+    bare = os.sep not in name_or_path and not name_or_path.endswith(".json")
+    if bare:
+        path = os.path.join(CONFIGS_DIR, name_or_path + ".json")
+        if os.path.isfile(path):
+            return path
+        available = sorted(f[:-5] for f in os.listdir(CONFIGS_DIR)
+                           if f.endswith(".json")) if os.path.isdir(CONFIGS_DIR) else []
+        raise ValueError(f"unknown preset {name_or_path!r}; available: "
+                         f"{', '.join(available) or 'none'} (or pass a path to a JSON file)")
+    raise ValueError(f"preset file {name_or_path!r} does not exist")
+
+
+def load_preset(name_or_path: str) -> dict:
+    """Reads and checks a preset: {"model": {...}, "sampling": {...}, "chat": bool}, each
+    section optional."""
+    path = resolve_preset_path(name_or_path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            preset = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"preset {path} is not valid JSON: {e}") from None
+    if not isinstance(preset, dict):
+        raise ValueError(f"preset {path} must hold a JSON object")
+    unknown = sorted(set(preset) - set(PRESET_SECTIONS))
+    if unknown:
+        raise ValueError(f"preset {path}: unknown sections {unknown}; expected {PRESET_SECTIONS}")
+    for section, allowed in (("model", LLM_DEFAULTS), ("sampling", SP_DEFAULTS)):
+        value = preset.get(section, {})
+        if not isinstance(value, dict):
+            raise ValueError(f"preset {path}: {section!r} must be an object")
+        bad = sorted(set(value) - set(allowed))
+        if bad:
+            raise ValueError(f"preset {path}: unknown {section} keys {bad}")
+    if not isinstance(preset.get("chat", False), bool):
+        raise ValueError(f"preset {path}: 'chat' must be true or false")
+    return preset
+
+
+def preset_from_flag() -> dict:
+    return load_preset(CONFIG.value) if CONFIG.value else {}
+
+
+def build_settings(preset: dict) -> tuple[dict, dict]:
+    """(LLM kwargs, SamplingParams kwargs): the preset, overridden by flags passed explicitly.
+    A flag that is neither passed nor in the preset contributes its default (the library's).
+    The LLM kwargs' "speculative" is a SpeculativeConfig or None."""
+    llm_kwargs = dict(preset.get("model", {}))
+    sampling_kwargs = dict(preset.get("sampling", {}))
+    for names, kwargs in ((MODEL_FLAGS, llm_kwargs), (SAMPLING_FLAGS, sampling_kwargs)):
+        for name in names:
+            if FLAGS[name].present or name not in kwargs:
+                kwargs[name] = FLAGS[name].value
+    spec = llm_kwargs.get("speculative")
+    if SPECULATIVE.value is not None:
+        spec = SpeculativeConfig(method=SPECULATIVE.value,
+                                 num_draft_tokens=NUM_DRAFT_TOKENS.value,
+                                 draft_model=DRAFT_MODEL.value, ngram_max=NGRAM_MAX.value)
+    elif isinstance(spec, dict):
+        spec = SpeculativeConfig(**spec)
+    llm_kwargs["speculative"] = spec
+    return llm_kwargs, sampling_kwargs
+
+
+def make_llm(llm_kwargs: dict, warmup: bool = False):
+    """Starts jax.distributed (a no-op for one process), builds the LLM on the mesh flags'
+    mesh, and warms it up when asked; timings go to stderr."""
+    from jaxinfer.llm import LLM
+
+    kwargs = dict(llm_kwargs)
+    model = kwargs.pop("model")
+    distributed.initialize()
+    mesh = distributed.mesh_config()
+    if mesh is not None:
+        kwargs["mesh"] = mesh
+    t0 = time.perf_counter()
+    llm = LLM(model, **kwargs)
+    print(f"loaded {model} ({llm.dtype}, max_seq_len {llm.max_seq_len}) in "
+          f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    if warmup:
+        print(f"compiled in {llm.warmup():.1f} s", file=sys.stderr)
+    return llm

@@ -1,0 +1,355 @@
+"""The OpenAI completions / chat-completions protocol, shared by the server (launch.serve) and
+batch jobs (launch.batch): request bodies checked and turned into SamplingParams, response
+bodies, streaming chunks and error objects built from RequestOutputs. Host code only; the
+contract is written out in docs/openai_api.md.
+
+Every field of a body is either understood or refused (RequestError naming it): nothing a user
+sent is silently ignored. Defaults follow OpenAI's API reference: temperature 1, top_p 1, n 1;
+max_tokens 16 for completions and, for chat, as many as fit in max_seq_len.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import uuid
+from typing import Any, Optional, Sequence
+
+from jaxinfer.engine.request import RequestOutput, SamplingParams
+from jaxinfer.sampling import MAX_LOGPROBS
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+ENDPOINTS = (COMPLETIONS, CHAT)
+MAX_STOP = 4                   # OpenAI's limit on stop sequences
+MAX_COMPLETION_LOGPROBS = 5    # OpenAI's limit on the completions API's `logprobs`
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+# Fields accepted and not acted on: they change nothing about the tokens generated.
+_INERT = ("user", "stream", "stream_options", "model", "metadata", "store", "service_tier")
+_COMMON = ("max_tokens", "temperature", "top_p", "seed", "stop", "n", "presence_penalty",
+           "frequency_penalty", "logit_bias", "top_k", "min_p", "repetition_penalty",
+           "ignore_eos") + _INERT
+_FIELDS = {COMPLETIONS: {"prompt", "logprobs", "echo", "best_of", "suffix"} | set(_COMMON),
+           CHAT: {"messages", "logprobs", "top_logprobs", "max_completion_tokens",
+                  "response_format"} | set(_COMMON)}
+
+
+class RequestError(ValueError):
+    """A request the API refuses: HTTP `status`, OpenAI error `type`, the field at fault
+    (`param`) and a message naming the value and the limit."""
+
+    def __init__(self, message: str, param: Optional[str] = None, status: int = 400,
+                 type: str = "invalid_request_error", code: Optional[str] = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.type, self.code = (
+            message, param, status, type, code)
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: Optional[str] = None,
+               code: Optional[str] = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+@dataclasses.dataclass
+class ParsedRequest:
+    """A checked request: what to prompt with and how to sample."""
+
+    endpoint: str                    # COMPLETIONS or CHAT
+    prompt: Any                      # completions: str or list[int]; chat: None
+    messages: Optional[list]         # chat: the conversation
+    params: SamplingParams           # max_tokens None = as many as fit (set by the caller)
+    max_tokens: Optional[int]
+    n: int
+    echo: bool                       # completions: prompt text (and logprobs) before the answer
+    logprobs: Optional[int]          # top logprobs per token, or None
+    stream: bool
+    include_usage: bool              # stream_options.include_usage
+    model: Optional[str]
+
+    def sampling(self, max_seq_len: int) -> SamplingParams:
+        """The SamplingParams to submit: max_tokens None becomes max_seq_len (the engine stops
+        a request at max_seq_len anyway)."""
+        if self.max_tokens is not None:
+            return self.params
+        return dataclasses.replace(self.params, max_tokens=max_seq_len)
+
+
+def _number(body: dict, name: str, lo: float, hi: float, *, integer: bool = False,
+            lo_open: bool = False, default=None):
+    v = body.get(name, default)
+    if v is None:
+        return default
+    kind = "an integer" if integer else "a number"
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)) \
+            or (isinstance(v, float) and not math.isfinite(v)):
+        raise RequestError(f"{name} must be {kind}, got {v!r}", name)
+    if v < lo or v > hi or (lo_open and v == lo):
+        left = "(" if lo_open else "["
+        raise RequestError(f"{name} must be in {left}{lo}, {hi}], got {v!r}", name)
+    return v
+
+
+def _bool(body: dict, name: str, default: bool = False) -> bool:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise RequestError(f"{name} must be true or false, got {v!r}", name)
+    return v
+
+
+def _stop(body: dict) -> Optional[list[str]]:
+    stop = body.get("stop")
+    if stop is None:
+        return None
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise RequestError(f"stop must be a non-empty string or a list of them, got {stop!r}",
+                           "stop")
+    if len(stops) > MAX_STOP:
+        raise RequestError(f"stop has {len(stops)} sequences; the limit is {MAX_STOP}", "stop")
+    return stops or None
+
+
+def _messages(body: dict) -> list:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise RequestError("messages must be a non-empty list of {role, content} objects",
+                           "messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise RequestError(f"messages[{i}] must be an object with a string role", "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: only text ones
+            parts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" \
+                        or not isinstance(part.get("text"), str):
+                    raise RequestError(f"messages[{i}].content: only text parts are supported, "
+                                       f"got {part!r}", "messages")
+                parts.append(part["text"])
+            content = "".join(parts)
+        if not isinstance(content, str):
+            raise RequestError(f"messages[{i}].content must be a string or a list of text "
+                               f"parts, got {content!r}", "messages")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def _prompt(body: dict):
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str) and prompt:
+        return prompt
+    if isinstance(prompt, list) and prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt
+    if isinstance(prompt, list) and len(prompt) > 1:
+        raise RequestError("prompt: a batch of several prompts in one request is not supported; "
+                           "send one request per prompt", "prompt")
+    raise RequestError(f"prompt must be a non-empty string or a list of token ids, got "
+                       f"{prompt!r}", "prompt")
+
+
+def parse_request(endpoint: str, body: Any, *, max_n: int = 1) -> ParsedRequest:
+    """Checks a request body for `endpoint` (COMPLETIONS or CHAT). RequestError (status 400,
+    naming the field and the limit) for anything out of range, unknown or unsupported."""
+    if endpoint not in ENDPOINTS:
+        raise RequestError(f"unknown url {endpoint!r}; expected one of {ENDPOINTS}", "url",
+                           status=404)
+    if not isinstance(body, dict):
+        raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}")
+    unknown = sorted(set(body) - _FIELDS[endpoint])
+    if unknown:
+        raise RequestError(f"unknown or unsupported field {unknown[0]!r}", unknown[0])
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _number(body, name, -2.0, 2.0, default=0.0) != 0:
+            raise RequestError(f"{name} is not supported (use repetition_penalty); got "
+                               f"{body[name]!r}", name)
+    if body.get("logit_bias"):
+        raise RequestError("logit_bias is not supported", "logit_bias")
+    if body.get("suffix") is not None:
+        raise RequestError("suffix is not supported", "suffix")
+    if body.get("best_of") not in (None, 1):
+        raise RequestError(f"best_of must be 1, got {body['best_of']!r}", "best_of")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise RequestError(f"response_format {fmt!r} is not supported (only text)",
+                           "response_format")
+    if body.get("model") is not None and not isinstance(body["model"], str):
+        raise RequestError(f"model must be a string, got {body['model']!r}", "model")
+
+    chat = endpoint == CHAT
+    name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None \
+        else "max_tokens"
+    max_tokens = _number(body, name, 1, 2**31 - 1, integer=True,
+                         default=None if chat else COMPLETIONS_DEFAULT_MAX_TOKENS)
+    n = _number(body, "n", 1, 2**31 - 1, integer=True, default=1)
+    if n > max_n:
+        raise RequestError(f"n={n} exceeds the limit of {max_n} sequences per request", "n")
+    echo = False
+    if chat:
+        if _bool(body, "logprobs"):
+            logprobs = _number(body, "top_logprobs", 0, MAX_LOGPROBS, integer=True, default=0)
+        elif body.get("top_logprobs") is not None:
+            raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
+        else:
+            logprobs = None
+    else:
+        logprobs = _number(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS, integer=True)
+        echo = _bool(body, "echo")
+    stream = _bool(body, "stream")
+    options = body.get("stream_options")
+    if options is not None:
+        if not stream:
+            raise RequestError("stream_options needs stream: true", "stream_options")
+        if not isinstance(options, dict) or set(options) - {"include_usage"}:
+            raise RequestError(f"stream_options must be {{\"include_usage\": bool}}, got "
+                               f"{options!r}", "stream_options")
+    include_usage = _bool(options or {}, "include_usage")
+
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens or 1,
+            temperature=_number(body, "temperature", 0.0, 2.0, default=1.0),
+            top_p=_number(body, "top_p", 0.0, 1.0, lo_open=True, default=1.0),
+            top_k=_number(body, "top_k", 0, 2**31 - 1, integer=True, default=0),
+            min_p=_number(body, "min_p", 0.0, 1.0, default=0.0),
+            repetition_penalty=_number(body, "repetition_penalty", 0.0, 1e6, lo_open=True,
+                                       default=1.0),
+            seed=_number(body, "seed", 0, 2**32 - 1, integer=True),
+            stop=_stop(body), ignore_eos=_bool(body, "ignore_eos"), logprobs=logprobs,
+            prompt_logprobs=logprobs if echo and logprobs is not None else None)
+    except RequestError:
+        raise
+    except ValueError as e:  # SamplingParams' own limits (min_p < 1, ...)
+        field = str(e).split()[0].split(".")[-1]
+        raise RequestError(str(e), field if field in body else None) from None
+    return ParsedRequest(endpoint=endpoint, prompt=None if chat else _prompt(body),
+                         messages=_messages(body) if chat else None, params=params,
+                         max_tokens=max_tokens, n=n, echo=echo, logprobs=logprobs,
+                         stream=stream, include_usage=include_usage, model=body.get("model"))
+
+
+# ---- responses -------------------------------------------------------------------------------
+
+def new_id(endpoint: str) -> str:
+    return ("chatcmpl-" if endpoint == CHAT else "cmpl-") + uuid.uuid4().hex
+
+
+def usage(outputs: Sequence[RequestOutput]) -> dict:
+    prompt = len(outputs[0].prompt_token_ids) if outputs else 0
+    completion = sum(len(o.token_ids) for o in outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+def finish_reason(out: RequestOutput) -> Optional[str]:
+    """OpenAI's finish_reason: "stop" (EOS or a stop string), "length", or None while running
+    (an aborted request reports "abort")."""
+    return out.finish_reason
+
+
+def _token_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def chat_logprobs(tokenizer, token_ids: Sequence[int], logprobs: Sequence[dict], top: int
+                  ) -> dict:
+    """Chat `logprobs`: {"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}."""
+    content = []
+    for tok, lp in zip(token_ids, logprobs):
+        ranked = sorted(lp.items(), key=lambda kv: -kv[1])[:top]
+        text = _token_text(tokenizer, tok)
+        content.append({"token": text, "logprob": lp[tok], "bytes": list(text.encode()),
+                        "top_logprobs": [{"token": (t := _token_text(tokenizer, i)),
+                                          "logprob": v, "bytes": list(t.encode())}
+                                         for i, v in ranked]})
+    return {"content": content}
+
+
+def completion_logprobs(tokenizer, token_ids: Sequence[int], logprobs: Sequence[Optional[dict]],
+                        top: int, offset: int = 0) -> dict:
+    """Completions `logprobs`: {tokens, token_logprobs, top_logprobs, text_offset}; an entry of
+    None (the first prompt token under echo) has no logprob."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for tok, lp in zip(token_ids, logprobs):
+        text = _token_text(tokenizer, tok)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        if lp is None:
+            token_lps.append(None)
+            tops.append(None)
+            continue
+        token_lps.append(lp[tok])
+        ranked = sorted(lp.items(), key=lambda kv: -kv[1])[:top]
+        tops.append({_token_text(tokenizer, i): v for i, v in ranked})
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def _choice(req: ParsedRequest, tokenizer, out: RequestOutput, index: int) -> dict:
+    if req.endpoint == CHAT:
+        lp = None if req.logprobs is None else chat_logprobs(
+            tokenizer, out.token_ids, out.logprobs or [], req.logprobs)
+        return {"index": index, "message": {"role": "assistant", "content": out.text},
+                "logprobs": lp, "finish_reason": finish_reason(out)}
+    text, lp = out.text, None
+    prompt_text = out.prompt if out.prompt is not None else tokenizer.decode(
+        out.prompt_token_ids)
+    if req.echo:
+        text = prompt_text + text
+    if req.logprobs is not None:
+        ids, lps = list(out.token_ids), list(out.logprobs or [])
+        if req.echo:
+            ids = list(out.prompt_token_ids) + ids
+            lps = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + lps
+        lp = completion_logprobs(tokenizer, ids, lps, req.logprobs)
+    return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason(out)}
+
+
+def response_body(req: ParsedRequest, tokenizer, outputs: Sequence[RequestOutput], *,
+                  model: str, response_id: Optional[str] = None,
+                  created: Optional[int] = None) -> dict:
+    """A whole (non-streamed) chat.completion or text_completion, one choice per output."""
+    return {"id": response_id or new_id(req.endpoint),
+            "object": "chat.completion" if req.endpoint == CHAT else "text_completion",
+            "created": int(time.time()) if created is None else created, "model": model,
+            "choices": [_choice(req, tokenizer, o, i) for i, o in enumerate(outputs)],
+            "usage": usage(outputs)}
+
+
+def stream_chunk(req: ParsedRequest, *, response_id: str, created: int, model: str,
+                 index: int = 0, text: Optional[str] = None, role: bool = False,
+                 finish: Optional[str] = None, logprobs: Optional[dict] = None,
+                 usage_: Optional[dict] = None) -> dict:
+    """One server-sent event's payload. Chat: a delta (the role first, then content); the last
+    chunk of a choice carries its finish_reason. With usage_ (include_usage), the final chunk
+    with no choices."""
+    obj = "chat.completion.chunk" if req.endpoint == CHAT else "text_completion"
+    chunk = {"id": response_id, "object": obj, "created": created, "model": model}
+    if usage_ is not None:
+        chunk["choices"], chunk["usage"] = [], usage_
+        return chunk
+    if req.endpoint == CHAT:
+        delta = {}
+        if role:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+    else:
+        choice = {"index": index, "text": text or "", "logprobs": logprobs,
+                  "finish_reason": finish}
+    chunk["choices"] = [choice]
+    if req.include_usage:
+        chunk["usage"] = None
+    return chunk
