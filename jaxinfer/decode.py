@@ -66,22 +66,24 @@ class DecodeState:
     @classmethod
     def create(cls, cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.float32,
                cache=None, draft_cfg: ModelConfig | None = None, draft_capacity: int = 0,
-               history: int = 0, num_stop_ids: int = 8):
+               history: int = 0, num_stop_ids: int = 8, xp=jnp):
         """A ring cache of `capacity` slots per row, or the given cache (e.g. a paged one);
         with draft_cfg, a ring of draft_capacity slots per row for the draft model too;
-        history > 0: a token history of that many positions per row (n-gram drafting)."""
+        history > 0: a token history of that many positions per row (n-gram drafting).
+        xp=numpy builds the state on the host, for one device_put that compiles nothing (the
+        engine's way: each jnp.zeros of a new shape would be a small program of its own)."""
         if cache is None:
             cache = PagedKVCache.ring(cfg.num_layers, batch, capacity, cfg.num_kv_heads,
-                                      cfg.head_dim, dtype)
+                                      cfg.head_dim, dtype, xp=xp)
         draft = None if draft_cfg is None else PagedKVCache.ring(
             draft_cfg.num_layers, batch, draft_capacity, draft_cfg.num_kv_heads,
-            draft_cfg.head_dim, dtype)
+            draft_cfg.head_dim, dtype, xp=xp)
         return cls(cache=cache,
-                   last_token=jnp.zeros((batch,), jnp.int32),
-                   num_generated=jnp.zeros((batch,), jnp.int32),
-                   seen=jnp.zeros((batch, cfg.vocab_size), bool),
-                   rows=jax.tree.map(jnp.asarray, RowParams.empty(batch, num_stop_ids)),
-                   history=jnp.zeros((batch, history), jnp.int32) if history else None,
+                   last_token=xp.zeros((batch,), xp.int32),
+                   num_generated=xp.zeros((batch,), xp.int32),
+                   seen=xp.zeros((batch, cfg.vocab_size), bool),
+                   rows=jax.tree.map(xp.asarray, RowParams.empty(batch, num_stop_ids)),
+                   history=xp.zeros((batch, history), xp.int32) if history else None,
                    draft_cache=draft)
 
     def logical_axes(self) -> "DecodeState":

@@ -32,6 +32,7 @@ from __future__ import annotations
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 KV_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
@@ -163,23 +164,25 @@ class PagedKVCache:
     @classmethod
     def create(cls, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
                head_dim: int, block_tables: jax.Array, dtype=jnp.float32,
-               wraps: bool = False) -> "PagedKVCache":
+               wraps: bool = False, xp=jnp) -> "PagedKVCache":
+        """xp: the array module the buffers are made with; numpy (xp=np) makes a host cache
+        that one device_put places without compiling anything."""
         shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
-        block_tables = jnp.asarray(block_tables, jnp.int32)
-        return cls(k=kv_buffer(shape, dtype), v=kv_buffer(shape, dtype),
+        block_tables = xp.asarray(block_tables, xp.int32)
+        return cls(k=kv_buffer(shape, dtype, xp.zeros), v=kv_buffer(shape, dtype, xp.zeros),
                    block_tables=block_tables,
-                   lengths=jnp.zeros((block_tables.shape[0],), jnp.int32), page_size=page_size,
+                   lengths=xp.zeros((block_tables.shape[0],), xp.int32), page_size=page_size,
                    wraps=wraps)
 
     @classmethod
     def ring(cls, num_layers: int, batch: int, capacity: int, num_kv_heads: int, head_dim: int,
-             dtype=jnp.float32, page_size: int = RING_PAGE_SIZE) -> "PagedKVCache":
+             dtype=jnp.float32, page_size: int = RING_PAGE_SIZE, xp=jnp) -> "PagedKVCache":
         """A ring buffer of `capacity` slots per row (rounded up to whole pages): row b owns
         pages b * M .. b * M + M - 1."""
         page_size = min(page_size, capacity)
         M = -(-capacity // page_size)
         return cls.create(num_layers, batch * M, page_size, num_kv_heads, head_dim,
-                          ring_tables(batch, M), dtype, wraps=True)
+                          ring_tables(batch, M), dtype, wraps=True, xp=xp)
 
     @property
     def num_pages(self) -> int:
@@ -247,6 +250,6 @@ class PagedKVCache:
 
 
 
-def ring_tables(batch: int, pages_per_row: int) -> jax.Array:
-    """Block tables of a ring buffer: row b owns pages b * M .. b * M + M - 1."""
-    return jnp.arange(batch * pages_per_row, dtype=jnp.int32).reshape(batch, pages_per_row)
+def ring_tables(batch: int, pages_per_row: int) -> np.ndarray:
+    """Block tables of a ring buffer: row b owns pages b * M .. b * M + M - 1 (host numbers)."""
+    return np.arange(batch * pages_per_row, dtype=np.int32).reshape(batch, pages_per_row)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 from typing import Callable, Optional, Sequence
 
 import jax
@@ -143,8 +142,12 @@ class Partitioner:
         return jax.device_put(tree, shardings)
 
     def zeros(self, shape: Sequence[int], dtype, axes: Sequence[Optional[str]]) -> jax.Array:
-        """Zeros made shard by shard on the mesh (never whole on one device)."""
-        return _sharded_zeros(tuple(shape), np.dtype(dtype), self.sharding(shape, axes))()
+        """Zeros made shard by shard on the mesh (never whole on one device), from host
+        buffers: no program is compiled for them."""
+        sharding = self.sharding(shape, axes)
+        part = sharding.shard_shape(tuple(shape))
+        return jax.make_array_from_callback(tuple(shape), sharding,
+                                            lambda _: np.zeros(part, dtype))
 
     @contextlib.contextmanager
     def active(self):
@@ -152,11 +155,6 @@ class Partitioner:
         with jax.set_mesh(self.mesh):
             yield
 
-
-@functools.lru_cache(maxsize=None)
-def _sharded_zeros(shape: tuple[int, ...], dtype: np.dtype, sharding: NamedSharding):
-    """A jitted maker of zeros laid out as `sharding` (one per shape, so it compiles once)."""
-    return jax.jit(lambda: jax.numpy.zeros(shape, dtype), out_shardings=sharding)
 
 
 def spec_for(shape: Sequence[int], axes: Sequence[Optional[str]],

@@ -9,6 +9,12 @@ before anything touches a backend.
 CPU (XLA:CPU, jax 0.10.2, the 2-core development machine), the reasons for each entry:
   min_tokens, query_tile     the smallest token bucket of a flat step and the queries per tile
                              of its jnp attention (docs/architecture.md, "Compiled shapes")
+  bucket_growth              token and row buckets grow by this factor: 4 on CPU, where each
+                             program costs 7-15 s to compile (11 programs at factor 2 took
+                             96 s of warmup; 7 at factor 4)
+  fill_token_buckets         the scheduler trims a prefilling step's chunks down to a token
+                             bucket exactly, so no padding token reaches the matmuls: on CPU a
+                             padding token costs what a real one does
   loop_compiler_options      while-loop invariant code motion off in the device loops: it
                              hoisted the float32 copy XLA:CPU makes of a bf16 embedding table to
                              gather from it, once per dispatch (36 ms), where inside the body the
@@ -40,6 +46,8 @@ import jax
 class StepTuning:
     min_tokens: int = 16
     query_tile: int = 16
+    bucket_growth: int = 2
+    fill_token_buckets: bool = False
     loop_compiler_options: tuple[tuple[str, str], ...] = ()
     pad_single_row_16bit_dots: bool = False
     float32_activations: bool = False
@@ -50,7 +58,7 @@ class StepTuning:
 
 TUNING = {
     "cpu": StepTuning(
-        min_tokens=16, query_tile=16,
+        min_tokens=16, query_tile=16, bucket_growth=4, fill_token_buckets=True,
         loop_compiler_options=(("xla_disable_hlo_passes", "while-loop-invariant-code-motion"),),
         pad_single_row_16bit_dots=True, float32_activations=True, kv_16bit_as_bits=True,
         default_dtype="float32",

@@ -4,12 +4,12 @@ bounded set of programs serves any mix of requests (see Runner.num_programs)."""
 from __future__ import annotations
 
 
-def doubling(limit: int, base: int) -> tuple[int, ...]:
-    """base, 2 * base, 4 * base, ... below limit, then limit."""
+def geometric(limit: int, base: int, factor: int = 2) -> tuple[int, ...]:
+    """base, factor * base, factor^2 * base, ... below limit, then limit."""
     out, b = [], base
     while b < limit:
         out.append(b)
-        b *= 2
+        b *= factor
     return tuple(out) + (limit,)
 
 
@@ -20,3 +20,13 @@ def pick(buckets: tuple[int, ...], n: int) -> int:
             return b
     return buckets[-1]
 
+
+def fill_down(buckets: tuple[int, ...], fixed: int, total: int) -> int:
+    """How many tokens a step should carry to fill a bucket exactly: the largest bucket of at
+    most `total` tokens that leaves room for at least one token beyond the `fixed` ones (the
+    decode tokens); `total` itself when there is none (the step is then padded up)."""
+    best = total
+    for b in buckets:
+        if fixed < b <= total:
+            best = b
+    return best

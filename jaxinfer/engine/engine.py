@@ -94,13 +94,14 @@ class Engine:
         if paged is not None:
             capacity = paged.table_width * paged.page_size
             paged.resize(B)
-        self.scheduler = Scheduler(B, engine_cfg.max_num_batched_tokens,
-                                   engine_cfg.prefill_chunk, paged, data)
         self.runner = Runner(cfg, params, engine_cfg, num_slots=B, capacity=capacity,
                              dtype=dtype, kv_dtype=self.kv_dtype,
                              page_size=paged.page_size if paged is not None else 16,
                              num_pages=num_pages, paged=paged is not None, draft=draft,
                              partitioner=partitioner, eos_ids=self.eos_ids)
+        self.scheduler = Scheduler(B, engine_cfg.max_num_batched_tokens,
+                                   engine_cfg.prefill_chunk, paged, data,
+                                   fill_buckets=self.runner.fill_buckets)
         self.spec = engine_cfg.speculative
         self.spec_rates = speculation.SpeculationRates()
         self.stats_counters = collections.Counter()

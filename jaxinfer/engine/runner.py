@@ -57,8 +57,12 @@ class Runner:
         tune = tuning.for_backend()
         self.query_tile = tune.query_tile
         budget = engine_cfg.max_num_batched_tokens
-        self.token_buckets = buckets.doubling(budget, min(tune.min_tokens, budget))
-        self.row_buckets = buckets.doubling(num_slots, 1)
+        self.token_buckets = buckets.geometric(budget, min(tune.min_tokens, budget),
+                                               tune.bucket_growth)
+        self.row_buckets = buckets.geometric(num_slots, 1, tune.bucket_growth)
+        # Where padding costs what a real token costs (compute-bound backends), the scheduler
+        # sizes each prefilling step to a bucket exactly.
+        self.fill_buckets = self.token_buckets if tune.fill_token_buckets else None
         self.state: Optional[decode.DecodeState] = None
 
     # ---- placement -----------------------------------------------------------------------
@@ -82,10 +86,11 @@ class Runner:
             else contextlib.nullcontext()
 
     def _zeros(self, shape: tuple[int, ...]):
-        """An empty K or V buffer, made where it lives: on the device, or shard by shard."""
+        """An empty K or V buffer: on the host (placed with the rest of the state), or made
+        shard by shard on the mesh."""
         bits16 = tuning.for_backend().kv_16bit_as_bits
         if self.partitioner is None:
-            return kv_buffer(shape, self.kv_dtype, bits16=bits16)
+            return kv_buffer(shape, self.kv_dtype, np.zeros, bits16=bits16)
         axes = PagedKVCache.KV_AXES
         return kv_buffer(shape, self.kv_dtype, lambda sh, dt: self.partitioner.zeros(
             sh, dt, tuple(axes)[:len(sh)]), bits16=bits16)
@@ -100,7 +105,7 @@ class Runner:
         else:
             Z = min(self.page_size, self.capacity)
             M = -(-self.capacity // Z)
-            tables, P, wraps = np.asarray(ring_tables(B, M)), B * M, True
+            tables, P, wraps = ring_tables(B, M), B * M, True
         shape = (L, P * Z, K, H)
         cache = PagedKVCache(k=self._zeros(shape), v=self._zeros(shape), block_tables=tables,
                              lengths=np.zeros(B, np.int32), page_size=Z, wraps=wraps)
@@ -109,7 +114,7 @@ class Runner:
         return self._place_state(decode.DecodeState.create(
             self.cfg, B, self.capacity, self.dtype, cache=cache,
             draft_cfg=self.draft_kw["draft_cfg"], draft_capacity=self.ecfg.max_seq_len,
-            history=history, num_stop_ids=MAX_STOP_IDS))
+            history=history, num_stop_ids=MAX_STOP_IDS, xp=np))
 
     def ensure_state(self) -> None:
         if self.state is None:

@@ -6,7 +6,10 @@ one flat step: one token for every decoding row plus prefill chunks of the oldes
 requests within the token budget (max_num_batched_tokens, decodes first: SARATHI-style
 decode-maximal batching), or (3) with nothing to prefill, one multi-step decode dispatch.
 Pages for the planned tokens are reserved here, preempting the newest running requests (pages
-freed, requeued first, recomputed on readmission) while pages run short.
+freed, requeued first, recomputed on readmission) while pages run short. With fill_buckets
+(the runner's token buckets, on backends where a padding token costs a real one), a prefilling
+step's chunks are trimmed so that it carries exactly a bucket's tokens when it can; the trimmed
+tokens go in the next step.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import dataclasses
 import time
 from typing import Optional
 
+from jaxinfer.engine import buckets
 from jaxinfer.engine.paged import PagedSlots
 
 
@@ -34,13 +38,15 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, num_slots: int, max_num_batched_tokens: int, prefill_chunk: int,
-                 paged: Optional[PagedSlots] = None, data: int = 1):
+                 paged: Optional[PagedSlots] = None, data: int = 1,
+                 fill_buckets: Optional[tuple[int, ...]] = None):
         self.slots: list = [None] * num_slots
         self.waiting: collections.deque = collections.deque()
         self.budget = max_num_batched_tokens
         self.prefill_chunk = prefill_chunk
         self.paged = paged
         self.data = data
+        self.fill_buckets = fill_buckets
         self.admissions = 0
         self.preemptions = 0
 
@@ -77,8 +83,21 @@ class Scheduler:
                 break
             chunks.append((req, take))
             budget -= take
+        if chunks and self.fill_buckets:
+            chunks = self._fill(chunks, len(decoding))
         return SchedulerOutput(admitted, chunks, decoding, multi_step=not chunks,
                                preempted=preempted)
+
+    def _fill(self, chunks: list, decodes: int) -> list:
+        """chunks trimmed from the newest so that decodes + their tokens fill a bucket."""
+        total = decodes + sum(n for _, n in chunks)
+        cut = total - buckets.fill_down(self.fill_buckets, decodes, total)
+        while cut > 0:
+            req, n = chunks.pop()
+            if n > cut:
+                chunks.append((req, n - cut))
+            cut -= n
+        return chunks
 
     def _admit(self) -> list:
         """Moves waiting requests into free slots, first come first served, while pages last."""
