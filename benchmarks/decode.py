@@ -67,7 +67,7 @@ def main():
     import jaxinfer as ji
 
     llm = ji.LLM(args.model, max_num_seqs=1, max_seq_len=1024, dtype=args.dtype)
-    wbytes = weight_bytes(llm._engine.params)
+    wbytes = weight_bytes(llm._engine.params)  # as placed (the LLM has no public accessor)
     rng = np.random.default_rng(0)
     prefill_prompt = rng.integers(100, llm.model_config.vocab_size, args.prefill_tokens).tolist()
     llm.generate([prefill_prompt], ji.SamplingParams(max_tokens=2))  # compile
@@ -147,27 +147,29 @@ def batch_step_vs_matmuls(args) -> dict:
 
     R = args.rows
     llm = ji.LLM(args.model, max_num_seqs=R, dtype=args.dtype)
-    engine = llm._engine
-    steps = engine.ecfg.decode_steps
+    steps = llm.engine_config.decode_steps
     rng = np.random.default_rng(1)
     V = llm.model_config.vocab_size
-    for n in rng.integers(args.context_min, args.context_max + 1, R):
-        llm.add_request(rng.integers(100, V, int(n)).tolist(),
-                        ji.SamplingParams(max_tokens=2048 - args.context_max - 1,
-                                          ignore_eos=True))
-    while any(r is None or r.prefilled < len(r.prefill_ids) for r in engine.slots):
-        llm.step()  # admission and prefill (and their compilation)
+    waiting = {llm.add_request(rng.integers(100, V, int(n)).tolist(),
+                               ji.SamplingParams(max_tokens=2048 - args.context_max - 1,
+                                                 ignore_eos=True))
+               for n in rng.integers(args.context_min, args.context_max + 1, R)}
+    # Admission and prefill (and their compilation): a request whose prompt is prefilled has
+    # sampled its first token.
+    while waiting:
+        waiting -= {out.request_id for out in llm.step() if out.token_ids}
     llm.step()      # compiles the R-row decode loop
     stack = tuning.loop_jit(matmul_stack, static_argnames="num_steps")
     x = jnp.asarray(rng.standard_normal((R, llm.model_config.d_model)), jnp.float32) * 0.01
-    stack(engine.params, x, num_steps=steps).block_until_ready()
+    params = llm._engine.params  # the LLM's weights as placed (no public accessor)
+    stack(params, x, num_steps=steps).block_until_ready()
     step_ms, stack_ms = [], []
     for _ in range(args.runs):
         t = time.perf_counter()
         llm.step()
         step_ms.append((time.perf_counter() - t) * 1e3 / steps)
         t = time.perf_counter()
-        stack(engine.params, x, num_steps=steps).block_until_ready()
+        stack(params, x, num_steps=steps).block_until_ready()
         stack_ms.append((time.perf_counter() - t) * 1e3 / steps)
     ratios = [a / b for a, b in zip(step_ms, stack_ms)]
     return {"rows": R, "batch_step_ms": statistics.median(step_ms),

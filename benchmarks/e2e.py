@@ -32,7 +32,7 @@ import jax
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from decode import Bandwidth, weight_bytes  # noqa: E402
+from decode import Bandwidth  # noqa: E402
 
 LLAMA_1B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama",
@@ -47,8 +47,10 @@ TINY = dict(LLAMA_1B, hidden_size=64, intermediate_size=128, num_hidden_layers=2
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512)
 
 
-def write_random_model(path: str, config: dict, seed: int = 0) -> None:
-    """A jaxinfer checkpoint of the HF-style config with random bfloat16 weights."""
+def write_random_model(path: str, config: dict, seed: int = 0) -> int:
+    """A jaxinfer checkpoint of the HF-style config with random bfloat16 weights; returns
+    the number of weights (each is read once per decode step; the tied head reads the
+    embedding)."""
     import jax.numpy as jnp
 
     from jaxinfer.loading.checkpoint import save_checkpoint
@@ -56,7 +58,9 @@ def write_random_model(path: str, config: dict, seed: int = 0) -> None:
     from jaxinfer.models import llama
 
     cfg = config_from_hf(config)
-    save_checkpoint(path, cfg, llama.init_params(cfg, jax.random.key(seed), jnp.bfloat16))
+    params = llama.init_params(cfg, jax.random.key(seed), jnp.bfloat16)
+    save_checkpoint(path, cfg, params)
+    return sum(int(x.size) for x in jax.tree.leaves(params))
 
 
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -64,7 +68,7 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [rng.integers(0, vocab, length).tolist() for _ in range(n)]
 
 
-def batch1_decode(model: str, dtype: str, args, bandwidth: Bandwidth) -> dict:
+def batch1_decode(model: str, num_weights: int, dtype: str, args, bandwidth: Bandwidth) -> dict:
     import jaxinfer as ji
 
     llm = ji.LLM(model, dtype=dtype, max_seq_len=args.prompt_len + args.decode_tokens + 16,
@@ -72,21 +76,25 @@ def batch1_decode(model: str, dtype: str, args, bandwidth: Bandwidth) -> dict:
     cfg = llm.model_config
     sp = ji.SamplingParams(max_tokens=args.decode_tokens, ignore_eos=True)
     llm.generate(prompts(1, args.prompt_len, cfg.vocab_size, 0), sp)  # compile
-    wbytes = weight_bytes(llm._engine.params)
+    # The LLM holds the weights (and on a GPU its K/V) in `dtype`.
+    itemsize = np.dtype(llm.dtype).itemsize
+    wbytes = num_weights * itemsize
     # K and V of every layer at the mean context length of the decode steps.
-    itemsize = np.dtype(llm._engine.dtype).itemsize
     kv_bytes = (2 * cfg.num_layers * cfg.kv_dim * itemsize
                 * (args.prompt_len + args.decode_tokens / 2))
-    runs, fractions = [], []
+    runs, fractions, bandwidths, walls = [], [], [], []
     for r in range(args.runs):
         before = bandwidth.sample()
         # A new prompt each run: a repeated one would be served from the prefix cache.
+        t = time.perf_counter()
         out = llm.generate(prompts(1, args.prompt_len, cfg.vocab_size, r + 1), sp)[0]
-        bw = statistics.mean([before, bandwidth.sample()])
+        walls.append(time.perf_counter() - t)
+        bandwidths.append(statistics.mean([before, bandwidth.sample()]))
         runs.append(out.metrics.decode_tokens_per_s)
-        fractions.append(runs[-1] * (wbytes + kv_bytes) / bw)
+        fractions.append(runs[-1] * (wbytes + kv_bytes) / bandwidths[-1])
     return {"weight_bytes": wbytes, "kv_bytes_per_step": kv_bytes,
             "decode_tokens_per_s": statistics.median(runs), "decode_runs": runs,
+            "generate_wall_s": walls, "read_bandwidth": bandwidths,
             "fraction_of_roofline": statistics.median(fractions), "fraction_runs": fractions}
 
 
@@ -129,10 +137,10 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         tmp = os.path.join(tmp, "model")
         t = time.perf_counter()
-        write_random_model(tmp, config)
+        num_weights = write_random_model(tmp, config)
         print(f"random weights written in {time.perf_counter() - t:.1f} s", flush=True)
         bandwidth = Bandwidth(0.25 if args.smoke else 1.0)
-        b1 = batch1_decode(tmp, dtype, args, bandwidth)
+        b1 = batch1_decode(tmp, num_weights, dtype, args, bandwidth)
         result["batch1"] = b1
         print(f"{result['device']} ({dtype}): read bandwidth {bandwidth.sample() / 1e9:.0f} GB/s")
         print(f"batch-1 decode {b1['decode_tokens_per_s']:.1f} tokens/s, "

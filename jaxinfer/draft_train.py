@@ -16,10 +16,10 @@ import numpy as np
 import optax
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.models import llama
+from jaxinfer.models import ModelParams, sequence_logits
 
 
-def draft_from_target(params: llama.LlamaParams, cfg: ModelConfig, num_layers: int):
+def draft_from_target(params: ModelParams, cfg: ModelConfig, num_layers: int):
     """A num_layers draft: the target's layers at evenly spaced depths (first and last
     included), its embedding, head and final norm shared. Returns (params, config)."""
     if not 1 <= num_layers <= cfg.num_layers:
@@ -34,7 +34,7 @@ def kl_loss(trainable, frozen, draft_cfg: ModelConfig, tokens, mask, target_logp
     final_norm), frozen = the draft's params otherwise; target_logp [B, T, V]."""
     layers, final_norm = trainable
     params = frozen.replace(layers=layers, final_norm=final_norm)
-    logq = jax.nn.log_softmax(llama.sequence_logits(params, draft_cfg, tokens), axis=-1)
+    logq = jax.nn.log_softmax(sequence_logits(params, draft_cfg, tokens), axis=-1)
     kl = jnp.sum(jnp.exp(target_logp) * (target_logp - logq), axis=-1)
     return jnp.sum(kl * mask) / jnp.maximum(jnp.sum(mask), 1)
 
@@ -43,7 +43,7 @@ def make_train_step(draft_cfg: ModelConfig, target_cfg: ModelConfig, optimizer):
     @jax.jit
     def step(trainable, opt_state, frozen, target_params, tokens, mask):
         target_logp = jax.nn.log_softmax(
-            llama.sequence_logits(target_params, target_cfg, tokens), axis=-1)
+            sequence_logits(target_params, target_cfg, tokens), axis=-1)
         loss, grads = jax.value_and_grad(kl_loss)(trainable, frozen, draft_cfg, tokens, mask,
                                                   target_logp)
         updates, opt_state = optimizer.update(grads, opt_state, trainable)

@@ -1,7 +1,9 @@
 """Sharding over a device mesh: the mesh, the logical-axis rules, and placement.
 
 Every parameter and cache array declares its logical axes once (`llama.param_specs`,
-`PagedKVCache.logical_axes`, `DecodeState.logical_axes`). RULES map
+`PagedKVCache.logical_axes`, `DecodeState.logical_axes`); a quantized weight's codes and scales
+take its float form's axes (`quant.logical_axes`), a quantized cache's scales those of its codes
+without the head dim (`QuantizedKV.logical_axes`). RULES map
 each logical axis to a mesh axis; nothing else in the code names a mesh axis. A logical axis
 whose size the mesh axis does not divide stays whole (replicated) on every device, so one rule
 set serves every shape: a batch bucket of 1 row on a 2-way data axis, a vocabulary that 3 does
@@ -44,6 +46,7 @@ RULES: dict[str, Optional[str | tuple[str, ...]]] = {
     "q_heads": "tensor",
     "kv_heads": "tensor",
     "ffn": "tensor",
+    "experts": ("data", "tensor"),  # expert parallelism (jaxinfer.models.moe)
     "cache_seq": "sequence",   # a ring row's slots
     "pages": ("data", "sequence"),  # the page pool's slots: every replica's pages
     "embed": None,
@@ -94,14 +97,21 @@ def replicate_kv_heads(cfg: ModelConfig, weights: dict, tensor: int,
     of the kv heads its query heads read and the cache splits evenly. Query head n reads kv head
     n // (N // K) before and copy n // (N // tensor) of the same head after. Weights are named
     as in params_from_weights ([in, out] linear weights) or by their field ("wk"); xp is the
-    array module (numpy for host weights, jax.numpy for arrays on devices)."""
+    array module (numpy for host weights, jax.numpy for arrays on devices). A quantized wk or
+    wv repeats its output columns' codes and scales alike (quant.take_out)."""
+    from jaxinfer.quant import QuantizedWeight, take_out
+
     K, H = cfg.num_kv_heads, cfg.head_dim
     if tensor <= K:
         return cfg, weights
     r = tensor // K
+    columns = np.repeat(np.arange(K * H).reshape(K, H), r, axis=0).reshape(-1)
     out = dict(weights)
     for name, w in weights.items():
         if name.split(".")[-1] in ("wk", "wv", "bk", "bv"):
+            if isinstance(w, QuantizedWeight):
+                out[name] = take_out(w, columns)
+                continue
             heads = w.reshape(w.shape[:-1] + (K, H))
             out[name] = xp.repeat(heads, r, axis=-2).reshape(w.shape[:-1] + (K * r * H,))
     return cfg.replace(num_kv_heads=K * r), out
@@ -205,15 +215,21 @@ def constrain_tree(tree, axes_tree):
 
 def param_axes(cfg: ModelConfig, params, specs: Callable[[ModelConfig], dict]):
     """The params pytree with each leaf replaced by its logical axes (from `specs`, the model
-    family's param_specs table)."""
+    family's param_specs table). A quantized weight gets a QuantizedWeight of axes
+    (quant.logical_axes): its codes and scales split like the float weight would."""
+    from jaxinfer.quant import QuantizedWeight, logical_axes
+
     table = {name: axes for name, (_, axes) in specs(cfg).items()}
 
-    def axes_of(path, _):
+    def axes_of(path, leaf):
         names = [p.name if hasattr(p, "name") else None for p in path]
         field = names[-1]
         key = f"layers.{field}" if names[0] == "layers" else field
+        if isinstance(leaf, QuantizedWeight):
+            return logical_axes(leaf, table[key])
         return table[key]
-    return jax.tree_util.tree_map_with_path(axes_of, params)
+    return jax.tree_util.tree_map_with_path(
+        axes_of, params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
 
 
 def fetch(tree):

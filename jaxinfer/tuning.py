@@ -30,8 +30,16 @@ CPU (XLA:CPU, jax 0.10.2, the 2-core development machine), the reasons for each 
                              and back (1.2 s a step for SmolLM2's pool); the 16-bit KV cache is
                              kept as uint16 bits (kv_cache.Bits16KV), scattered in place, and
                              halves what attention gathers against a float32 cache
-  default_dtype              dtype=None; chosen by benchmarks/throughput.py and decode.py
+  default_dtype              dtype=None. CPU: bfloat16 weights (float32 activations, a bf16
+                             KV cache kept as bits, above): 1.40x float32's serving throughput
+                             on the random workload and 1.41x on the chat one (python
+                             benchmarks/throughput.py --dtypes float32,bfloat16), GPL-3
+                             perplexity +0.02%. The environment variable JAXINFER_DEFAULT_DTYPE
+                             overrides it
   default_attention          attention="auto": the jnp path (the kernels would run interpreted)
+  grouped_matmul             the experts' grouped matmul (jaxinfer.models.moe): "tiles" on CPU,
+                             whose lax.ragged_dot multiplies every row by every expert
+                             (a dense all-experts product), jax.lax.ragged_dot elsewhere
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ class StepTuning:
     kv_16bit_as_bits: bool = False
     default_dtype: str = "bfloat16"
     default_attention: str = "pallas"
+    grouped_matmul: str = "ragged_dot"
 
 
 TUNING = {
@@ -61,8 +70,8 @@ TUNING = {
         min_tokens=16, query_tile=16, bucket_growth=4, fill_token_buckets=True,
         loop_compiler_options=(("xla_disable_hlo_passes", "while-loop-invariant-code-motion"),),
         pad_single_row_16bit_dots=True, float32_activations=True, kv_16bit_as_bits=True,
-        default_dtype="float32",
-        default_attention="reference"),
+        default_dtype="bfloat16",
+        default_attention="reference", grouped_matmul="tiles"),
     "gpu": StepTuning(),
 }
 

@@ -107,11 +107,12 @@ def random_model_runs(shape: dict, variants: dict) -> dict:
     import jax.numpy as jnp
 
     import jaxinfer as ji
+    from jaxinfer import configs
     from jaxinfer.loading.checkpoint import save_checkpoint
     from jaxinfer.loading.safetensors import config_from_hf
     from jaxinfer.models import llama
 
-    with open(os.path.join(ROOT, "configs", "llama-3-8b.json")) as f:
+    with open(configs.path("llama-3-8b")) as f:
         hf = json.load(f)
     hf.update(shape)
     cfg = config_from_hf(hf)
@@ -217,7 +218,7 @@ def context() -> dict:
     import jax.numpy as jnp
 
     import jaxinfer as ji
-    from jaxinfer import context_parallel, sharding
+    from jaxinfer import configs, context_parallel, sharding
     from jaxinfer.attention import reference_attention
     from jaxinfer.loading.safetensors import config_from_hf
 
@@ -249,7 +250,7 @@ def context() -> dict:
             "mesh": ji.MeshConfig(data=2, tensor=2),
             "speculative": ji.SpeculativeConfig("draft", num_draft_tokens=3, draft_model=path)}})
     out["replica_pages"] = replica_pages()
-    with open(os.path.join(ROOT, "configs", "llama-3-8b.json")) as f:
+    with open(configs.path("llama-3-8b")) as f:
         hf = json.load(f)
     hf.update(shape)
     cfg = config_from_hf(hf)
@@ -261,7 +262,7 @@ def context() -> dict:
 def big() -> dict:
     import jax.numpy as jnp
 
-    from jaxinfer import decode, sharding
+    from jaxinfer import configs, decode, sharding
     from jaxinfer.config import MeshConfig
     from jaxinfer.kv_cache import PagedKVCache
     from jaxinfer.loading.safetensors import config_from_hf
@@ -275,7 +276,7 @@ def big() -> dict:
     # The stated KV budget: 64 sequences of 8,192 tokens in 16-token pages, bfloat16.
     seqs, seq_len, page = 64, 8192, 16
     for name in ("llama-3-8b", "llama-3-70b"):
-        with open(os.path.join(ROOT, "configs", f"{name}.json")) as f:
+        with open(configs.path(name)) as f:
             cfg = config_from_hf(json.load(f))
         params = jax.eval_shape(lambda: llama.init_params(cfg, jax.random.key(0), jnp.bfloat16))
         axes = sharding.param_axes(cfg, params, llama.param_specs)

@@ -1,4 +1,4 @@
-"""jaxinfer.awq: activation-aware int4 quantization.
+"""jaxinfer.quant.awq: activation-aware int4 quantization.
 
 Checked against independent things: the calibration forward against `llama.sequence_logits`;
 folding against the exact property that the folded float model is the same model; the scale and
@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer import awq, quant
+from jaxinfer import quant
+from jaxinfer.quant import awq
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import llama
 

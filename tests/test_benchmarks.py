@@ -1,21 +1,79 @@
 """The GPU end-to-end benchmark runs its whole path (random-weight checkpoint written, loaded through
 the public API, batch-1 decode and concurrent requests) on a tiny model, so it works when a GPU
-machine runs it."""
+machine runs it. Its figures are checked against what they are defined from: the weight bytes
+against the model's parameter count from its config, the K/V bytes per step against the cache
+layout, the decode rate against the wall time of the generate call it was measured in, and the
+roofline fraction against the rate, bytes and bandwidth it is the quotient of. The quantization
+benchmark runs its whole path on the same tiny model, its memory figures checked against the
+bytes its weights take in each mode."""
 
 import json
 import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.join(os.path.dirname(__file__), "..")
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+
+def _weights(c: dict) -> int:
+    """Parameters of a tied Llama from its HF config, counted by hand."""
+    D, F, V, L = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["num_hidden_layers"]
+    q = c["num_attention_heads"] * c["head_dim"]
+    kv = c["num_key_value_heads"] * c["head_dim"]
+    per_layer = D * q + 2 * D * kv + q * D + 3 * D * F + 2 * D  # wq wk wv wo, MLP, 2 norms
+    return V * D + L * per_layer + D                            # embedding, layers, final norm
 
 
 def test_e2e_benchmark_smoke(tmp_path):
+    import e2e
+
     out = tmp_path / "e2e.json"
     subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "e2e.py"), "--smoke",
                     "--json", str(out)], check=True, capture_output=True, timeout=300)
     result = json.loads(out.read_text())
-    assert result["batch1"]["decode_tokens_per_s"] > 0
-    assert result["batch1"]["fraction_of_roofline"] > 0
+    b1, c = result["batch1"], e2e.TINY
+    assert result["dtype"] == "float32"  # on CPU: 4 bytes per weight and per cached value
+    assert b1["weight_bytes"] == 4 * _weights(c)
+    prompt, decoded = 128, 16   # the smoke run's prompt and decode lengths
+    kv_dim = c["num_key_value_heads"] * c["head_dim"]
+    assert b1["kv_bytes_per_step"] == 2 * c["num_hidden_layers"] * kv_dim * 4 * (
+        prompt + decoded / 2)
+    (rate,), (wall,) = b1["decode_runs"], b1["generate_wall_s"]
+    assert b1["decode_tokens_per_s"] == rate
+    # decoded - 1 steps after the first token, inside the generate call that was timed.
+    assert 0 < (decoded - 1) / rate < wall
+    (fraction,), (bandwidth,) = b1["fraction_runs"], b1["read_bandwidth"]
+    assert fraction == pytest.approx(
+        rate * (b1["weight_bytes"] + b1["kv_bytes_per_step"]) / bandwidth, rel=1e-12)
     (run,) = result["throughput"]
     assert run["requests"] == 4 and run["output_tokens"] == 4 * 8
+    assert run["output_tokens_per_s"] == pytest.approx(32 / run["wall_s"], rel=1e-12)
+
+
+
+def test_quantization_benchmark_memory_figures(tmp_path):
+    """benchmarks/quantization.py end to end on the tiny model (one round, one token each),
+    its memory figures against the model's weights counted from its config: float32 4 bytes a
+    weight; int8 in groups of 32 one byte a matrix element plus a float16 scale per 32, the
+    norms in float32; the decode state (the same float32 page pool) alike for both."""
+    import e2e
+    import quantization
+
+    path = str(tmp_path / "tiny")
+    num_weights = e2e.write_random_model(path, e2e.TINY)
+    c = e2e.TINY
+    norms = c["num_hidden_layers"] * 2 * c["hidden_size"] + c["hidden_size"]
+    result = quantization.main(["--model", path, "--configs", "none,int8", "--runs", "1",
+                                "--tokens", "1"])
+    none, int8 = result["none"], result["int8"]
+    assert none["param_bytes"] == 4 * num_weights
+    assert int8["param_bytes"] == (num_weights - norms) * (1 + 2 / 32) + 4 * norms
+    state = none["llm_bytes"] - none["param_bytes"]
+    pool = 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * 4 * 256
+    assert state > pool  # room for 4 rows of max_seq_len 256, plus the per-row arrays
+    assert int8["llm_bytes"] - int8["param_bytes"] == state
+    assert none["llm_bytes_ratio"] == 1.0
+    assert int8["llm_bytes_ratio"] == int8["llm_bytes"] / none["llm_bytes"]

@@ -1,4 +1,4 @@
-"""jaxinfer.quant: int4 packing, the int8 / int4 / fp8 quantizers and dequantization.
+"""jaxinfer.quant: int4 packing, the int8 / int4 / fp8 quantizers, dequantization, matmul.
 
 The quantizers are checked against the error bounds that follow from each scheme (computed in
 float64 from the original weights), not against themselves: round to nearest on a grid of step
@@ -192,16 +192,51 @@ def test_take_out_reorders_output_channels(kind, axis):
         np.testing.assert_array_equal(np.asarray(quant.dequantize(moved)), expected)
 
 
-def test_dequantize_under_jit_equals_eager():
+def reference_dequantize(qw: QuantizedWeight) -> np.ndarray:
+    """The value of every element from the format's definition, element by element: the
+    code (int4: element e of a 32-element block sits in byte e % 16 of the block's 16 bytes,
+    low nibble for e < 16), times its group's scale, plus its group's offset, in float64.
+    q * scale is exact (at most 8 + 11 significant bits) and so is the sum, so this rounded
+    once to float32 is the correctly rounded value the float32 dequantization must give."""
+    a = qw.axis
+    shape = qw.shape
+    q = np.asarray(qw.q)
+    if qw.kind == "fp8":
+        codes = q.astype(np.float64)
+    else:
+        codes = np.empty(shape, np.float64)
+        for idx in np.ndindex(*shape):
+            e = idx[a]
+            if qw.kind == "int4":
+                byte_idx = list(idx)
+                byte_idx[a] = (e // 32) * 16 + e % 16
+                byte = int(q[tuple(byte_idx)])
+                codes[idx] = (byte >> 4) if e % 32 >= 16 else (byte & 0x0F)
+            else:
+                codes[idx] = q[idx]
+    group = shape[a] // qw.scale.shape[a]
+    per_element = lambda g: np.repeat(np.asarray(g, np.float64), group, axis=a)  # noqa: E731
+    value = codes * per_element(qw.scale)
+    if qw.offset is not None:
+        value = value + per_element(qw.offset)
+    return value.astype(np.float32)
+
+
+def test_dequantize_equals_the_format_definition():
+    """dequantize (eager and jitted) and dequantize_host against reference_dequantize, bit for
+    bit, for every kind, both grouped axes, one group and several; the bfloat16 output is
+    that float32 value rounded to bfloat16."""
     w = weights((128, 64)) + 0.1
     for qw in (quant.quantize_int4(w, 0, 64), quant.quantize_int8(w, 1, 32),
-               quant.quantize_fp8(w, 0), quant.quantize_int4(w, 1, 32, symmetric=True)):
-        eager = np.asarray(quant.dequantize(qw))
-        jitted = np.asarray(jax.jit(quant.dequantize)(qw))
-        np.testing.assert_array_equal(jitted.view(np.uint32), eager.view(np.uint32))
+               quant.quantize_int8(w, 0), quant.quantize_fp8(w, 0),
+               quant.quantize_int4(w, 1, 32, symmetric=True)):
+        want = reference_dequantize(qw)
+        for got in (quant.dequantize(qw), jax.jit(quant.dequantize)(qw),
+                    quant.dequantize_host(qw)):
+            np.testing.assert_array_equal(np.asarray(got).view(np.uint32), want.view(np.uint32))
         bf16 = jax.jit(quant.dequantize, static_argnums=1)(qw, jnp.bfloat16)
         assert bf16.dtype == jnp.bfloat16
-        np.testing.assert_array_equal(np.asarray(bf16), eager.astype(jnp.bfloat16))
+        np.testing.assert_array_equal(np.asarray(bf16), want.astype(jnp.bfloat16))
 
 
 def test_pytree_and_logical_axes():
@@ -228,15 +263,17 @@ def test_matmul_equals_dense_product_of_the_dequantized_weight(monkeypatch, tile
     as an einsum with the dequantized weight, for every kind and both orientations (linear
     [in, out] grouped on axis 0, the tied head [V, D] on axis 1). float32: the tiles' dots
     sum in another order, so equal to a few ulps of the result's magnitude (rtol 1e-5)."""
-    monkeypatch.setattr(quant, "TILE_ELEMENTS", tile_elements)
+    monkeypatch.setattr(quant.compute, "TILE_ELEMENTS", tile_elements)
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
     w = weights((64, 192))
     cases = [(quant.quantize_int8(w, 0), "ni,io->no"),
+             (quant.quantize_int8(w, 0, 32), "ni,io->no"),
              (quant.quantize_int4(w, 0, 32), "ni,io->no"),
              (quant.quantize_int4(w, 0, 64), "ni,io->no"),
              (quant.quantize_fp8(w, 0), "ni,io->no"),
              (quant.quantize_int8(w.T, 1), "nd,vd->nv"),
+             (quant.quantize_int8(w.T, 1, 32), "nd,vd->nv"),
              (quant.quantize_int4(w.T, 1, 32, symmetric=True), "nd,vd->nv")]
     for qw, spec in cases:
         got = jax.jit(lambda x, qw: quant.matmul(x, qw, spec))(x, qw)
@@ -245,7 +282,7 @@ def test_matmul_equals_dense_product_of_the_dequantized_weight(monkeypatch, tile
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5,
                                    atol=1e-5 * float(jnp.max(jnp.abs(want))))
     if tile_elements < 64 * 192:
-        assert quant._tile((64, 192), 1) == 24 and quant._tile((192, 64), 0) == 24
+        assert quant.compute._tile((64, 192), 1) == 24 and quant.compute._tile((192, 64), 0) == 24
 
 
 def test_fp8_decoded_from_raw_bytes_exactly():
@@ -253,7 +290,7 @@ def test_fp8_decoded_from_raw_bytes_exactly():
     (the two NaN codes aside), subnormals and signed zeros included."""
     b = np.arange(256, dtype=np.uint8)
     want = b.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
-    got = np.asarray(jax.jit(quant._fp8_from_bits)(jnp.asarray(b)))
+    got = np.asarray(jax.jit(quant.compute._fp8_from_bits)(jnp.asarray(b)))
     finite = ~np.isnan(want)
     assert finite.sum() == 254
     np.testing.assert_array_equal(got[finite].view(np.uint32), want[finite].view(np.uint32))
@@ -264,7 +301,7 @@ def test_fp8_weights_times_fp8_activations(monkeypatch):
     fp8 x fp8 dot with x quantized per token. Its only error against the dequantized weight's
     product is x's e4m3 rounding, |x - x_hat| <= 2^-4 |x| (or 2^-10 of the token's scale below
     e4m3's normal range), so |y - x @ W| <= (2^-4 |x| + 2^-10 s) @ |W| (+ float32 slack)."""
-    monkeypatch.setattr(quant, "FP8_ACTIVATIONS", True)
+    monkeypatch.setattr(quant.compute, "FP8_ACTIVATIONS", True)
     rng = np.random.default_rng(5)
     x = rng.standard_normal((4, 64)).astype(np.float32)
     x[1] *= 1e-3                     # tokens of very different magnitude

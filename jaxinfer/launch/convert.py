@@ -1,16 +1,23 @@
-"""Converts a model (alias, .gguf file or HF directory) to a jaxinfer orbax checkpoint.
+"""Converts a model (alias, .gguf file, HF directory or checkpoint) to a jaxinfer orbax
+checkpoint, optionally quantized.
 
     python -m jaxinfer.launch.convert --model smollm2-135m --output /tmp/smollm2 \
-        [--dtype float32|bfloat16] [--overwrite]
+        [--dtype float32|bfloat16] [--quantization int8|int4|int4-awq|fp8] [--overwrite]
 
 The checkpoint restores without the source model or its tokenizer files:
-`jaxinfer.loading.load_model("/tmp/smollm2")`.
+`jaxinfer.loading.load_model("/tmp/smollm2")`, `LLM("/tmp/smollm2")`. With --quantization the
+quantized weights are stored as they are (codes, scales, offsets), so loading them does no
+quantization work: an int4-awq checkpoint loads without its calibration (138 s for SmolLM2 on
+two CPU cores, paid once here; measured by `python benchmarks/loading.py --configs int4-awq
+--runs 1`, docs/quantization.md). Loading it with the same quantization keeps it as
+is; another mode requantizes from its dequantized weights.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from typing import Optional
 
 from absl import app, flags, logging
 
@@ -18,6 +25,8 @@ _MODEL = flags.DEFINE_string("model", None, "Model alias, .gguf path or HF model
 _OUTPUT = flags.DEFINE_string("output", None, "Checkpoint directory to write.")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
                            "Dtype the params are stored in.")
+_QUANT = flags.DEFINE_enum("quantization", None, ["int8", "int4", "int4-awq", "fp8"],
+                           "Quantize the weights before saving them (default: as loaded).")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False,
                                "Replace an existing jaxinfer checkpoint at --output.")
 flags.mark_flags_as_required(["model", "output"])
@@ -28,10 +37,13 @@ def _dir_size(path: str) -> int:
                for root, _, files in os.walk(path) for f in files)
 
 
-def convert(model: str, output: str, dtype: str = "float32", overwrite: bool = False) -> dict:
-    """Loads `model` with params cast to `dtype` and saves it as a checkpoint at `output`.
+def convert(model: str, output: str, dtype: str = "float32", overwrite: bool = False,
+            quantization: Optional[str] = None) -> dict:
+    """Loads `model` with float params cast to `dtype`, quantized by `quantization` (see
+    jaxinfer.quant.quantize_model), and saves it as a checkpoint at `output`.
 
-    Returns a summary: output, num_params, bytes (on disk), seconds, has_tokenizer.
+    Returns a summary: output, num_params (array elements, codes counted once), bytes (on
+    disk), seconds, has_tokenizer, quantization.
     """
     import jax
     import jax.numpy as jnp
@@ -40,14 +52,16 @@ def convert(model: str, output: str, dtype: str = "float32", overwrite: bool = F
     from jaxinfer.loading.checkpoint import save_checkpoint
 
     start = time.perf_counter()
-    loaded = load_model(model, dtype=jnp.dtype(dtype))
-    save_checkpoint(output, loaded.config, loaded.params, loaded.tokenizer, overwrite=overwrite)
+    loaded = load_model(model, dtype=jnp.dtype(dtype), quantization=quantization)
+    save_checkpoint(output, loaded.config, loaded.params, loaded.tokenizer, overwrite=overwrite,
+                    quantization=quantization)
     return {
         "output": os.path.abspath(output),
         "num_params": sum(int(x.size) for x in jax.tree.leaves(loaded.params)),
         "bytes": _dir_size(output),
         "seconds": time.perf_counter() - start,
         "has_tokenizer": loaded.tokenizer is not None,
+        "quantization": quantization,
     }
 
 
@@ -57,10 +71,11 @@ def main(argv):
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # app.run's INFO default floods with orbax logs
     try:
-        s = convert(_MODEL.value, _OUTPUT.value, _DTYPE.value, _OVERWRITE.value)
+        s = convert(_MODEL.value, _OUTPUT.value, _DTYPE.value, _OVERWRITE.value, _QUANT.value)
     except ValueError as e:  # unusable model or output directory: a message, not a traceback
         raise SystemExit(f"error: {e}") from None
-    print(f"wrote {s['output']}: {s['num_params']:,} params ({_DTYPE.value}), "
+    kind = f"{_DTYPE.value}, {s['quantization']}" if s["quantization"] else _DTYPE.value
+    print(f"wrote {s['output']}: {s['num_params']:,} params ({kind}), "
           f"{s['bytes'] / 2**20:.1f} MiB, tokenizer: {'yes' if s['has_tokenizer'] else 'no'}, "
           f"in {s['seconds']:.1f} s")
 

@@ -1,14 +1,17 @@
 """Evaluates a (quantized) model on a text file: perplexity, and greedy agreement with float32.
 
-    python -m jaxinfer.launch.evaluate --model smollm2-135m --quantization int8
+    python -m jaxinfer.launch.evaluate --model smollm2-135m --quantization int8 [--group_size 64]
     python -m jaxinfer.launch.evaluate --quantization int4-awq --kv_cache_dtype int8 \
         --text /usr/share/common-licenses/GPL-3 --max_tokens 4096 --window 512 --json out.json
+    python -m jaxinfer.launch.evaluate --model /tmp/smollm2-awq --reference_model smollm2-135m
 
 The text's first --max_tokens tokens are scored in windows of --window tokens
-(jaxinfer.evaluation). The same model in float32 with a float cache is scored too (unless
+(jaxinfer.evaluation). The same model in float32 with a float cache (or --reference_model, for
+a quantized checkpoint, whose float source is another path) is scored too (unless
 --noreference): its perplexity, and the fraction of positions where both models' most likely
 next token agree ("greedy agreement", teacher-forced on the text). Prints one line per model
-and the parameter bytes of each; --json writes the same as JSON.
+and the parameter bytes of each; --json writes the same as JSON. --group_size: elements per
+scale of int8 / int4 (default jaxinfer.quant.GROUP_SIZE; 0: per output channel).
 """
 
 from __future__ import annotations
@@ -21,14 +24,18 @@ import jax
 from absl import app, flags
 
 from jaxinfer import evaluation
-from jaxinfer.kv_cache import KV_DTYPES
-from jaxinfer.llm import _QUANTIZATIONS
+from jaxinfer.quant import KV_DTYPES, MODES
 
 DEFAULT_TEXT = "/usr/share/common-licenses/GPL-3"
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model alias, .gguf path or HF model "
                              "directory.")
-_QUANT = flags.DEFINE_enum("quantization", None, list(_QUANTIZATIONS), "Weight quantization.")
+_QUANT = flags.DEFINE_enum("quantization", None, list(MODES), "Weight quantization.")
+_GROUP = flags.DEFINE_integer("group_size", None, "Elements per scale of int8 / int4 "
+                              "(0: per output channel; default: jaxinfer.quant.GROUP_SIZE).",
+                              lower_bound=0)
+_REF_MODEL = flags.DEFINE_string("reference_model", None, "Float model to compare with "
+                                 "(default: --model).")
 _KV = flags.DEFINE_enum("kv_cache_dtype", None, list(KV_DTYPES), "KV-cache quantization.")
 _TEXT = flags.DEFINE_string("text", DEFAULT_TEXT, "Text file to score (default: the GPL-3 "
                             "text shipped on every Debian system).")
@@ -41,7 +48,8 @@ _JSON = flags.DEFINE_string("json", None, "Write the results to this JSON file."
 
 
 def evaluate(model: str, quantization=None, kv_cache_dtype=None, text: str = DEFAULT_TEXT,
-             max_tokens: int = 4096, window: int = 512, reference: bool = True) -> dict:
+             max_tokens: int = 4096, window: int = 512, reference: bool = True,
+             group_size=None, reference_model=None) -> dict:
     from jaxinfer.loading import load_model
 
     if not os.path.isfile(text):
@@ -49,21 +57,22 @@ def evaluate(model: str, quantization=None, kv_cache_dtype=None, text: str = DEF
     with open(text, encoding="utf-8") as f:
         content = f.read()
     t0 = time.perf_counter()
-    loaded = load_model(model, quantization=quantization)
+    loaded = load_model(model, quantization=quantization, group_size=group_size)
     load_s = time.perf_counter() - t0
     ids = loaded.tokenizer.encode(content)[:max_tokens]
     if len(ids) < 2:
         raise ValueError(f"text file {text!r} has {len(ids)} tokens; scoring needs at least 2")
     scores = evaluation.score(loaded.params, loaded.config, ids, window, kv_cache_dtype)
-    result = {"model": model, "quantization": quantization, "kv_cache_dtype": kv_cache_dtype,
+    result = {"model": model, "quantization": quantization, "group_size": group_size,
+              "kv_cache_dtype": kv_cache_dtype,
               "text": text, "tokens": len(ids), "window": window, "load_s": load_s,
               "perplexity": scores.perplexity, "param_bytes": _nbytes(loaded.params)}
     if reference:
-        if quantization is None and kv_cache_dtype is None:
+        if quantization is None and kv_cache_dtype is None and reference_model is None:
             base = scores
             result["float32_param_bytes"] = result["param_bytes"]
         else:
-            ref = load_model(model)
+            ref = load_model(reference_model or model)
             base = evaluation.score(ref.params, ref.config, ids, window)
             result["float32_param_bytes"] = _nbytes(ref.params)
         result["float32_perplexity"] = base.perplexity
@@ -78,8 +87,10 @@ def _nbytes(params) -> int:
 def main(argv):
     del argv
     r = evaluate(_MODEL.value, _QUANT.value, _KV.value, _TEXT.value, _MAX_TOKENS.value,
-                 _WINDOW.value, _REFERENCE.value)
-    name = f"weights {r['quantization'] or 'float32'}, KV {r['kv_cache_dtype'] or 'float32'}"
+                 _WINDOW.value, _REFERENCE.value, _GROUP.value, _REF_MODEL.value)
+    group = "" if r["group_size"] is None else f" (group {r['group_size']})"
+    name = (f"weights {r['quantization'] or 'as loaded'}{group}, "
+            f"KV {r['kv_cache_dtype'] or 'float32'}")
     print(f"{r['tokens']} tokens of {r['text']} in windows of {r['window']}")
     print(f"{name}: perplexity {r['perplexity']:.3f}, params {r['param_bytes'] / 2**20:.1f} MiB "
           f"(loaded in {r['load_s']:.1f} s)")

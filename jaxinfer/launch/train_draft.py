@@ -1,7 +1,7 @@
 """Distils a small draft model from a target model, for speculative decoding.
 
     python -m jaxinfer.launch.train_draft --out /tmp/smollm2-draft [--model smollm2-135m]
-        [--prompts_file configs/draft_prompts.txt] [--num_layers 2] [--steps 150]
+        [--prompts_file jaxinfer/configs/draft_prompts.txt] [--num_layers 2] [--steps 150]
     then: ji.LLM("smollm2-135m", speculative=ji.SpeculativeConfig("draft",
                  draft_model="/tmp/smollm2-draft"))
 
@@ -32,14 +32,12 @@ import time
 
 from absl import app, flags
 
+from jaxinfer import configs
 from jaxinfer.draft_train import acceptance, draft_from_target, read_prompts, train
-
-CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "configs")
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "Target model (alias or path).")
 _OUT = flags.DEFINE_string("out", None, "Directory for the draft checkpoint.", required=True)
-_PROMPTS = flags.DEFINE_string("prompts_file", os.path.join(CONFIGS_DIR, "draft_prompts.txt"),
+_PROMPTS = flags.DEFINE_string("prompts_file", configs.path("draft_prompts.txt"),
                                "Text file, one prompt per line (blank lines skipped).")
 _CHAT = flags.DEFINE_bool("chat", True, "Send prompts through the model's chat template.")
 _NUM_LAYERS = flags.DEFINE_integer("num_layers", 2, "Decoder layers of the draft.")

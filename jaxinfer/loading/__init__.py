@@ -27,26 +27,36 @@ class LoadedModel:
 
 
 def load_model(spec: str, dtype=jnp.float32, partitioner=None,
-               quantization: Optional[str] = None) -> LoadedModel:
+               quantization: Optional[str] = None,
+               group_size: Optional[int] = None) -> LoadedModel:
     """Loads a model from a spec. Raises ValueError (ModelFileError) for anything unusable.
 
-    quantization ("int8", "int4", "fp8"; see jaxinfer.quant.quantize_weights): the matrices
-    are quantized on the host before they reach the device. A GGUF's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K
+    quantization (jaxinfer.quant.MODES; see jaxinfer.quant.quantize_model): the matrices are
+    quantized on the host before they reach the device. A GGUF's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K
     blocks load natively, with no float copy of the model, and are kept where they are of the
-    requested kind ("int4" on a Q4_1 file keeps the file's blocks). "int4-awq"
-    (jaxinfer.awq) quantizes the float (or dequantized) weights with activation-aware scales
-    calibrated on the package's calibration text: a calibration forward and a search on the
-    host, about a minute for SmolLM2 on a CPU.
+    requested kind ("int4" on a Q4_1 file keeps the file's blocks). "int4-awq" quantizes the
+    float (or dequantized) weights with activation-aware scales calibrated on the package's
+    calibration text: a calibration forward and a search on the host, 138 s for SmolLM2
+    on the 2-core CPU (benchmarks/loading.py --configs int4-awq), unless the model is a checkpoint written with that mode
+    (`launch.convert --quantization int4-awq`), which loads as it was written. group_size:
+    elements per scale for "int8" / "int4" (default quant.GROUP_SIZE; 0: per channel).
 
-    partitioner (jaxinfer.sharding.Partitioner): weights go straight into their shardings on
-    its mesh (each device receives its own shard, from host memory or from the checkpoint);
-    a tensor degree that does not split the model raises ValueError first. Where the tensor
-    degree exceeds the kv heads they are replicated (the returned config says how many).
+    An orbax checkpoint loads as it was written (quantized or not) without `quantization`;
+    with another mode its weights are dequantized on the host and quantized anew.
+
+    partitioner (jaxinfer.sharding.Partitioner): weights, quantized ones too, go straight into
+    their shardings on its mesh (each device receives its own shard, from host memory or from
+    the checkpoint); a tensor degree that does not split the model raises ValueError first.
+    Where the tensor degree exceeds the kv heads they are replicated (the returned config
+    says how many).
     """
-    from jaxinfer.models import get_model
+    from jaxinfer import quant
 
     if not isinstance(spec, (str, os.PathLike)):
         raise ValueError(f"model must be an alias or a path, got {type(spec).__name__}")
+    if quantization is not None and quantization not in quant.MODES:
+        raise ValueError(f"quantization must be None or one of {quant.MODES}, got "
+                         f"{quantization!r}")
     spec = os.fspath(spec)
     path = os.path.expanduser(spec)
     if not os.path.exists(path):
@@ -59,15 +69,25 @@ def load_model(spec: str, dtype=jnp.float32, partitioner=None,
             raise ValueError(f"unknown model {spec!r}: not a known alias ({sorted(ALIASES)}) "
                              "and no such file or directory")
 
+    def quantized(cfg, weights, tokenizer, source_mode=None):
+        return quant.quantize_model(cfg, weights, quantization, tokenizer, group_size,
+                                    source_mode)
+
     if os.path.isdir(path):
         from jaxinfer.loading import checkpoint, safetensors
 
         if checkpoint.is_checkpoint_dir(path):
-            if quantization is not None:
-                raise NotImplementedError("quantizing an orbax checkpoint is not supported yet; "
-                                          "load the GGUF or HF model it came from")
-            cfg, params, tokenizer = checkpoint.load_checkpoint(path, dtype=dtype,
-                                                                partitioner=partitioner)
+            stored = checkpoint.read_checkpoint_quantization(path)["mode"]
+            if quantization is None or quantization == stored:
+                cfg, params, tokenizer = checkpoint.load_checkpoint(path, dtype=dtype,
+                                                                    partitioner=partitioner)
+                return LoadedModel(cfg, params, tokenizer, path)
+            # Another mode: through host weights, like any other source.
+            cfg, params, tokenizer = checkpoint.load_checkpoint(path)
+            weights = checkpoint.named_weights(params)
+            del params
+            cfg, params = _build(cfg, quantized(cfg, weights, tokenizer, stored), dtype,
+                                 partitioner)
             return LoadedModel(cfg, params, tokenizer, path)
         if os.path.exists(os.path.join(path, "config.json")):
             cfg, weights = safetensors.load_hf_dir(path)
@@ -75,8 +95,7 @@ def load_model(spec: str, dtype=jnp.float32, partitioner=None,
             if os.path.exists(os.path.join(path, "tokenizer.json")):
                 from jaxinfer.loading.tokenizer import Tokenizer
                 tokenizer = Tokenizer.from_hf_dir(path)
-            weights = _quantized(cfg, weights, quantization, tokenizer)
-            cfg, params = _build(cfg, weights, dtype, partitioner)
+            cfg, params = _build(cfg, quantized(cfg, weights, tokenizer), dtype, partitioner)
             return LoadedModel(cfg, params, tokenizer, path)
         raise ModelFileError(
             f"directory {path!r} is neither an HF model (config.json + *.safetensors) nor a "
@@ -89,49 +108,35 @@ def load_model(spec: str, dtype=jnp.float32, partitioner=None,
     native = quantization is not None and quantization != "int4-awq"
     cfg, weights, meta = load_gguf(path, quantized=native)
     tokenizer = Tokenizer.from_gguf_metadata(meta)
-    cfg, params = _build(cfg, _quantized(cfg, weights, quantization, tokenizer), dtype,
-                         partitioner)
+    cfg, params = _build(cfg, quantized(cfg, weights, tokenizer), dtype, partitioner)
     return LoadedModel(cfg, params, tokenizer, path)
 
 
-CALIBRATION_TEXT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data",
-                                "calibration.txt")
-CALIBRATION_SHAPE = (8, 256)  # sequences x tokens of "int4-awq" calibration
-
-
-def _quantized(cfg: ModelConfig, weights: dict, quantization: Optional[str],
-               tokenizer) -> dict:
-    """Host weights quantized by `quantization`. "int4-awq" calibrates on the package's
-    calibration text (jaxinfer/data/calibration.txt: prose, code, dialogue, notes; about
-    2,200 SmolLM2 tokens), CALIBRATION_SHAPE sequences of it."""
-    if quantization is None:
-        return weights
-    from jaxinfer import quant
-
-    if quantization != "int4-awq":
-        return quant.quantize_weights(weights, quantization)
-    from jaxinfer import awq
-
-    if tokenizer is None:
-        raise ValueError("quantization='int4-awq' calibrates on text and needs the model's "
-                         "tokenizer; this model has none (no tokenizer.json)")
-    with open(CALIBRATION_TEXT, encoding="utf-8") as f:
-        ids = tokenizer.encode(f.read())
-    n, T = CALIBRATION_SHAPE
-    n = min(n, len(ids) // T)
-    calibration = [ids[i * T:(i + 1) * T] for i in range(n)]
-    return awq.awq_int4(cfg, weights, calibration)[0]
-
-
 def _build(cfg: ModelConfig, weights: dict, dtype, partitioner):
-    """(config, params) from host weights, placed by the partitioner when there is one."""
+    """(config, params) from host weights, placed by the partitioner when there is one: each
+    weight (a quantized one's codes, scales and offsets alike) put straight into its sharding,
+    so no device ever holds a whole replicated copy."""
     from jaxinfer.models import get_model
 
     model = get_model(cfg.architecture)
     if partitioner is None:
         return cfg, model.params_from_weights(cfg, weights, dtype)
-    from jaxinfer import sharding
+    import jax
+
+    from jaxinfer import quant, sharding
 
     sharding.check_divisible(cfg, partitioner.mesh_config)
     cfg, weights = sharding.replicate_kv_heads(cfg, weights, partitioner.mesh_config.tensor)
-    return cfg, model.params_from_weights(cfg, weights, dtype, place=partitioner.place)
+    axes = {name: spec_axes for name, (_, spec_axes) in model.param_specs(cfg).items()}
+    placed = {}
+    for name, w in weights.items():
+        # "layers.{i}.{field}" is described once, as "layers.{field}".
+        key = "layers." + name.split(".", 2)[2] if name.startswith("layers.") else name
+        if key not in axes or w is None:
+            placed[name] = w
+        elif isinstance(w, quant.QuantizedWeight):  # codes and scales keep their dtypes
+            placed[name] = jax.tree.map(partitioner.place, w, quant.logical_axes(w, axes[key]))
+        else:
+            placed[name] = partitioner.place(w, axes[key], dtype)
+    # params_from_weights keeps arrays already placed in `dtype` where they are.
+    return cfg, model.params_from_weights(cfg, placed, dtype)

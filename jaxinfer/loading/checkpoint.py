@@ -2,13 +2,17 @@
 
 Layout of a checkpoint directory:
 
-    jaxinfer_config.json   {"format_version", "config": ModelConfig fields, "param_dtype"}
+    jaxinfer_config.json   {"format_version", "config": ModelConfig fields, "param_dtype",
+                            optional "quantization": {"mode", "weights": {name: layout}}}
     params/                the params pytree, orbax StandardCheckpointer format
     tokenizer/             optional: tokenizer.json, tokenizer_config.json, generation_config.json
 
 The config file is written last, so a directory counts as a checkpoint (`is_checkpoint_dir`)
 only once the params are complete. Restoring builds the abstract params tree from the config
-(`jax.eval_shape` of the model's initialiser), so nothing of the source model is read.
+(`jax.eval_shape` of the model's initialiser), so nothing of the source model is read. A
+quantized weight (quant.QuantizedWeight) is stored as its codes, scales and offsets; its layout
+(kind, grouped axis, group size) is in the config file and the arrays' shapes and dtypes in
+orbax's metadata, so an int4-awq checkpoint restores as it was searched, without calibration.
 """
 
 from __future__ import annotations
@@ -67,9 +71,31 @@ def save_tokenizer(tok, directory: str) -> None:
             json.dump(obj, f, ensure_ascii=False, indent=1)
 
 
+def _name(path) -> str:
+    """A pytree path as "layers.3.wq" (params) or "layers.3.wq.q" (orbax's metadata tree)."""
+    return ".".join(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k))))
+                    for k in path)
+
+
+def _is_quantized(x) -> bool:
+    from jaxinfer.quant import QuantizedWeight
+    return isinstance(x, QuantizedWeight)
+
+
+def named_weights(params) -> dict:
+    """A params pytree as {name: array or QuantizedWeight} in params_from_weights' names
+    ("embed", "layers.3.wq", ...), every array on the host (numpy)."""
+    import numpy as np
+
+    leaves = jax.tree_util.tree_leaves_with_path(params, is_leaf=_is_quantized)
+    return {_name(path): jax.tree.map(np.asarray, leaf) for path, leaf in leaves}
+
+
 def save_checkpoint(path: str, cfg: ModelConfig, params, tokenizer=None, *,
-                    overwrite: bool = False) -> None:
-    """Saves params (any dtype; leaves as stored) and config, and the tokenizer if given.
+                    overwrite: bool = False, quantization: Optional[str] = None) -> None:
+    """Saves params (any dtype; leaves as stored, quantized weights as their codes, scales and
+    offsets) and config, and the tokenizer if given. `quantization`: the mode the params were
+    quantized with (recorded, so that loading with the same mode keeps them as they are).
 
     Raises ValueError if `path` exists and is not empty, unless overwrite.
     """
@@ -91,9 +117,13 @@ def save_checkpoint(path: str, cfg: ModelConfig, params, tokenizer=None, *,
         ckptr.wait_until_finished()
     if tokenizer is not None:
         save_tokenizer(tokenizer, os.path.join(path, TOKENIZER_DIR))
-    dtypes = sorted({str(leaf.dtype) for leaf in jax.tree.leaves(params)})
+    leaves = jax.tree_util.tree_leaves_with_path(params, is_leaf=_is_quantized)
+    dtypes = sorted({str(leaf.dtype) for _, leaf in leaves if not _is_quantized(leaf)})
     meta = {"format_version": FORMAT_VERSION, "config": config_to_json(cfg),
             "param_dtype": dtypes[0] if len(dtypes) == 1 else dtypes}
+    layouts = {_name(p): leaf.layout() for p, leaf in leaves if _is_quantized(leaf)}
+    if layouts or quantization is not None:
+        meta["quantization"] = {"mode": quantization, "weights": layouts}
     tmp = os.path.join(path, CONFIG_FILE + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(meta, f, indent=1)
@@ -105,6 +135,16 @@ def is_checkpoint_dir(path: str) -> bool:
 
 
 def read_checkpoint_config(path: str) -> ModelConfig:
+    return config_from_json(_read_meta(path)["config"], os.path.join(path, CONFIG_FILE))
+
+
+def read_checkpoint_quantization(path: str) -> dict:
+    """{"mode": the quantization mode the checkpoint was written with (None: float or GGUF
+    blocks as loaded), "weights": {name: QuantizedWeight layout}}."""
+    return _read_meta(path).get("quantization") or {"mode": None, "weights": {}}
+
+
+def _read_meta(path: str) -> dict:
     config_path = os.path.join(path, CONFIG_FILE)
     try:
         with open(config_path, encoding="utf-8") as f:
@@ -117,14 +157,35 @@ def read_checkpoint_config(path: str) -> ModelConfig:
     if version != FORMAT_VERSION:
         raise ModelFileError(f"{config_path!r}: unsupported checkpoint format_version "
                              f"{version!r}; this jaxinfer reads {FORMAT_VERSION}")
-    return config_from_json(meta["config"], config_path)
+    return meta
 
 
 def _leaf_shapes(tree) -> dict[str, tuple[int, ...]]:
-    """Maps "layers/wq" -> shape, for params trees and orbax's metadata tree (nested dicts)."""
-    def name(path):
-        return "/".join(str(getattr(k, "name", getattr(k, "key", k))) for k in path)
-    return {name(p): tuple(leaf.shape) for p, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+    """Maps "layers.0.wq" -> shape, for params trees and orbax's metadata tree (nested
+    dicts); a quantized weight's arrays as "layers.0.wq.q", ".scale", ".offset"."""
+    return {_name(p): tuple(leaf.shape) for p, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def _abstract_params(model, cfg: ModelConfig, dtype, layouts: dict, stored: dict):
+    """The params tree to restore into: float leaves from the model's initialiser (in
+    `dtype`, which orbax casts to), quantized ones as QuantizedWeights of the stored arrays'
+    shapes and dtypes (stored: orbax's metadata by _name) with the recorded layout."""
+    from jaxinfer.quant import QuantizedWeight
+
+    floats = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0), dtype))
+
+    def leaf(path, x):
+        name = _name(path)
+        if name not in layouts:
+            return x
+        arrays = {}
+        for part in ("q", "scale", "offset"):
+            m = stored.get(f"{name}.{part}")
+            arrays[part] = None if m is None else jax.ShapeDtypeStruct(tuple(m.shape), m.dtype)
+        if arrays["q"] is None or arrays["scale"] is None:
+            raise ModelFileError(f"quantized weight {name!r} has no stored codes or scales")
+        return QuantizedWeight(**arrays, **layouts[name])
+    return jax.tree_util.tree_map_with_path(leaf, floats)
 
 
 def _replicated_kv_heads(cfg: ModelConfig, params, model, partitioner):
@@ -148,7 +209,7 @@ def load_checkpoint(path: str, dtype=jnp.float32,
                     partitioner=None) -> tuple[ModelConfig, Any, Optional[Any]]:
     """Restores (config, params cast to dtype, Tokenizer or None) from a checkpoint directory.
 
-    Params come back as the model family's pytree (LlamaParams for the llama family) on the
+    Params come back as the model family's pytree (models.ModelParams of its layers) on the
     default device, or with a partitioner (jaxinfer.sharding) restored straight into their
     shardings on its mesh, kv heads replicated where the tensor degree exceeds them.
     """
@@ -158,12 +219,21 @@ def load_checkpoint(path: str, dtype=jnp.float32,
 
     path = os.path.abspath(path)
     cfg = read_checkpoint_config(path)
+    layouts = read_checkpoint_quantization(path)["weights"]
     params_dir = os.path.join(path, PARAMS_DIR)
     if not os.path.isdir(params_dir):
         raise ModelFileError(f"checkpoint {path!r} has no {PARAMS_DIR}/ directory")
     model = get_model(cfg.architecture)
-    # Orbax casts each stored array to the dtype of its target leaf.
-    abstract = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0), dtype))
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            tree = ckptr.metadata(params_dir).item_metadata
+        stored_meta = {_name(p): m for p, m in jax.tree_util.tree_leaves_with_path(tree)}
+    except Exception as e:  # orbax raises many kinds for a damaged directory
+        raise ModelFileError(
+            f"cannot read params metadata from {params_dir!r}: {type(e).__name__}: {e}") from e
+    # Orbax casts each stored array to the dtype of its target leaf; codes and scales keep
+    # their stored dtypes.
+    abstract = _abstract_params(model, cfg, dtype, layouts, stored_meta)
     if partitioner is None:
         single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         shardings = jax.tree.map(lambda _: single, abstract)
@@ -177,7 +247,7 @@ def load_checkpoint(path: str, dtype=jnp.float32,
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), abstract, shardings)
     try:
         with ocp.StandardCheckpointer() as ckptr:
-            stored = _leaf_shapes(ckptr.metadata(params_dir).item_metadata)
+            stored = {name: tuple(m.shape) for name, m in stored_meta.items()}
             # Orbax restores only the leaves both trees share: a leaf the config expects but the
             # checkpoint lacks would come back as None, and an extra stored leaf is dropped.
             expected = _leaf_shapes(abstract)

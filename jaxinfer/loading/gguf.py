@@ -5,10 +5,11 @@ the data laid out row-major as [out, in]. Llama-family Q and K projections are s
 for interleaved ("GPT-J style") RoPE; `_unpermute_qk` restores the half-rotation layout that the
 model uses (the layout of HF checkpoints).
 
-The file is parsed by `jaxinfer.loading.gguf_file` (memory-mapped, zero-copy tensor data). F32,
-F16, Q8_0, Q4_0 and Q4_1 are dequantized here with vectorised numpy, bit for bit as
-`gguf.quants.dequantize`, which decodes every other type. With `quantized=True` the matrices
-stored as Q8_0, Q4_0, Q4_1, Q4_K or Q6_K keep their codes instead (`jaxinfer.quant`).
+The file is parsed by `jaxinfer.loading.gguf_file` (memory-mapped, zero-copy tensor data).
+Tensors are decoded by `jaxinfer.quant.gguf_blocks`, the one block decoder: Q8_0, Q4_0, Q4_1,
+Q4_K and Q6_K as QuantizedWeights (kept as such with `quantized=True`, else dequantized on the
+host), F32 and F16 directly, other types through gguf-py; each bit for bit as
+`gguf.quants.dequantize`.
 """
 
 from __future__ import annotations
@@ -19,10 +20,13 @@ import numpy as np
 
 from jaxinfer import quant
 from jaxinfer.config import ModelConfig
-from jaxinfer.loading.gguf_file import (GGMLType, GGUFFile, ModelFileError, TensorInfo,
-                                        ggml_type_name)
+from jaxinfer.models import REGISTRY, get_model
+from jaxinfer.loading.gguf_file import (GGML_BLOCK_SIZES, GGMLType, GGUFFile, ModelFileError,
+                                        TensorInfo, ggml_type_name)
+from jaxinfer.quant import gguf_blocks
+from jaxinfer.quant.gguf_blocks import to_float
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = tuple(sorted(REGISTRY))
 Weight = Union[np.ndarray, quant.QuantizedWeight]
 
 
@@ -81,7 +85,7 @@ def config_from_metadata(meta: dict[str, Any], path: str = "<gguf>") -> ModelCon
                                  f"({arch}.{key})")
     window = get("attention.sliding_window", 0, required=False) or None
     try:
-        return ModelConfig(
+        common = dict(
             architecture=arch,
             vocab_size=int(vocab),
             d_model=d_model,
@@ -100,6 +104,10 @@ def config_from_metadata(meta: dict[str, Any], path: str = "<gguf>") -> ModelCon
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         )
+        # The family's own fields (experts, per-layer attention, QK-norm).
+        return ModelConfig(**(common | get_model(arch).gguf_config(meta, get, path)))
+    except ModelFileError:
+        raise
     except ValueError as e:  # ModelConfig's own consistency checks
         raise ModelFileError(f"{path!r}: {e}") from None
 
@@ -118,111 +126,22 @@ def _unpermute_qk_bias(b: np.ndarray, n_heads: int) -> np.ndarray:
     return b.reshape(n_heads, hd // 2, 2).swapaxes(1, 2).reshape(-1)
 
 
-# Block layouts (ggml's block_q8_0, block_q4_0, block_q4_1): 32 values per block, an f16 scale d
-# (and for Q4_1 an f16 minimum m). Q8_0 holds 32 int8 q: x = d * q. Q4_0/Q4_1 hold 16 bytes of
-# nibbles, the low nibbles being values 0-15 and the high nibbles values 16-31:
-# x = d * (q - 8) for Q4_0, x = d * q + m for Q4_1.
-_Q8_0 = quant.GGUF_BLOCKS[GGMLType.Q8_0]
-_Q4_0 = quant.GGUF_BLOCKS[GGMLType.Q4_0]
-_Q4_1 = quant.GGUF_BLOCKS[GGMLType.Q4_1]
-_CHUNK = 8192  # blocks per step (1 MiB of float32 output): each step's data stay in cache
-
-
-def _dequantize_q8_0(raw: np.ndarray) -> np.ndarray:
-    blocks = raw.view(_Q8_0)
-    d = blocks["d"].astype(np.float32)[:, None]
-    qs = blocks["qs"]
-    out = np.empty((len(blocks), 32), np.float32)
-    for s in range(0, len(blocks), _CHUNK):
-        o = out[s:s + _CHUNK]
-        o[...] = qs[s:s + _CHUNK]
-        o *= d[s:s + _CHUNK]
-    return out.reshape(-1)
-
-
-def _dequantize_q4(raw: np.ndarray, with_min: bool) -> np.ndarray:
-    blocks = raw.view(_Q4_1 if with_min else _Q4_0)
-    d = blocks["d"].astype(np.float32)[:, None]
-    m = blocks["m"].astype(np.float32)[:, None] if with_min else None
-    qs = blocks["qs"]
-    out = np.empty((len(blocks), 32), np.float32)
-    for s in range(0, len(blocks), _CHUNK):
-        o, q = out[s:s + _CHUNK], qs[s:s + _CHUNK]
-        np.bitwise_and(q, 0x0F, out=o[:, :16], casting="unsafe")
-        np.right_shift(q, 4, out=o[:, 16:], casting="unsafe")
-        if with_min:  # d * q + m, rounded after each step like ggml's and gguf-py's code
-            o *= d[s:s + _CHUNK]
-            o += m[s:s + _CHUNK]
-        else:
-            o -= 8.0
-            o *= d[s:s + _CHUNK]
-    return out.reshape(-1)
-
-
-_FAST_DEQUANT = {
-    GGMLType.F32: lambda raw: raw.view("<f4").copy(),
-    GGMLType.F16: lambda raw: raw.view("<f2").astype(np.float32),
-    GGMLType.Q8_0: _dequantize_q8_0,
-    GGMLType.Q4_0: lambda raw: _dequantize_q4(raw, with_min=False),
-    GGMLType.Q4_1: lambda raw: _dequantize_q4(raw, with_min=True),
-}
-
-
 def dequantize(data: np.ndarray, type_id: int) -> np.ndarray:
-    """Float32 values of one tensor's little-endian data of ggml type `type_id`, flat.
-
-    `data`: the tensor's bytes (uint8, any shape, C-contiguous). F32, F16, Q8_0, Q4_0 and Q4_1
-    are decoded here with vectorised numpy, bit for bit as `gguf.quants.dequantize`; other types
-    go to `gguf.quants.dequantize` itself.
-    """
+    """Float32 values of one tensor's little-endian data of ggml type `type_id`, flat, bit for
+    bit as `gguf.quants.dequantize` (`quant.gguf_blocks.to_float`)."""
     raw = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1)
-    fast = _FAST_DEQUANT.get(type_id)
-    if fast is not None:
-        return fast(raw)
-    import gguf
-
-    return np.asarray(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(type_id)),
-                      dtype=np.float32).reshape(-1)
-
-
-def _dequantize_transposed_blocks(raw: np.ndarray, type_id: int, out_dim: int,
-                                  in_dim: int) -> np.ndarray:
-    """Q8_0/Q4_0/Q4_1 data of a [out_dim, in_dim] matrix as its float32 transpose [in, out].
-
-    Moves the quantized bytes (1 or 1/2 byte per value) rather than the floats (4 bytes): a slab
-    of block columns at a time is transposed and then decoded straight into the output rows."""
-    q8, with_min = type_id == GGMLType.Q8_0, type_id == GGMLType.Q4_1
-    nb = in_dim // 32
-    blocks = raw.view(_Q8_0 if q8 else _Q4_1 if with_min else _Q4_0).reshape(out_dim, nb)
-    d = blocks["d"].T.astype(np.float32)[:, None, :]  # [nb, 1, out]
-    m = blocks["m"].T.astype(np.float32)[:, None, :] if with_min else None
-    qs = blocks["qs"]  # [out, nb, 32 or 16]
-    out = np.empty((nb, 32, out_dim), np.float32)  # = [in, out]
-    step = max(1, _CHUNK // max(out_dim, 1))
-    for s in range(0, nb, step):
-        o, q = out[s:s + step], np.ascontiguousarray(qs[:, s:s + step].transpose(1, 2, 0))
-        if q8:
-            o[...] = q
-        else:
-            np.bitwise_and(q, 0x0F, out=o[:, :16], casting="unsafe")
-            np.right_shift(q, 4, out=o[:, 16:], casting="unsafe")
-            if not with_min:
-                o -= 8.0
-        o *= d[s:s + step]
-        if with_min:
-            o += m[s:s + step]
-    return out.reshape(in_dim, out_dim)
+    block, size = GGML_BLOCK_SIZES[GGMLType(type_id)]
+    if raw.size % size:
+        raise ValueError(f"{ggml_type_name(type_id)} data of {raw.size} bytes is not a whole "
+                         f"number of {size}-byte blocks")
+    return to_float(raw, type_id, (raw.size // size * block,))
 
 
 def dequantize_transposed(data: np.ndarray, type_id: int, shape: tuple[int, int]) -> np.ndarray:
     """The transpose [in, out] (C-contiguous float32) of a matrix of logical shape
-    shape = (out, in) stored as `data` (little-endian ggml type `type_id`); equal to
-    `dequantize(data, type_id).reshape(shape).T`, but Q8_0/Q4_0/Q4_1 skip the float transpose."""
-    out_dim, in_dim = shape
-    raw = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1)
-    if type_id in (GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1) and in_dim % 32 == 0:
-        return _dequantize_transposed_blocks(raw, type_id, out_dim, in_dim)
-    return np.ascontiguousarray(dequantize(raw, type_id).reshape(shape).T)
+    shape = (out, in) stored as `data`: `dequantize(data, type_id).reshape(shape).T`, but for
+    GGUF's blocks the codes are transposed rather than the floats."""
+    return to_float(data, type_id, tuple(shape), transposed=True)
 
 
 def _dequantize(gf: GGUFFile, t: TensorInfo, transposed: bool = False) -> np.ndarray:
@@ -236,22 +155,20 @@ def _dequantize(gf: GGUFFile, t: TensorInfo, transposed: bool = False) -> np.nda
         w = gf.tensor_array(t.name).astype(np.float32)
         return np.ascontiguousarray(w.T) if transposed else w
     try:
-        if transposed:
-            return dequantize_transposed(gf.tensor_bytes(t.name), t.type, t.shape)
-        return dequantize(gf.tensor_bytes(t.name), t.type).reshape(t.shape)
+        return to_float(gf.tensor_bytes(t.name), t.type, t.shape, transposed)
     except (NotImplementedError, ValueError) as e:  # a type gguf-py cannot decode
         raise ModelFileError(f"model file {gf.path!r}: tensor {t.name!r} has type "
                              f"{ggml_type_name(t.type)}, which cannot be dequantized: {e}") from e
 
 
 def _read(gf: GGUFFile, t: TensorInfo, transposed: bool, quantized: bool) -> Weight:
-    """`_dequantize`, except that with quantized=True a matrix of a type `quant.from_gguf`
+    """`_dequantize`, except that with quantized=True a matrix of a type `gguf_blocks.from_gguf`
     takes comes back as a QuantizedWeight of the same orientation ([in, out] and axis 0 with
     transposed=True, else [out, in] and axis 1)."""
     if (quantized and len(t.shape) == 2 and gf.byte_order == "<"
-            and t.type in quant.GGUF_BLOCKS):
+            and t.type in gguf_blocks.BLOCKS):
         try:
-            return quant.from_gguf(gf.tensor_bytes(t.name), t.type, t.shape, transposed)
+            return gguf_blocks.from_gguf(gf.tensor_bytes(t.name), t.type, t.shape, transposed)
         except ValueError as e:
             raise ModelFileError(f"model file {gf.path!r}: tensor {t.name!r} of type "
                                  f"{ggml_type_name(t.type)} cannot be loaded quantized: "
@@ -280,11 +197,13 @@ def load_gguf(path: str, *, quantized: bool = False
               ) -> tuple[ModelConfig, dict[str, Weight], dict[str, Any]]:
     """Loads a GGUF model.
 
-    Returns (config, weights, metadata). weights uses the names of `jaxinfer.models.llama`:
-    "embed" [V, D], "final_norm" [D], optional "lm_head" [D, V], and per layer i
-    "layers.{i}.{name}" with linear weights as [in, out] float32 arrays. Every tensor's shape is
-    checked against the metadata before it is read. A `rope_freqs.weight` tensor (Llama-3 RoPE
-    scaling as llama.cpp stores it) becomes `config.rope_freq_factors`.
+    Returns (config, weights, metadata). weights uses the names of the family's
+    params_from_weights (jaxinfer.models): "embed" [V, D], "final_norm" [D], optional
+    "lm_head" [D, V], and per layer i "layers.{i}.{name}" with linear weights as [in, out]
+    float32 arrays; a family with its own `gguf_layer` (Qwen3, the MoE families, Gemma 3)
+    reads its layers' tensors itself, the Llama family through the tables below. Every
+    tensor's shape is checked against the metadata before it is read. A `rope_freqs.weight`
+    tensor (Llama-3 RoPE scaling as llama.cpp stores it) becomes `config.rope_freq_factors`.
 
     quantized=True: matrices stored as Q8_0, Q4_0, Q4_1, Q4_K or Q6_K come as
     `quant.QuantizedWeight` holding the file's codes (host numpy arrays), grouped along the
@@ -341,6 +260,24 @@ def load_gguf(path: str, *, quantized: bool = False
                                  f"non-positive or non-finite factors {factors.tolist()}")
         if np.any(factors != 1.0):
             cfg = cfg.replace(rope_freq_factors=tuple(float(f) for f in factors))
+
+    model = get_model(cfg.architecture)
+    weights["final_norm"] = model.gguf_final_norm(weights["final_norm"])
+
+    def read_shape(name: str, shape: tuple[int, ...], transposed: bool = False) -> Weight:
+        if name not in tensors:
+            raise ModelFileError(f"model file {path!r} lacks tensor {name!r}")
+        if tensors[name].shape != tuple(shape):
+            raise ModelFileError(f"model file {path!r}: tensor {name!r} has shape "
+                                 f"{tensors[name].shape}; the metadata implies {tuple(shape)}")
+        return _read(gf, tensors[name], transposed, quantized)
+
+    first = model.gguf_layer(read_shape, cfg, 0)
+    if first is not None:  # the family reads its own layers
+        for i in range(cfg.num_layers):
+            layer = first if i == 0 else model.gguf_layer(read_shape, cfg, i)
+            weights.update({f"layers.{i}.{name}": w for name, w in layer.items()})
+        return cfg, weights, meta
 
     # Qwen2 always has q/k/v biases; llama-family files may carry them (attention_bias).
     has_bias = cfg.architecture == "qwen2" or any(

@@ -21,9 +21,9 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-from enum import IntEnum
 from typing import Any, NamedTuple
 
+import gguf
 import numpy as np
 
 GGUF_MAGIC = b"GGUF"
@@ -36,21 +36,11 @@ class ModelFileError(ValueError):
     """A model file is missing, empty, truncated, corrupt or of an unsupported kind."""
 
 
-class ValueType(IntEnum):
-    """GGUF metadata value types."""
-    UINT8 = 0
-    INT8 = 1
-    UINT16 = 2
-    INT16 = 3
-    UINT32 = 4
-    INT32 = 5
-    FLOAT32 = 6
-    BOOL = 7
-    STRING = 8
-    ARRAY = 9
-    UINT64 = 10
-    INT64 = 11
-    FLOAT64 = 12
+# The format's enums and block table are gguf-py's (the package that writes GGUF files).
+ValueType = gguf.GGUFValueType        # metadata value types
+GGMLType = gguf.GGMLQuantizationType  # ggml tensor types (ggml.h's enum ggml_type)
+# (elements per block, bytes per block) of each type.
+GGML_BLOCK_SIZES: dict[int, tuple[int, int]] = gguf.GGML_QUANT_SIZES
 
 
 # Fixed-size value types: struct format (without byte order) and numpy dtype character code.
@@ -64,76 +54,13 @@ _SCALAR_FORMATS = {
 }
 
 
-class GGMLType(IntEnum):
-    """ggml tensor types (ggml.h's enum ggml_type; ids 4 and 5 were removed)."""
-    F32 = 0
-    F16 = 1
-    Q4_0 = 2
-    Q4_1 = 3
-    Q5_0 = 6
-    Q5_1 = 7
-    Q8_0 = 8
-    Q8_1 = 9
-    Q2_K = 10
-    Q3_K = 11
-    Q4_K = 12
-    Q5_K = 13
-    Q6_K = 14
-    Q8_K = 15
-    IQ2_XXS = 16
-    IQ2_XS = 17
-    IQ3_XXS = 18
-    IQ1_S = 19
-    IQ4_NL = 20
-    IQ3_S = 21
-    IQ2_S = 22
-    IQ4_XS = 23
-    I8 = 24
-    I16 = 25
-    I32 = 26
-    I64 = 27
-    F64 = 28
-    IQ1_M = 29
-    BF16 = 30
-    TQ1_0 = 34
-    TQ2_0 = 35
-    MXFP4 = 39
-    NVFP4 = 40
-    Q1_0 = 41
-
-
-# (elements per block, bytes per block) of each type.
-GGML_BLOCK_SIZES: dict[int, tuple[int, int]] = {
-    GGMLType.F32: (1, 4), GGMLType.F16: (1, 2), GGMLType.BF16: (1, 2), GGMLType.F64: (1, 8),
-    GGMLType.I8: (1, 1), GGMLType.I16: (1, 2), GGMLType.I32: (1, 4), GGMLType.I64: (1, 8),
-    GGMLType.Q4_0: (32, 2 + 16), GGMLType.Q4_1: (32, 2 + 2 + 16),
-    GGMLType.Q5_0: (32, 2 + 4 + 16), GGMLType.Q5_1: (32, 2 + 2 + 4 + 16),
-    GGMLType.Q8_0: (32, 2 + 32), GGMLType.Q8_1: (32, 4 + 32),
-    GGMLType.Q2_K: (256, 2 + 2 + 16 + 64), GGMLType.Q3_K: (256, 2 + 32 + 64 + 12),
-    GGMLType.Q4_K: (256, 2 + 2 + 12 + 128), GGMLType.Q5_K: (256, 2 + 2 + 12 + 32 + 128),
-    GGMLType.Q6_K: (256, 2 + 128 + 64 + 16), GGMLType.Q8_K: (256, 4 + 256 + 32),
-    GGMLType.IQ2_XXS: (256, 2 + 64), GGMLType.IQ2_XS: (256, 2 + 64 + 8),
-    GGMLType.IQ3_XXS: (256, 2 + 96), GGMLType.IQ1_S: (256, 2 + 32 + 16),
-    GGMLType.IQ4_NL: (32, 2 + 16), GGMLType.IQ3_S: (256, 2 + 64 + 32 + 8 + 4),
-    GGMLType.IQ2_S: (256, 2 + 64 + 16), GGMLType.IQ4_XS: (256, 2 + 2 + 4 + 128),
-    GGMLType.IQ1_M: (256, 32 + 16 + 8), GGMLType.TQ1_0: (256, 2 + 48 + 4),
-    GGMLType.TQ2_0: (256, 2 + 64), GGMLType.MXFP4: (32, 1 + 16),
-    GGMLType.NVFP4: (64, 4 + 32), GGMLType.Q1_0: (128, 2 + 16),
-}
-
-
 def _block_sizes(type_id: int) -> tuple[int, int] | None:
-    """(elements, bytes) per block of a ggml type; types newer than this table are looked up in
-    the installed gguf package."""
-    sizes = GGML_BLOCK_SIZES.get(type_id)
-    if sizes is None:
-        try:
-            import gguf
+    """(elements, bytes) per block of a ggml type, None for a type gguf-py does not know."""
+    try:
+        return GGML_BLOCK_SIZES.get(GGMLType(type_id))
+    except ValueError:
+        return None
 
-            sizes = gguf.GGML_QUANT_SIZES.get(gguf.GGMLQuantizationType(type_id))
-        except (ImportError, ValueError):
-            return None
-    return sizes
 
 # Types whose elements are plain numbers: numpy dtype character code.
 _PLAIN_DTYPES = {GGMLType.F32: "f4", GGMLType.F16: "f2", GGMLType.F64: "f8", GGMLType.I8: "i1",

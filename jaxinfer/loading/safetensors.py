@@ -23,30 +23,14 @@ import numpy as np
 
 from jaxinfer.config import ModelConfig, RopeScaling
 from jaxinfer.loading.gguf import ModelFileError
+from jaxinfer.models import REGISTRY, get_model
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = tuple(sorted(REGISTRY))
 
 _DTYPES = {
     "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
     "BF16": np.dtype(ml_dtypes.bfloat16),
 }
-
-# HF per-layer suffix -> (our name, is a linear weight to transpose).
-_LAYER_TENSORS = {
-    "input_layernorm.weight": ("attn_norm", False),
-    "post_attention_layernorm.weight": ("mlp_norm", False),
-    "self_attn.q_proj.weight": ("wq", True),
-    "self_attn.k_proj.weight": ("wk", True),
-    "self_attn.v_proj.weight": ("wv", True),
-    "self_attn.o_proj.weight": ("wo", True),
-    "mlp.gate_proj.weight": ("w_gate", True),
-    "mlp.up_proj.weight": ("w_up", True),
-    "mlp.down_proj.weight": ("w_down", True),
-    "self_attn.q_proj.bias": ("bq", False),
-    "self_attn.k_proj.bias": ("bk", False),
-    "self_attn.v_proj.bias": ("bv", False),
-}
-
 
 def eos_token_ids(hf: dict) -> list[int]:
     """All end-of-sequence ids of an HF config (its eos_token_id may be an int or a list)."""
@@ -79,7 +63,7 @@ def _rope(hf: dict, path: str) -> tuple[float, RopeScaling | None]:
 
 def _sliding_window(hf: dict, arch: str, num_layers: int, path: str) -> int | None:
     window = hf.get("sliding_window")
-    if arch == "mistral":
+    if arch in ("mistral", "mixtral"):
         return int(window) if window else None
     if arch != "qwen2" or not hf.get("use_sliding_window") or not window:
         return None
@@ -96,7 +80,8 @@ def _sliding_window(hf: dict, arch: str, num_layers: int, path: str) -> int | No
 
 
 def config_from_hf(hf: dict, path: str = "") -> ModelConfig:
-    """ModelConfig from the dict of an HF config.json (model_type llama, mistral or qwen2)."""
+    """ModelConfig from the dict of an HF config.json: the common fields here, the family's own
+    (experts, per-layer attention, QK-norm) from its `hf_config` (jaxinfer.models)."""
     arch = hf.get("model_type")
     if arch not in SUPPORTED_MODEL_TYPES:
         raise ModelFileError(f"{path!r}: unsupported model_type {arch!r}; supported: "
@@ -104,8 +89,11 @@ def config_from_hf(hf: dict, path: str = "") -> ModelConfig:
     if hf.get("quantization_config"):
         method = hf["quantization_config"].get("quant_method")
         raise ModelFileError(f"{path!r}: quantized HF checkpoints ({method!r}) are not supported")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ModelFileError(f"{path!r}: unsupported hidden_act {hf['hidden_act']!r}")
+    model = get_model(arch)
+    act = hf.get("hidden_act", hf.get("hidden_activation")) or model.activation
+    if act != model.activation:
+        raise ModelFileError(f"{path!r}: unsupported hidden activation {act!r} for {arch} "
+                             f"(supported: {model.activation!r})")
     if hf.get("mlp_bias"):
         raise ModelFileError(f"{path!r}: mlp_bias=true is not supported")
 
@@ -119,7 +107,7 @@ def config_from_hf(hf: dict, path: str = "") -> ModelConfig:
     theta, scaling = _rope(hf, path)
     eos = eos_token_ids(hf)
     try:
-        return ModelConfig(
+        common = dict(
             architecture=arch,
             vocab_size=need("vocab_size"),
             d_model=d_model,
@@ -139,7 +127,10 @@ def config_from_hf(hf: dict, path: str = "") -> ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=eos[0] if eos else None,
         )
-    except ValueError as e:  # ModelConfig's own consistency checks
+        return ModelConfig(**(common | model.hf_config(hf, path)))
+    except ModelFileError:
+        raise
+    except (ValueError, KeyError, TypeError) as e:  # ModelConfig's own consistency checks
         raise ModelFileError(f"{path!r}: {e}") from None
 
 
@@ -248,15 +239,7 @@ def load_hf_dir(path: str) -> tuple[ModelConfig, dict[str, np.ndarray]]:
         raise ModelFileError(f"{config_path!r} is not a JSON object")
     cfg = config_from_hf(hf, config_path)
     files = _tensor_files(path)
-    q, kv, D, F, V = cfg.q_dim, cfg.kv_dim, cfg.d_model, cfg.ffn_dim, cfg.vocab_size
-    shapes = {  # HF layout, [out, in]
-        "input_layernorm.weight": (D,), "post_attention_layernorm.weight": (D,),
-        "self_attn.q_proj.weight": (q, D), "self_attn.k_proj.weight": (kv, D),
-        "self_attn.v_proj.weight": (kv, D), "self_attn.o_proj.weight": (D, q),
-        "mlp.gate_proj.weight": (F, D), "mlp.up_proj.weight": (F, D),
-        "mlp.down_proj.weight": (D, F), "self_attn.q_proj.bias": (q,),
-        "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
-    }
+    D, V = cfg.d_model, cfg.vocab_size
 
     def read(name: str, shape: tuple[int, ...], transpose: bool = False) -> np.ndarray:
         if name not in files:
@@ -273,12 +256,10 @@ def load_hf_dir(path: str) -> tuple[ModelConfig, dict[str, np.ndarray]]:
                "final_norm": read("model.norm.weight", (D,))}
     if not cfg.tie_word_embeddings:
         weights["lm_head"] = read("lm_head.weight", (V, D), transpose=True)
+    model = get_model(cfg.architecture)
     for i in range(cfg.num_layers):
-        for suffix, (name, transpose) in _LAYER_TENSORS.items():
-            if name.startswith("b") and not cfg.attention_bias:
-                continue
-            weights[f"layers.{i}.{name}"] = read(f"model.layers.{i}.{suffix}", shapes[suffix],
-                                                 transpose)
+        for name, w in model.hf_layer(read, cfg, i).items():
+            weights[f"layers.{i}.{name}"] = w
         # Llama's attention_bias also gives o_proj a bias, which the model has no slot for.
         o_bias = f"model.layers.{i}.self_attn.o_proj.bias"
         if o_bias in files and np.any(read(o_bias, (D,))):

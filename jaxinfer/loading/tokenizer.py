@@ -124,20 +124,26 @@ class Tokenizer:
     @classmethod
     def from_gguf_metadata(cls, meta: dict) -> Tokenizer:
         kind = meta.get("tokenizer.ggml.model")
-        if kind != "gpt2":
+        if kind not in ("gpt2", "llama"):
             raise ValueError(f"unsupported tokenizer.ggml.model {kind!r}; supported: 'gpt2' "
-                             "(byte-level BPE)")
+                             "(byte-level BPE), 'llama' (SentencePiece-style BPE)")
         tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
         types = list(meta.get("tokenizer.ggml.token_type") or [_TOKEN_NORMAL] * len(tokens))
-        pre = meta.get("tokenizer.ggml.pre", "default")
-        tokens = _byte_level_respell(tokens, types)
-        # Merges are "left right"; byte-level pieces never contain a literal space.
-        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-        vocab = {tok: i for i, tok in enumerate(tokens)}
-        bpe = models.BPE(vocab, merges, ignore_merges=pre in _PRE_LLAMA3)
-        backend = _HFTokenizer(bpe)
-        backend.pre_tokenizer = _byte_level_pre_tokenizer(pre)
-        backend.decoder = decoders.ByteLevel()
+        template = meta.get("tokenizer.chat_template")
+        if kind == "llama":  # jaxinfer.loading.spm
+            from jaxinfer.loading.spm import default_chat_template, spm_backend
+            backend, tokens = spm_backend(meta)
+            template = template or default_chat_template(meta)
+        else:
+            pre = meta.get("tokenizer.ggml.pre", "default")
+            tokens = _byte_level_respell(tokens, types)
+            # Merges are "left right"; byte-level pieces never contain a literal space.
+            merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+            vocab = {tok: i for i, tok in enumerate(tokens)}
+            bpe = models.BPE(vocab, merges, ignore_merges=pre in _PRE_LLAMA3)
+            backend = _HFTokenizer(bpe)
+            backend.pre_tokenizer = _byte_level_pre_tokenizer(pre)
+            backend.decoder = decoders.ByteLevel()
 
         # Control tokens are matched in text and dropped by skip_special_tokens; user-defined
         # ones are matched too but, as in llama.cpp, always rendered when decoding.
@@ -158,8 +164,7 @@ class Tokenizer:
         return cls(backend, bos_token_id=opt_id("bos_token_id"), eos_token_ids=eog,
                    add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
                    add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
-                   chat_template=meta.get("tokenizer.chat_template"),
-                   special_ids=frozenset(control))
+                   chat_template=template, special_ids=frozenset(control))
 
     @classmethod
     def from_hf_dir(cls, path: str) -> Tokenizer:
@@ -277,14 +282,12 @@ def _compile_template(source: str):
 
 
 class IncrementalDetokenizer:
-    """Turns a stream of token ids into text deltas without splitting a UTF-8 character.
-
-    Each step decodes only a short window: the tokens since the last emission plus the few
-    before them (`prefix`), and emits what the new tokens add to the prefix's text. Decoding
-    with that context keeps decoders that look at neighbouring tokens (leading-space handling)
-    consistent with decoding the whole sequence. While the window's text ends in U+FFFD the
-    last token(s) hold part of a multi-byte character, so nothing is emitted until it completes
-    (or `flush`). The concatenation of all deltas plus `flush()` equals
+    """Turns a stream of token ids into text deltas without splitting a UTF-8 character:
+    `tokenizers.decoders.DecodeStream`, which holds tokens back while they end in part of a
+    multi-byte character and decodes each new token with the few before it (decoders that
+    look at neighbouring tokens stay consistent with decoding the whole sequence), plus what
+    it lacks: `flush` (what is still held back at the end, an incomplete character as U+FFFD)
+    and the ids fed. The concatenation of all deltas plus `flush()` equals
     `tokenizer.decode(ids)` of the ids fed.
 
     `prompt_ids`: the prompt's tokens, used only as leading context (not emitted), so that the
@@ -297,37 +300,28 @@ class IncrementalDetokenizer:
                  prompt_ids: Sequence[int] | None = None):
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
-        self._ids: list[int] = [int(i) for i in (prompt_ids or [])][-self._CONTEXT:]
-        self._n_context = len(self._ids)
-        self._prefix = 0
-        self._read = len(self._ids)
+        context = [int(i) for i in (prompt_ids or [])][-self._CONTEXT:]
+        self._stream = decoders.DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+        self._ids: list[int] = []
+        self._emitted = 0  # characters of text given out so far
 
     @property
     def ids(self) -> list[int]:
         """The ids fed so far (without prompt context)."""
-        return self._ids[self._n_context:]
-
-    def _decode(self, start: int, end: int | None = None) -> str:
-        return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip)
+        return list(self._ids)
 
     def add(self, ids: int | Sequence[int]) -> str:
-        if isinstance(ids, int):
-            ids = [ids]
-        self._ids.extend(int(i) for i in ids)
-        prefix_text = self._decode(self._prefix, self._read)
-        text = self._decode(self._prefix)
-        if len(text) <= len(prefix_text) or text.endswith("\ufffd"):
+        ids = [int(ids)] if isinstance(ids, int) else [int(i) for i in ids]
+        self._ids.extend(ids)
+        text = self._stream.step(self._tokenizer._tok, ids) if ids else None
+        if text is None:
             return ""
-        self._advance()
-        return text[len(prefix_text):]
+        self._emitted += len(text)
+        return text
 
     def flush(self) -> str:
         """Whatever is still held back (an incomplete character at the end comes out as U+FFFD)."""
-        prefix_text = self._decode(self._prefix, self._read)
-        text = self._decode(self._prefix)
-        self._advance()
-        return text[len(prefix_text):]
-
-    def _advance(self) -> None:
-        self._prefix = self._read
-        self._read = len(self._ids)
+        text = self._tokenizer.decode(self._ids, skip_special_tokens=self._skip)
+        tail = text[self._emitted:]
+        self._emitted = len(text)
+        return tail

@@ -30,17 +30,27 @@ def _llm(monkeypatch, limit, in_use):
 
 
 def test_num_pages_from_device_memory(monkeypatch):
+    """The pool takes what is left of 90% of the device after the weights and the step's
+    scratch memory: the bytes of the cache arrays the engine really allocated (not the
+    formula's page size) plus those two fit, and one page more would not."""
+    import jax
+
     limit, in_use = 64 << 20, 4 << 20
     llm = _llm(monkeypatch, limit, in_use)
     engine = llm._engine
     step = engine.step_scratch_bytes()
     assert 0 < step < limit
-    page = memory.kv_page_bytes(llm.model_config, 8, np.float32)
-    assert engine.num_pages == (int(limit * memory.UTILIZATION) - in_use - step) // page
-    # Far more pages than the CPU default (every slot at max_seq_len), and they work.
-    assert engine.num_pages > 4 * 16 + 1
     out = llm.generate([[1, 2, 3]], ji.SamplingParams(max_tokens=5, ignore_eos=True))[0]
-    assert len(out.token_ids) == 5
+    assert len(out.token_ids) == 5  # the pages work (and the state now exists)
+    cache = engine.state.cache
+    pool = sum(int(x.nbytes) for x in jax.tree.leaves((cache.k, cache.v)))
+    page = pool // engine.num_pages
+    assert page * engine.num_pages == pool
+    assert page == memory.kv_page_bytes(llm.model_config, 8, np.float32)
+    budget = limit * memory.UTILIZATION
+    assert in_use + step + pool <= budget < in_use + step + pool + page
+    # Far more pages than the CPU default (every slot at max_seq_len).
+    assert engine.num_pages > 4 * 16 + 1
     assert llm.stats()["num_pages"] == engine.num_pages
 
 

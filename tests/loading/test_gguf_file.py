@@ -213,12 +213,16 @@ def test_custom_alignment(tmp_path, alignment):
     assert gf.alignment == alignment and gf.data_start % alignment == 0
 
 
-def test_block_sizes_agree_with_gguf():
-    for qtype, sizes in gguf.GGML_QUANT_SIZES.items():
-        if qtype == QT.Q8_1:  # ggml's block_q8_1 is 36 bytes (f16 d and s); never in files
-            continue
-        assert GGML_BLOCK_SIZES.get(int(qtype), sizes) == sizes, qtype.name
-    assert GGML_BLOCK_SIZES[GGMLType.Q8_1] == (32, 36)
+def test_the_format_tables_are_gguf_pys():
+    """The reader declares no enum or block table of its own: a type gguf-py knows is sized
+    by gguf-py's table (an unknown one is refused: test_corrupt_files), and the block layouts
+    the quantized loader reads field by field have gguf-py's block sizes."""
+    from jaxinfer.quant import gguf_blocks
+
+    assert GGMLType is gguf.GGMLQuantizationType and ValueType is gguf.GGUFValueType
+    assert GGML_BLOCK_SIZES is gguf.GGML_QUANT_SIZES
+    for qtype, layout in gguf_blocks.BLOCKS.items():
+        assert gguf.GGML_QUANT_SIZES[qtype][1] == layout.itemsize, qtype.name
 
 
 def test_tensor_views_are_zero_copy(written):

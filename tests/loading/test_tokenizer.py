@@ -99,8 +99,8 @@ def test_decode_round_trip_and_special_skipping(tok):
 
 def test_unsupported_tokenizer_model_is_named(meta):
     m = dict(meta)
-    m["tokenizer.ggml.model"] = "llama"
-    with pytest.raises(ValueError, match="'llama'"):
+    m["tokenizer.ggml.model"] = "rwkv"     # 'gpt2' and 'llama' (SentencePiece) are built
+    with pytest.raises(ValueError, match="unsupported tokenizer.ggml.model 'rwkv'"):
         Tokenizer.from_gguf_metadata(m)
     m = dict(meta)
     m["tokenizer.ggml.pre"] = "no-such-pre"
@@ -108,13 +108,96 @@ def test_unsupported_tokenizer_model_is_named(meta):
         Tokenizer.from_gguf_metadata(m)
 
 
-@pytest.mark.parametrize("pre", ["default", "gpt2", "llama-bpe", "qwen2"])
-def test_other_pre_tokenizers_build_and_round_trip(meta, pre):
+# The pre-tokenizer regexes as their authors publish them: GPT-2's encoder.py, Meta's llama3
+# tokenizer.py (tiktoken pattern), Qwen2's tokenizer (the llama3 one with single digits).
+# llama.cpp's "smollm" splits every digit first, then applies GPT-2's.
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_PATTERN = LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")
+PRE_TOKENIZER_TEXTS = [
+    "It's 12345 apples,\n\n  and 日本 😀!",
+    "WE'LL see THEY'RE here; I'M sure it'S fine; O'LLAMA'Sure",
+    "x=1234567.89 and 2024-01-02T03:04",
+    "  1  22   333\t7\n 8",
+    "  leading\t\ttabs   and   runs   \n\n\n   trailing   ",
+    "$hello @world #tag ...!!!\r\n\r\nnext",
+    "日本語のテキスト、中文，한국어 텍스트",
+    "naïve café — ünïcödé «quoted»",
+]
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (encoder.py's bytes_to_unicode)."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def _reference_pieces(pattern: str, digits_first: bool, text: str) -> list[str]:
+    """The pre-tokenizer's pieces by definition: the text split with the pattern (the `regex`
+    module; with digits_first every digit isolated first), each piece's UTF-8 bytes spelled
+    with GPT-2's characters. `regex` is in the test extra (pyproject.toml): the published
+    patterns' Unicode property classes need it, and a missing one fails here, not skips."""
+    import regex
+    chars = _bytes_to_unicode()
+    chunks = [c for c in regex.split(r"(\p{N})", text) if c] if digits_first else [text]
+    return ["".join(chars[b] for b in w.encode("utf-8"))
+            for c in chunks for w in regex.findall(pattern, c)]
+
+
+def _reference_bpe(vocab: dict, merges: list, pieces: list[str]) -> list[int]:
+    """Byte-level BPE from its definition, in plain Python: in each piece, merge the adjacent
+    pair of lowest merge rank until none is left; ids from the vocabulary."""
+    ranks = {tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m): i
+             for i, m in enumerate(merges)}
+    ids = []
+    for piece in pieces:
+        parts = list(piece)
+        while len(parts) > 1:
+            rank, i = min((ranks.get((parts[i], parts[i + 1]), len(ranks)), i)
+                          for i in range(len(parts) - 1))
+            if rank == len(ranks):
+                break
+            parts[i:i + 2] = [parts[i] + parts[i + 1]]
+        ids.extend(vocab[p] for p in parts)
+    return ids
+
+
+@pytest.mark.parametrize("pre, pattern, digits_first", [
+    ("gpt2", GPT2_PATTERN, False), ("default", GPT2_PATTERN, False),
+    ("smollm", GPT2_PATTERN, True), ("llama-bpe", LLAMA3_PATTERN, False),
+    ("qwen2", QWEN2_PATTERN, False)])
+def test_pre_tokenizers_against_reference_bpe(meta, data_dir, pre, pattern, digits_first):
+    """Each `tokenizer.ggml.pre` over SmolLM2's vocabulary splits text into the pieces of its
+    published regex, and encodes to the ids of a plain-Python byte-level BPE (vocabulary and
+    merges from SmolLM2's HF tokenizer.json), on texts that tell the regexes apart: digit
+    runs, contractions in either case, CJK, whitespace runs, punctuation before newlines."""
+    with gzip.open(os.path.join(data_dir, HF_DIR, "tokenizer.json.gz"), "rt",
+                   encoding="utf-8") as f:
+        model = json.load(f)["model"]
     m = dict(meta)
     m["tokenizer.ggml.pre"] = pre
     t = Tokenizer.from_gguf_metadata(m)
-    text = "It's 12345 apples,\n\n  and 日本 😀!"
-    assert t.decode(t.encode(text)) == text
+    ours = lambda text: [p for p, _ in t._tok.pre_tokenizer.pre_tokenize_str(text)]  # noqa
+    for text in PRE_TOKENIZER_TEXTS:
+        pieces = _reference_pieces(pattern, digits_first, text)
+        assert ours(text) == pieces, (pre, text)
+        want = _reference_bpe(model["vocab"], model["merges"], pieces)
+        assert t.encode(text) == want, (pre, text)
+        assert t.decode(want) == text
+    # The texts tell this pre-tokenizer from every other: a wrong choice would fail above.
+    for other in ((GPT2_PATTERN, False), (GPT2_PATTERN, True), (LLAMA3_PATTERN, False),
+                  (QWEN2_PATTERN, False)):
+        if other != (pattern, digits_first):
+            assert any(_reference_pieces(*other, x) != ours(x) for x in PRE_TOKENIZER_TEXTS)
 
 
 def test_no_chat_template_raises(meta):

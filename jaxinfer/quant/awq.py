@@ -73,10 +73,10 @@ taking it from +14%. awq_int4 took 45-95 s (clip=False) and 65-140 s (clip) ther
 cores shared with other work. The script (jaxinfer's venv, from the repository root):
 
     import os
-    from jaxinfer import awq
+    from jaxinfer.quant import awq
     from jaxinfer.loading.gguf import load_gguf
     from jaxinfer.loading.tokenizer import Tokenizer
-    from jaxinfer.models import llama
+    from jaxinfer.models import get_model
     cfg, weights, meta = load_gguf(os.path.expanduser(
         "~/.cache/jaxinfer/models/SmolLM2-135M-Instruct.Q4_1.gguf"))
     tok = Tokenizer.from_gguf_metadata(meta)
@@ -85,11 +85,12 @@ cores shared with other work. The script (jaxinfer's venv, from the repository r
     calibration = [calib[i * 256:(i + 1) * 256] for i in range(8)]
     w = awq.awq_int4(cfg, weights, calibration, group_size=64)[0]  # or clip=False, embed_bits=4;
     # awq.rtn_int4(cfg, weights, group_size=64); the float model: w = weights
-    print(awq.perplexity(llama.params_from_weights(cfg, awq.dequantized(w)), cfg, evaluation,
-                         window=512))
+    params = get_model(cfg.architecture).params_from_weights(cfg, awq.dequantized(w))
+    print(awq.perplexity(params, cfg, evaluation, window=512))
 
 Calibration inputs come from one float forward of the original model (full causal sequences,
-no cache), built from the same blocks as `llama.forward`.
+no cache): the family's own layer (the model protocol's `layer(..., taps=...)`, which hands
+back the inputs of its linear groups), one layer at a time.
 """
 
 from __future__ import annotations
@@ -102,11 +103,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import quant
+from jaxinfer.quant import formats
 from jaxinfer.evaluation import perplexity  # noqa: F401  (awq.perplexity, as before)
-from jaxinfer.attention import reference_attention
 from jaxinfer.config import ModelConfig
-from jaxinfer.layers import apply_rope, linear, rms_norm, rope_angles, rope_inv_freq
-from jaxinfer.models import llama
+from jaxinfer.kv_cache import PagedKVCache
+from jaxinfer.models import get_model
+from jaxinfer.models.base import DENSE_QUERY_TILE
+from jaxinfer.token_batch import TokenBatch
 
 LINEARS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 GROUPS = ("o", "qkv", "down", "gate_up")  # search (and fold) order within a layer
@@ -125,47 +128,58 @@ class LinearInputs(NamedTuple):
     hidden: jax.Array    # silu(gate) * up: input of w_down             [B, T, F]
 
 
+AWQ_FAMILIES = ("llama", "qwen3")  # layers whose norms and linears fold as above
+
+
+def _check_family(cfg: ModelConfig) -> None:
+    family = get_model(cfg.architecture).name
+    if family not in AWQ_FAMILIES:
+        raise ValueError(f"int4-awq supports the {AWQ_FAMILIES} families (their norms and "
+                         f"linears fold as the module docstring says); {cfg.architecture!r} "
+                         "is not one of them")
+
+
+def _one_layer(cfg: ModelConfig, i: int) -> ModelConfig:
+    """The config of layer i alone: its window and RoPE base, one cache layer."""
+    return cfg.replace(num_layers=1, sliding_window=cfg.window(i), layer_windows=None,
+                       rope_theta=cfg.layer_rope_theta(i), layer_rope_thetas=None)
+
+
 @functools.partial(jax.jit, static_argnums=(1,))
-def layer_forward(lp: llama.LayerParams, cfg: ModelConfig, h: jax.Array, cos: jax.Array,
-                  sin: jax.Array) -> tuple[jax.Array, LinearInputs]:
-    """One decoder layer over full sequences, causal, no cache. h [B, T, D]; cos, sin
-    [B, T, H/2] (positions 0..T-1). Returns the layer's output [B, T, D] and its linear
-    inputs."""
-    B, T, _ = h.shape
-    N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    x_attn = rms_norm(h, lp.attn_norm, cfg.rms_norm_eps)
-    q = apply_rope(linear(x_attn, lp.wq, lp.bq).reshape(B, T, N, H), cos, sin)
-    k = apply_rope(linear(x_attn, lp.wk, lp.bk).reshape(B, T, K, H), cos, sin)
-    v = linear(x_attn, lp.wv, lp.bv).reshape(B, T, K, H)
-    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    attn_out = reference_attention(q, positions, [(k, v, positions)],
-                                   sliding_window=cfg.sliding_window).reshape(B, T, N * H)
-    h = h + linear(attn_out, lp.wo)
-    x_mlp = rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps)
-    hidden = jax.nn.silu(linear(x_mlp, lp.w_gate)) * linear(x_mlp, lp.w_up)
-    h = h + linear(hidden, lp.w_down)
-    return h, LinearInputs(x_attn, attn_out, x_mlp, hidden)
+def layer_forward(lp, cfg1: ModelConfig, h: jax.Array) -> tuple[jax.Array, LinearInputs]:
+    """One decoder layer of the model's family (its protocol `layer`, with taps) over full
+    sequences h [B, T, D] from an empty one-layer cache, causal; cfg1 is the layer's own
+    config (`_one_layer`), so layers alike share a program. Returns the layer's output
+    [B, T, D] and its linear inputs."""
+    B, T, D = h.shape
+    model = get_model(cfg1.architecture)
+    cache = PagedKVCache.ring(1, B, T, cfg1.num_kv_heads, cfg1.head_dim, h.dtype)
+    batch = TokenBatch.dense(jnp.zeros((B, T), jnp.int32), jnp.full((B,), T, jnp.int32),
+                             None, B)
+    tile = min(T, DENSE_QUERY_TILE)
+    ctx = model.context(cfg1, batch, cache, query_tile=tile, num_tiles=B * -(-T // tile),
+                        differentiable=True)
+    taps = {}
+    out, _ = model.layer(lp, cfg1, 0, h.reshape(B * T, D), ctx, taps)
+    return out.reshape(B, T, D), LinearInputs(
+        *(taps[name].reshape(B, T, -1) for name in LinearInputs._fields))
 
 
-def run_layers(params: llama.LlamaParams, cfg: ModelConfig,
+def run_layers(params, cfg: ModelConfig,
                tokens: jax.Array) -> Iterator[tuple[jax.Array, LinearInputs]]:
     """tokens [B, T] -> yields (output [B, T, D], LinearInputs) of each layer in turn."""
-    B, T = tokens.shape
-    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
-                             cfg.rope_freq_factors)
-    cos, sin = rope_angles(jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)), inv_freq)
-    h = llama.embed(params, tokens)
-    for lp in params.layers:
-        h, inputs = layer_forward(lp, cfg, h, cos, sin)
+    h = get_model(cfg.architecture).embed(params, cfg, tokens)
+    for i, lp in enumerate(params.layers):
+        h, inputs = layer_forward(lp, _one_layer(cfg, i), h)
         yield h, inputs
 
 
-def calibration_logits(params: llama.LlamaParams, cfg: ModelConfig,
-                       tokens: jax.Array) -> jax.Array:
+def calibration_logits(params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
     """Logits [B, T, V] (float32) of the calibration forward: checks it against
-    `llama.sequence_logits`."""
+    `models.sequence_logits`."""
+    model = get_model(cfg.architecture)
     *_, (h, _) = run_layers(params, cfg, tokens)
-    return llama.lm_head(params, rms_norm(h, params.final_norm, cfg.rms_norm_eps))
+    return model.head(params, model.final_norm(params, cfg, h))
 
 
 @jax.jit
@@ -179,7 +193,7 @@ def _input_stats(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def _rtn(w: np.ndarray, group_size: int) -> np.ndarray:
     """w [C, O] through int4 round to nearest along C and back (float32)."""
-    return np.asarray(quant.dequantize(quant.quantize_int4(w, axis=0, group_size=group_size)))
+    return quant.dequantize_host(quant.quantize_int4(w, axis=0, group_size=group_size))
 
 
 def output_error(gram: np.ndarray, w: np.ndarray, w_hat: np.ndarray) -> float:
@@ -258,7 +272,8 @@ def _stats_by_layer(cfg: ModelConfig, weights: dict[str, np.ndarray],
     over every calibration token. Sequences of equal length run as one batch."""
     if not calibration or not all(calibration):
         raise ValueError("calibration needs at least one non-empty token sequence")
-    params = llama.params_from_weights(cfg, weights)
+    _check_family(cfg)
+    params = get_model(cfg.architecture).params_from_weights(cfg, weights)
     by_length: dict[int, list[list[int]]] = {}
     for seq in calibration:
         by_length.setdefault(len(seq), []).append(seq)
@@ -295,12 +310,12 @@ def _clipped_int4(w: np.ndarray, group_size: int, ratio) -> tuple[np.ndarray, ..
     # (1 - ratio) * half-width off each end: exactly 0 at ratio 1, so the range is then [lo, hi]
     # exactly (a centre +- half-width would round).
     shrink = (1.0 - np.asarray(ratio, np.float64)) * (hi - lo) / 2
-    offset = quant._round_down(lo + shrink, np.float16)
-    quant._check_finite(offset, "int4 offsets", np.float16)
-    scale = quant._round_up((hi - shrink - offset.astype(np.float64)) / 15, np.float16)
-    quant._check_finite(scale, "int4 scales", np.float16)
+    offset = formats.round_down(lo + shrink, np.float16)
+    formats.check_finite(offset, "int4 offsets", np.float16)
+    scale = formats.round_up((hi - shrink - offset.astype(np.float64)) / 15, np.float16)
+    formats.check_finite(scale, "int4 scales", np.float16)
     off32 = offset.astype(np.float32)
-    q = np.clip(np.rint(quant._divide(g - off32, scale)), 0, 15).astype(np.uint8)
+    q = np.clip(np.rint(formats.divide(g - off32, scale)), 0, 15).astype(np.uint8)
     value = q.astype(np.float32) * scale.astype(np.float32) + off32
     return (q.reshape(C, O), scale[:, 0], offset[:, 0], value.reshape(C, O))
 
@@ -364,9 +379,10 @@ def _vocab_matrices(weights: dict[str, np.ndarray], group_size: int,
 def awq_int4(cfg: ModelConfig, weights: dict[str, np.ndarray], calibration: list[list[int]],
              group_size: int = 32, grid: int = 20, clip: bool = True,
              embed_bits: int = 8) -> tuple[dict, dict]:
-    """AWQ int4 of a Llama-family model.
+    """AWQ int4 of a Llama- or Qwen3-family model.
 
-    weights: float32 host weights as `llama.params_from_weights` takes them (linear [in, out]);
+    weights: float32 host weights as the family's `params_from_weights` takes them (linear
+    [in, out]);
     calibration: token sequences (sequences of one length are batched together); group_size:
     int4 group along the input axis (a multiple of 32); grid: alphas searched,
     linspace(0, 1, grid) without 1; clip: after the scales, search each linear's clipping
@@ -451,5 +467,5 @@ def rtn_int4(cfg: ModelConfig, weights: dict[str, np.ndarray], group_size: int =
 
 def dequantized(weights: dict) -> dict[str, np.ndarray]:
     """weights with every QuantizedWeight replaced by its float32 value."""
-    return {k: np.asarray(quant.dequantize(v)) if isinstance(v, quant.QuantizedWeight) else v
+    return {k: quant.dequantize_host(v) if isinstance(v, quant.QuantizedWeight) else v
             for k, v in weights.items()}

@@ -1,0 +1,89 @@
+"""SentencePiece-style tokenizers from GGUF metadata (`tokenizer.ggml.model` "llama"): Gemma.
+
+Such a file carries the vocabulary (with scores and token types) but no merges. The tokenizer is
+rebuilt as a `tokenizers` BPE model with byte fallback whose merges come from the vocabulary:
+every split of a token into two tokens of the vocabulary is a merge, ranked by the token it
+makes. Spaces are written "▁" (U+2581) before the merges, no prefix space is added, and
+decoding turns "▁" back into spaces and byte tokens (<0x0A>) into bytes. This is the tokenizer HF
+transformers builds from the same file, which tests/data/gemma3_greedy.json checks.
+
+The rank: Gemma's scores do not follow its merge order, but the order of the tokens in the file
+does, so for Gemma a token's rank is its index; for other files, its score (higher first).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers import decoders, models, normalizers, pre_tokenizers
+
+SPACE = "\u2581"
+
+
+def merges_from_vocab(tokens: list[str], priority: list[float]) -> list[tuple[str, str]]:
+    """Merges (left, right) for every token that splits into two vocabulary tokens, best
+    first: by the token's priority (higher first), then longer left piece, then longer right
+    piece, then the token's index (a token's splits differ in their left piece's length)."""
+    ids = {t: i for i, t in enumerate(tokens)}
+    rank, left_len, right_len, which, pairs = [], [], [], [], []
+    for index, token in enumerate(tokens):
+        for j in range(1, len(token)):
+            left, right = token[:j], token[j:]
+            if left in ids and right in ids:
+                rank.append(priority[index])
+                left_len.append(j)
+                right_len.append(len(token) - j)
+                which.append(index)
+                pairs.append((left, right))
+    # np.lexsort sorts by its last key first.
+    order = np.lexsort((np.asarray(which), -np.asarray(right_len), -np.asarray(left_len),
+                        -np.asarray(rank, np.float64)))
+    return [pairs[i] for i in order]
+
+
+def spm_backend(meta: dict) -> tuple[_HFTokenizer, list[str]]:
+    """The `tokenizers` backend of a "llama" GGUF vocabulary and its (respelled) tokens."""
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    gemma = str(meta.get("general.architecture", "")).startswith("gemma")
+    if gemma:
+        # Tokens of two or more spaces are stored as spaces; the merges need them as "▁▁".
+        tokens = [SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
+        priority = [-float(i) for i in range(len(tokens))]
+    else:
+        priority = [float(s) for s in meta.get("tokenizer.ggml.scores", [0.0] * len(tokens))]
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    unk = tokens[int(unk_id)] if unk_id is not None else None
+    vocab = {t: i for i, t in enumerate(tokens)}
+    bpe = models.BPE(vocab, merges_from_vocab(tokens, priority), unk_token=unk, fuse_unk=True,
+                     byte_fallback=True)
+    backend = _HFTokenizer(bpe)
+    replace = normalizers.Replace(" ", SPACE)
+    # llama.cpp's default for SentencePiece vocabularies is a prefix space; Gemma's files say no.
+    if meta.get("tokenizer.ggml.add_space_prefix", not gemma):
+        replace = normalizers.Sequence([normalizers.Prepend(SPACE), replace])
+    backend.normalizer = replace
+    backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    backend.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(),
+                                         decoders.Fuse()])
+    return backend, tokens
+
+
+# Gemma's turn format, for Gemma files whose metadata carries no chat template (the base
+# models): a system message goes in front of the first user turn, the assistant is "model",
+# and a turn ends with <end_of_turn> (an end-of-generation token). No <bos>: encoding adds it.
+GEMMA_CHAT_TEMPLATE = (
+    "{% if messages and messages[0]['role'] == 'system' %}"
+    "{% set first = messages[0]['content'] | trim + '\n\n' %}{% set turns = messages[1:] %}"
+    "{% else %}{% set first = '' %}{% set turns = messages %}{% endif %}"
+    "{% for m in turns %}"
+    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else 'user') + '\n'"
+    " + (first if loop.first else '') + m['content'] | trim + '<end_of_turn>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
+
+
+def default_chat_template(meta: dict):
+    """The chat template of a file without one: Gemma's turn format for Gemma files."""
+    if str(meta.get("general.architecture", "")).startswith("gemma"):
+        return GEMMA_CHAT_TEMPLATE
+    return None

@@ -1,0 +1,149 @@
+"""Products with quantized weights: `matmul` (every linear, the head) and `take_rows` (the
+embedding lookup), the one place that dispatches on a QuantizedWeight's kind.
+
+On CPU the weight is dequantized tile by tile inside the step (a scan over blocks of its output
+axis), each tile's dot reading it while it is still in cache: converting the whole matrix first
+writes and re-reads 4 bytes per weight through memory, which made int8 decode half as fast as
+float32 (XLA:CPU fuses no convert into a dot). Elsewhere, and on a mesh, the weight is
+dequantized whole inside the step and XLA fuses or partitions that as it does any elementwise
+op; fp8 weights on a GPU multiply fp8 activations.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer import sharding
+from jaxinfer.quant.formats import FP8_MAX, INT4_BLOCK, QuantizedWeight, dequantize
+
+# Elements of one dequantized tile in matmul on CPU: 896 KiB of float32, within a core's L2
+# (1 MiB here), so the converted tile is still in cache when its dot reads it. Swept on
+# SmolLM2 batch-1 decode, int8 against float32 (docs/quantization.md): 2^16 0.62x, 2^17
+# 0.93-0.96x, 3 * 2^16 1.00-1.05x, 7 * 2^15 1.04x, 2^19 0.68x.
+TILE_ELEMENTS = 7 << 15
+
+
+def matmul(x: jax.Array, w: QuantizedWeight, spec: str) -> jax.Array:
+    """einsum(spec, x, w) with w [2-D] quantized, accumulated in float32; the codes are what
+    stays in memory, dequantized inside the jitted step (see the module docstring).
+
+    On one CPU device: tiles of at most TILE_ELEMENTS along the output axis. Elsewhere a
+    per-channel weight without offsets (int8, fp8) multiplies its codes converted to x's dtype
+    and scales the result; a grouped one is dequantized first. fp8 weights on a GPU multiply
+    fp8 activations (fp8_activations, _fp8_product)."""
+    if w.kind == "fp8" and fp8_activations():
+        return _fp8_product(x, w, spec)
+    if jax.default_backend() != "cpu" or sharding.context_mesh_shape() is not None:
+        # On a mesh, a tile's dynamic slice of a split output axis would gather the whole
+        # matrix on every device; dequantized whole, the codes stay split like the weight.
+        if w.group_size == 0 and w.offset is None:
+            y = jnp.einsum(spec, x, jnp.asarray(w.q).astype(x.dtype),
+                           preferred_element_type=jnp.float32)
+            return y * jnp.asarray(w.scale, jnp.float32).reshape(-1)
+        return jnp.einsum(spec, x, dequantize(w, x.dtype), preferred_element_type=jnp.float32)
+    if w.kind == "fp8":  # as raw bytes: XLA:CPU slices float8 arrays by converting them whole
+        w = w.replace(q=jax.lax.bitcast_convert_type(jnp.asarray(w.q), jnp.uint8))
+    out_axis = 1 - w.axis
+    tile = _tile(w.shape, out_axis)
+    if tile is None:
+        return _cpu_product(x, w, spec)
+
+    def one_tile(_, j):
+        part = jax.tree.map(
+            lambda a: jax.lax.dynamic_slice_in_dim(jnp.asarray(a), j * tile, tile, out_axis), w)
+        return None, _cpu_product(x, part, spec)
+    n = w.shape[out_axis] // tile
+    _, ys = jax.lax.scan(one_tile, None, jnp.arange(n, dtype=jnp.int32))  # [n, ..., tile]
+    return jnp.moveaxis(ys, 0, -2).reshape(x.shape[:-1] + (n * tile,))
+
+
+# fp8 weights multiply fp8 activations (W8A8) where the hardware has fp8 matmuls: None = on
+# GPUs. Tests set it to check the path on CPU, where XLA runs fp8 dots too (slowly).
+FP8_ACTIVATIONS: Optional[bool] = None
+
+
+def fp8_activations() -> bool:
+    if FP8_ACTIVATIONS is not None:
+        return FP8_ACTIVATIONS
+    return jax.default_backend() == "gpu"
+
+
+def _fp8_product(x: jax.Array, w: QuantizedWeight, spec: str) -> jax.Array:
+    """einsum(spec, x, w) as an fp8 x fp8 dot accumulated in float32: x quantized to e4m3
+    per token (its rows, the contraction being x's last axis) with a dynamic scale
+    max|x| / 448, w per output channel; both scales applied to the float32 result."""
+    if w.group_size != 0 or w.offset is not None:
+        raise ValueError(f"fp8 activations need a per-channel symmetric fp8 weight, got group "
+                         f"size {w.group_size} with{'out' if w.offset is None else ''} offsets")
+    xf = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(xf), axis=-1, keepdims=True)
+    x_scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    xq = (xf / x_scale).astype(jnp.float8_e4m3fn)
+    y = jnp.einsum(spec, xq, jnp.asarray(w.q), preferred_element_type=jnp.float32)
+    return y * x_scale * jnp.asarray(w.scale, jnp.float32).reshape(-1)
+
+
+def _tile(shape: tuple[int, int], out_axis: int) -> Optional[int]:
+    """The largest divisor of the output axis whose tile holds at most TILE_ELEMENTS, or None
+    when the whole matrix is one tile."""
+    n_out, n_in = shape[out_axis], shape[1 - out_axis]
+    if n_out * n_in <= TILE_ELEMENTS:
+        return None
+    tile = max(TILE_ELEMENTS // n_in, 1)
+    while n_out % tile:
+        tile -= 1
+    return tile
+
+
+def _cpu_product(x: jax.Array, w: QuantizedWeight, spec: str) -> jax.Array:
+    """einsum(spec, x, w) with w (fp8 codes as raw bytes) dequantized in forms XLA:CPU
+    vectorizes: int4 nibbles are not interleaved back into order (a concatenate in the
+    dequantizing loop made it ten times slower); instead x is split into the elements the low
+    and the high nibbles hold, and two dots are summed. fp8 is decoded with integer ops (its
+    converts are not vectorized)."""
+    a = w.axis
+    expand = lambda g, n: jnp.repeat(jnp.asarray(g, jnp.float32), n, axis=a)  # noqa: E731
+    if w.kind != "int4":
+        codes = _fp8_from_bits(w.q) if w.kind == "fp8" else jnp.asarray(w.q).astype(jnp.float32)
+        if w.offset is None and w.scale.shape[a] == 1:   # per channel: scale the dot's result
+            y = jnp.einsum(spec, x, codes.astype(x.dtype), preferred_element_type=jnp.float32)
+            return y * jnp.asarray(w.scale, jnp.float32).reshape(-1)
+        scale = expand(w.scale, codes.shape[a] // w.scale.shape[a])
+        value = codes * scale if w.offset is None else codes * scale + expand(
+            w.offset, codes.shape[a] // w.scale.shape[a])
+        return jnp.einsum(spec, x, value.astype(x.dtype), preferred_element_type=jnp.float32)
+    packed = jnp.asarray(w.q)
+    per_group = packed.shape[a] // w.scale.shape[a]   # packed rows (pairs) per group
+    scale = expand(w.scale, per_group)
+    offset = None if w.offset is None else expand(w.offset, per_group)
+    # Byte j of a 32-element block holds element j (low nibble) and j + 16 (high nibble).
+    xb = x.reshape(x.shape[:-1] + (x.shape[-1] // INT4_BLOCK, 2, INT4_BLOCK // 2))
+    y = 0.0
+    for half, codes in enumerate((packed & 0x0F, packed >> 4)):
+        value = codes.astype(jnp.float32) * scale
+        if offset is not None:
+            value = value + offset
+        xs = xb[..., half, :].reshape(x.shape[:-1] + (x.shape[-1] // 2,))
+        y = y + jnp.einsum(spec, xs, value.astype(x.dtype), preferred_element_type=jnp.float32)
+    return y
+
+
+def _fp8_from_bits(b: jax.Array) -> jax.Array:
+    """float8_e4m3fn raw bytes -> float32, exactly (no NaN codes expected: the quantizer
+    never writes them). Normal values get their float32 bits directly (exponent rebiased by
+    120), subnormals (exponent field 0) are m * 2^-9."""
+    b = b.astype(jnp.uint32)
+    mag = b & 0x7F
+    normal = jax.lax.bitcast_convert_type((mag << 20) + (120 << 23), jnp.float32)
+    value = jnp.where(mag < 8, mag.astype(jnp.float32) * 2.0 ** -9, normal)
+    return jnp.where(b >= 0x80, -value, value)
+
+
+def take_rows(w: QuantizedWeight, index: jax.Array) -> jax.Array:
+    """Rows `index` [n] of a quantized [V, D] table grouped along its columns (axis 1), as
+    float32 [n, D]: an embedding lookup that dequantizes only the rows it reads."""
+    rows = lambda a: None if a is None else jnp.take(jnp.asarray(a), index, axis=0)
+    return dequantize(w.replace(q=rows(w.q), scale=rows(w.scale), offset=rows(w.offset)))
