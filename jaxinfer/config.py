@@ -21,7 +21,7 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "llama" | "mistral" | "qwen2"
+    architecture: str  # a key of jaxinfer.models.REGISTRY
     vocab_size: int
     d_model: int
     num_layers: int
@@ -41,11 +41,36 @@ class ModelConfig:
     # Per-frequency divisors [head_dim/2] of the RoPE inverse frequencies: how GGUF files carry
     # Llama-3 scaling (the `rope_freqs` tensor). A tuple so the config stays hashable.
     rope_freq_factors: Optional[tuple[float, ...]] = None
+    # Per-layer attention (Gemma 3's interleaved local and global layers): each layer's sliding
+    # window (None: global) and RoPE base. None: every layer has sliding_window and rope_theta.
+    layer_windows: Optional[tuple[Optional[int], ...]] = None
+    layer_rope_thetas: Optional[tuple[float, ...]] = None
+    qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3, Gemma 3)
+    query_scale: Optional[float] = None  # attention score scale; None: head_dim ** -0.5
+    # Mixture of experts (Mixtral, Qwen3-MoE): num_experts experts of width ffn_dim per layer,
+    # experts_per_token chosen per token by the router: "topk_softmax" (Mixtral: softmax over
+    # the top-k logits) or "softmax_topk" (Qwen3-MoE: softmax over all experts, then the top k,
+    # renormalised to sum 1 when norm_topk_prob).
+    num_experts: int = 0
+    experts_per_token: int = 0
+    router: Optional[str] = None
+    norm_topk_prob: bool = True
 
     def __post_init__(self):
         if self.rope_freq_factors is not None:  # e.g. a list read back from JSON
             object.__setattr__(self, "rope_freq_factors",
                                tuple(float(f) for f in self.rope_freq_factors))
+        for name, kind in (("layer_windows", int), ("layer_rope_thetas", float)):
+            value = getattr(self, name)
+            if value is not None:
+                value = tuple(None if v is None else kind(v) for v in value)
+                if len(value) != self.num_layers:
+                    raise ValueError(f"{name} has {len(value)} entries for "
+                                     f"{self.num_layers} layers")
+                object.__setattr__(self, name, value)
+        if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
+            raise ValueError(f"experts_per_token {self.experts_per_token} must be in "
+                             f"[1, num_experts {self.num_experts}]")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of "
                              f"num_kv_heads {self.num_kv_heads}")
@@ -61,15 +86,18 @@ class ModelConfig:
     def kv_dim(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def window(self, layer: int) -> Optional[int]:
+        """Layer `layer`'s sliding window (None: it attends to every earlier key)."""
+        return self.sliding_window if self.layer_windows is None else self.layer_windows[layer]
 
-@dataclasses.dataclass(frozen=True)
-class CacheConfig:
-    """Ring-buffer KV cache sizing: `capacity` slots per row, `max_seq_len` tokens per request."""
+    def layer_rope_theta(self, layer: int) -> float:
+        return self.rope_theta if self.layer_rope_thetas is None else \
+            self.layer_rope_thetas[layer]
 
-    max_seq_len: int
-    max_num_seqs: int
-    capacity: int
-    dtype: str = "float32"
+    @property
+    def windows(self) -> tuple[Optional[int], ...]:
+        """The distinct sliding windows of the layers (None: global), in layer order."""
+        return tuple(dict.fromkeys(self.window(i) for i in range(self.num_layers)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,10 +117,12 @@ class MeshConfig:
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
+    """What the engine was built with (`LLM.engine_config`). The LLM passes every field; the
+    defaults are the LLM's own (tests/test_llm.py checks they agree)."""
     max_seq_len: int
     max_num_seqs: int
     prefill_chunk: int = 128
-    decode_steps: int = 32  # decode steps per device dispatch
+    decode_steps: int = 8  # decode steps per device dispatch
     max_num_batched_tokens: int = 512  # token budget of one mixed step (decodes + prefill)
     dtype: str = "float32"
     attention: str = "reference"

@@ -16,7 +16,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer import tuning
 from jaxinfer.decode import DecodeState, _forward_rows, _put, _take
 from jaxinfer.kv_cache import PagedKVCache
-from jaxinfer.models import llama
+from jaxinfer.models import get_model
 from jaxinfer.sampling import SamplingArrays, mark_seen, maybe_top_logprobs, no_logprobs, sample
 from jaxinfer.speculative import draw_draft, ngram_propose, verify
 
@@ -41,18 +41,19 @@ def _draft_model_steps(draft_params, draft_cfg: ModelConfig, draft_cache: PagedK
     feeding the last draft (its K/V only: no head). seen, num_generated, sampling: the rows'
     own ([R, ...]). Returns (drafts [R, k], their distributions q [R, k, V], draft cache)."""
     fed = fed.astype(jnp.int32)
+    draft = get_model(draft_cfg.architecture)
 
     def body(carry, i):
         cache, token, seen = carry
-        h, cache = llama.forward(draft_params, draft_cfg, token[:, None], cache, fed, rows=rows)
-        logits = llama.lm_head(draft_params, h[:, 0])
+        h, cache = draft.forward(draft_params, draft_cfg, token[:, None], cache, fed, rows=rows)
+        logits = draft.head(draft_params, h[:, 0])
         drawn, q = draw_draft(logits, sampling, seen, num_generated + i)
         seen = mark_seen(seen, drawn[:, None], fed[:, None] > 0)
         return (cache, drawn, seen), (drawn, q)
 
     (cache, last, _), (drafts, q) = jax.lax.scan(
         body, (draft_cache, last_token, seen), jnp.arange(k, dtype=jnp.int32))
-    _, cache = llama.forward(draft_params, draft_cfg, last[:, None], cache, fed, rows=rows)
+    _, cache = draft.forward(draft_params, draft_cfg, last[:, None], cache, fed, rows=rows)
     return drafts.T, jnp.swapaxes(q, 0, 1), cache
 
 
@@ -146,7 +147,7 @@ def speculative_loop(params, state: DecodeState, rows: jax.Array, draft_on: jax.
             tokens = jnp.concatenate([last_token[:, None], drafts], axis=1)  # [R, k+1]
             h, cache = _forward_rows(params, cfg, cache, tokens,
                                      jnp.where(running, 1 + num, 0), rows, attn_impl)
-            logits = llama.lm_head(params, h)                                # [R, k+1, V]
+            logits = get_model(cfg.architecture).head(params, h)          # [R, k+1, V]
             accepted, token = verify(logits, drafts, num, sp, seen, generated, draft_probs)
             emitted = _emitted(drafts, accepted, token)
             lp = maybe_top_logprobs(want_lp, lambda x: x, logits, emitted)
@@ -160,9 +161,9 @@ def speculative_loop(params, state: DecodeState, rows: jax.Array, draft_on: jax.
             h, cache = _forward_rows(params, cfg, cache, last_token[:, None], fed, rows,
                                      attn_impl)
             if draft_cfg is not None:
-                _, draft_cache = llama.forward(draft_params, draft_cfg, last_token[:, None],
-                                               draft_cache, fed, rows=rows)
-            logits = llama.lm_head(params, h[:, 0])
+                _, draft_cache = get_model(draft_cfg.architecture).forward(
+                    draft_params, draft_cfg, last_token[:, None], draft_cache, fed, rows=rows)
+            logits = get_model(cfg.architecture).head(params, h[:, 0])
             token = sample(logits, sp, seen, generated)
             lp = maybe_top_logprobs(want_lp, lambda x: x, logits, token)
             lp = jax.tree.map(lambda x: jnp.pad(x[:, None], [(0, 0), (0, k)] +

@@ -1,12 +1,36 @@
-"""Model families, by architecture name."""
+"""Model families, by architecture name (GGUF general.architecture or HF model_type).
 
-from jaxinfer.models import llama
+Every family implements one protocol (jaxinfer.models.base.Family: config from GGUF metadata or
+an HF config, a parameter table with logical axes, embed, layer(..., taps=None), head, and the
+forwards built from them); everything outside this package reaches a family only through
+`get_model(cfg.architecture)`.
 
-# Architecture name (GGUF general.architecture or HF model_type) -> model module.
-REGISTRY = {"llama": llama, "mistral": llama, "qwen2": llama}
+    llama       Llama 2/3, SmolLM, Mistral, Qwen2                   models/llama.py
+    qwen3       Qwen3 (dense): Llama's layer with QK-norm           models/llama.py
+    mixtral     Mixtral: top-2 of 8 experts                         models/moe.py
+    qwen3_moe   Qwen3-MoE: top-k of many small experts, QK-norm     models/moe.py
+    gemma3      Gemma 3: interleaved local / global attention       models/gemma3.py
+"""
+
+from __future__ import annotations
+
+from jaxinfer.models import gemma3, llama, moe
+from jaxinfer.models.base import Family, ModelParams, sequence_logits
+
+ModelFamily = Family
+
+REGISTRY: dict[str, Family] = {
+    "llama": llama.LLAMA, "mistral": llama.LLAMA, "qwen2": llama.LLAMA,
+    "qwen3": llama.QWEN3,
+    "mixtral": moe.MIXTRAL, "qwen3moe": moe.QWEN3_MOE, "qwen3_moe": moe.QWEN3_MOE,
+    "gemma3": gemma3.GEMMA3, "gemma3_text": gemma3.GEMMA3,
+}
 
 
-def get_model(architecture: str):
+def get_model(architecture: str) -> Family:
     if architecture not in REGISTRY:
         raise ValueError(f"unsupported architecture {architecture!r}; supported: {sorted(REGISTRY)}")
     return REGISTRY[architecture]
+
+
+__all__ = ["Family", "ModelFamily", "ModelParams", "REGISTRY", "get_model", "sequence_logits"]

@@ -90,9 +90,15 @@ def test_logits_match_numpy_reference(model, smollm2_gguf):
 def test_last_logits_match_hf_goldens(model, data_dir):
     """HF transformers (float32) last-position top-10 logits for every golden prompt."""
     cfg, params = model
-    cases = json.load(open(os.path.join(data_dir, "smollm2_greedy.json")))["cases"]
-    for case in cases[:6]:
-        got = _logits(cfg, params, case["prompt_ids"])[-1]
+    cases = json.load(open(os.path.join(data_dir, "smollm2_greedy.json")))["cases"][:6]
+    # One forward over the prompts right-padded to the longest: the model is causal, so each
+    # prompt's last position sees only its own tokens (padding comes after it).
+    width = max(len(c["prompt_ids"]) for c in cases)
+    batch = jnp.asarray([c["prompt_ids"] + [0] * (width - len(c["prompt_ids"])) for c in cases],
+                        jnp.int32)
+    all_logits = np.asarray(llama.sequence_logits(params, cfg, batch))
+    for case, logits in zip(cases, all_logits):
+        got = logits[len(case["prompt_ids"]) - 1]
         top = case["last_logits_top10"]
         np.testing.assert_allclose(got[top["ids"]], top["values"], atol=2e-3, rtol=0)
         lse = float(jax.nn.logsumexp(got))

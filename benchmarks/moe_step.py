@@ -1,0 +1,104 @@
+"""A 16-row decode step of a tiny mixture-of-experts model against the dense model with the
+same active parameters, on this machine's backend.
+
+The MoE model has E experts of width F, k per token; the dense one a single MLP of width k * F,
+the same attention, embedding and depth: per token both multiply the same number of weights.
+Each step feeds one token to each of 16 rows (a ring cache holding `context` tokens per row)
+and computes their logits; times are medians of interleaved runs. The MoE step is timed with
+each grouped matmul ("tiles", "ragged_dot") and with a dense all-experts product for reference.
+
+  python benchmarks/moe_step.py [--experts 8 --top_k 2 --ffn 512 --d_model 512 --layers 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from jaxinfer import tuning  # noqa: E402
+from jaxinfer.config import ModelConfig  # noqa: E402
+from jaxinfer.kv_cache import PagedKVCache  # noqa: E402
+from jaxinfer.models import get_model, moe  # noqa: E402
+
+
+def step_fn(cfg: ModelConfig):
+    model = get_model(cfg.architecture)
+
+    @jax.jit
+    def step(params, cache, tokens):
+        h, cache = model.forward(params, cfg, tokens, cache,
+                                 jnp.ones((tokens.shape[0],), jnp.int32))
+        return model.head(params, h[:, 0]), cache
+    return model, step
+
+
+def dense_experts(x, lp, cfg):
+    """Every token through every expert, weighted by its routing (zero for unchosen ones)."""
+    weights, experts = moe.route(moe._dot(x, lp.router, "TD,DE->TE"), cfg)
+    dense_w = jnp.zeros((x.shape[0], cfg.num_experts)).at[
+        jnp.arange(x.shape[0])[:, None], experts].set(weights)
+    g = jnp.einsum("TD,EDF->TEF", x, lp.w_gate)
+    u = jnp.einsum("TD,EDF->TEF", x, lp.w_up)
+    y = jnp.einsum("TEF,EFD->TED", jax.nn.silu(g) * u, lp.w_down)
+    return jnp.einsum("TED,TE->TD", y, dense_w).astype(x.dtype)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--top_k", type=int, default=2)
+    ap.add_argument("--ffn", type=int, default=512)
+    ap.add_argument("--d_model", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=30)
+    args = ap.parse_args(argv)
+    common = dict(vocab_size=8192, d_model=args.d_model, num_layers=args.layers, num_heads=8,
+                  num_kv_heads=2, head_dim=64, max_position_embeddings=4096)
+    moe_cfg = ModelConfig("mixtral", ffn_dim=args.ffn, num_experts=args.experts,
+                          experts_per_token=args.top_k, router="topk_softmax", **common)
+    dense_cfg = ModelConfig("llama", ffn_dim=args.ffn * args.top_k, **common)
+    tokens = jax.random.randint(jax.random.key(1), (args.rows, 1), 0, 8192)
+    runs = {}
+    base = tuning.for_backend()
+    variants = {"dense model": (dense_cfg, None), "moe, tiles": (moe_cfg, "tiles"),
+                "moe, ragged_dot": (moe_cfg, "ragged_dot"), "moe, all experts": (moe_cfg, "all")}
+    original_ffn = moe.expert_ffn
+    for name, (cfg, grouped) in variants.items():
+        model, step = step_fn(cfg)
+        params = model.init_params(cfg, jax.random.key(0))
+        cache = PagedKVCache.ring(cfg.num_layers, args.rows, args.context, cfg.num_kv_heads,
+                                  cfg.head_dim, jnp.float32)
+        cache = cache.replace(lengths=jnp.full((args.rows,), args.context // 2, jnp.int32))
+        if grouped in ("tiles", "ragged_dot"):
+            tuning.TUNING[jax.default_backend()] = base.__class__(
+                **{**vars(base), "grouped_matmul": grouped})
+        moe.expert_ffn = dense_experts if grouped == "all" else original_ffn
+        step(params, cache, tokens)[0].block_until_ready()  # compile (the cache is not donated)
+        runs[name] = (step, params, cache)
+        tuning.TUNING[jax.default_backend()] = base
+        moe.expert_ffn = original_ffn
+    times = {name: [] for name in runs}
+    for _ in range(args.repeats):
+        for name, (step, params, cache) in runs.items():
+            t0 = time.perf_counter()
+            step(params, cache, tokens)[0].block_until_ready()
+            times[name].append(time.perf_counter() - t0)
+    dense = statistics.median(times["dense model"])
+    for name, t in times.items():
+        print(f"{name:18s} {1e3 * statistics.median(t):7.2f} ms   "
+              f"{statistics.median(t) / dense:.2f}x the dense model")
+
+
+if __name__ == "__main__":
+    main()
