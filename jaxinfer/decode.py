@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jaxinfer import sharding, tuning
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache import PagedKVCache
-from jaxinfer.models import llama
+from jaxinfer.models import get_model
 from jaxinfer.sampling import SamplingArrays, mark_seen, maybe_top_logprobs, no_logprobs, sample
 from jaxinfer.token_batch import TokenBatch
 
@@ -128,6 +128,23 @@ def admit_rows(state: DecodeState, mask: jax.Array, start: jax.Array, generated:
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
+def fork_rows(state: DecodeState, src_rows: jax.Array, dst_rows: jax.Array,
+              src_pages: jax.Array, dst_pages: jax.Array) -> DecodeState:
+    """Rows dst_rows [C] forked from src_rows [C] (B: padding), after admit_rows started them:
+    each takes its source's seen-token mask (the prompt so far, for the repetition penalty).
+    A paged cache copies pages src_pages [C'] into dst_pages [C'] (-1: none), the partly
+    filled page each fork may not share; a ring cache (and a draft model's ring) copies the
+    source rows' whole rings."""
+    seen = state.seen.at[dst_rows].set(_take(state.seen, src_rows), mode="drop")
+    cache = state.cache.copy_rows(src_rows, dst_rows) if state.cache.wraps \
+        else state.cache.copy_pages(src_pages, dst_pages)
+    draft = state.draft_cache
+    if draft is not None:
+        draft = draft.copy_rows(src_rows, dst_rows)
+    return state.replace(seen=seen, cache=cache, draft_cache=draft).constrained()
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
 def set_block_tables(state: DecodeState, block_tables: jax.Array) -> DecodeState:
     """A paged cache's block tables [B, M] after the host grew or freed rows' pages."""
     return state.replace(cache=state.cache.replace(block_tables=block_tables)).constrained()
@@ -173,17 +190,18 @@ def step(params, state: DecodeState, batch: TokenBatch, sample_rows: jax.Array,
     prompt_logprobs. Usable inside a caller's own jax.jit; jitted for the engine as
     step_jit. Returns (StepOutput, state)."""
     B = state.last_token.shape[0]
-    h, cache = llama.forward_tokens(params, cfg, batch, state.cache, attn_impl=attn_impl,
+    model = get_model(cfg.architecture)
+    h, cache = model.forward_tokens(params, cfg, batch, state.cache, attn_impl=attn_impl,
                                     query_tile=query_tile)
     draft_cache = state.draft_cache
     if draft_cfg is not None:
-        _, draft_cache = llama.forward_tokens(draft_params, draft_cfg, batch, draft_cache,
-                                              query_tile=query_tile)
+        _, draft_cache = get_model(draft_cfg.architecture).forward_tokens(
+            draft_params, draft_cfg, batch, draft_cache, query_tile=query_tile)
     valid = batch.rows < B
     seen = state.seen.at[jnp.where(valid, batch.rows, B), batch.tokens].set(True, mode="drop")
     state = state.replace(seen=seen)
     last = _take(batch.query_start + batch.num_queries - 1, sample_rows)  # [S]
-    logits = llama.lm_head(params, h[jnp.maximum(last, 0)])               # [S, V]
+    logits = model.head(params, h[jnp.maximum(last, 0)])                  # [S, V]
     index = _take(state.num_generated, sample_rows)
     token = _sample_rows(logits, state, sample_rows, index)
     real = sample_rows < B
@@ -193,7 +211,7 @@ def step(params, state: DecodeState, batch: TokenBatch, sample_rows: jax.Array,
         prompt_lp = no_logprobs((batch.num_tokens,))
     else:
         want_p = _take(state.rows.prompt_logprobs, batch.rows) & valid & (next_tokens >= 0)
-        prompt_lp = maybe_top_logprobs(want_p, lambda x: llama.lm_head(params, x), h,
+        prompt_lp = maybe_top_logprobs(want_p, lambda x: model.head(params, x), h,
                                        next_tokens)
     length = _take(cache.lengths, sample_rows)
     history = state.history
@@ -216,8 +234,8 @@ step_jit = jax.jit(step, static_argnames=("cfg", "attn_impl", "query_tile", "dra
 
 def _forward_rows(params, cfg, state_cache, tokens, num_new, rows, attn_impl):
     """The target forward of a decode dispatch: [R, T] tokens of the listed rows."""
-    return llama.forward(params, cfg, tokens, state_cache, num_new, rows=rows,
-                         attn_impl=attn_impl)
+    return get_model(cfg.architecture).forward(params, cfg, tokens, state_cache, num_new,
+                                               rows=rows, attn_impl=attn_impl)
 
 
 # Compiled with the backend's loop options (jaxinfer.tuning).
@@ -261,9 +279,9 @@ def decode_loop(params, state: DecodeState, rows: jax.Array, *, cfg: ModelConfig
                                  rows, attn_impl)
         draft_cache = state.draft_cache
         if draft_cfg is not None:
-            _, draft_cache = llama.forward(draft_params, draft_cfg, tokens, draft_cache,
-                                           fed.astype(jnp.int32), rows=rows)
-        logits = llama.lm_head(params, h[:, 0])                            # [R, V]
+            _, draft_cache = get_model(draft_cfg.architecture).forward(
+                draft_params, draft_cfg, tokens, draft_cache, fed.astype(jnp.int32), rows=rows)
+        logits = get_model(cfg.architecture).head(params, h[:, 0])         # [R, V]
         drawn = _sample_rows(logits, state, rows, _take(state.num_generated, rows))
         token = jnp.where(running, _put(state.last_token, rows, drawn), state.last_token)
         out = out.at[:, i].set(jnp.where(running, token, -1))

@@ -34,33 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-KV_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
-_KV_MAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
-
-
-@flax.struct.dataclass
-class QuantizedKV:
-    """Quantized keys or values: value = codes * scale[..., None], one scale per kv head of
-    each slot (symmetric, scale = max |x| over the head dim / the code range's max)."""
-
-    codes: jax.Array  # [..., K, H] int8 | float8_e4m3fn
-    scale: jax.Array  # [..., K] float32
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.codes.shape
-
-    @property
-    def dtype(self):
-        return self.codes.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return self.codes.nbytes + self.scale.nbytes
-
-    def dequantize(self, dtype=jnp.float32) -> jax.Array:
-        return (self.codes.astype(jnp.float32) * self.scale[..., None]).astype(dtype)
+# Quantized entries live with the rest of quantization; the cache writes and reads them.
+from jaxinfer.quant.kv import KV_DTYPES, KV_MAX, QuantizedKV, quantize_kv  # noqa: F401
 
 
 @flax.struct.dataclass
@@ -95,22 +70,11 @@ class Bits16KV:
         return jax.lax.bitcast_convert_type(x.astype(float_dtype), jnp.uint16)
 
 
-def quantize_kv(x: jax.Array, dtype) -> QuantizedKV:
-    """x [..., K, H] as codes of `dtype` (int8 or float8_e4m3fn) with per-[..., K] scales."""
-    top = _KV_MAX[jnp.dtype(dtype)]
-    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1)
-    scale = jnp.where(amax > 0, amax / top, 1.0)
-    y = x.astype(jnp.float32) / scale[..., None]
-    if jnp.dtype(dtype) == jnp.int8:
-        y = jnp.round(y)
-    return QuantizedKV(codes=jnp.clip(y, -top, top).astype(dtype), scale=scale)
-
-
 def kv_buffer(shape: tuple[int, ...], dtype, zeros=jnp.zeros, bits16: bool = False):
     """An empty K or V buffer of `shape` [..., K, H]: a float array of `dtype`, for a dtype in
     KV_DTYPES' values a QuantizedKV, and with bits16 a 16-bit float dtype as Bits16KV.
     zeros(shape, dtype) makes each array."""
-    if jnp.dtype(dtype) in _KV_MAX:
+    if jnp.dtype(dtype) in KV_MAX:
         return QuantizedKV(codes=zeros(shape, dtype), scale=zeros(shape[:-1], jnp.float32))
     if bits16 and jnp.dtype(dtype).itemsize == 2:
         return Bits16KV(bits=zeros(shape, jnp.uint16), float_dtype=jnp.dtype(dtype).name)
@@ -120,7 +84,7 @@ def kv_buffer(shape: tuple[int, ...], dtype, zeros=jnp.zeros, bits16: bool = Fal
 def kv_axes(buf, axes: tuple):
     """The logical axes of a K or V buffer whose arrays (codes) have `axes`."""
     if isinstance(buf, QuantizedKV):
-        return QuantizedKV(codes=axes, scale=axes[:-1])
+        return QuantizedKV.logical_axes(axes)
     if isinstance(buf, Bits16KV):
         return Bits16KV(bits=axes, float_dtype=buf.float_dtype)
     return axes
@@ -247,6 +211,25 @@ class PagedKVCache:
         """Restarts rows where mask [B] is set at position start [B]: the tokens before it are
         already in the row's pages (prefix-cache hits; 0 for a ring)."""
         return self.replace(lengths=jnp.where(mask, start, self.lengths))
+
+    def copy_pages(self, src: jax.Array, dst: jax.Array) -> "PagedKVCache":
+        """Every layer's page src[i] copied into page dst[i] (src, dst [C] int32; dst < 0:
+        no copy). The copy a fork makes of a shared, partly filled page (engine/pages.py)."""
+        Z, P = self.page_size, self.num_pages
+        z = jnp.arange(Z, dtype=jnp.int32)
+        src_slots = (jnp.maximum(src, 0)[:, None] * Z + z).reshape(-1)
+        dst_slots = jnp.where(dst[:, None] >= 0, dst[:, None] * Z + z, P * Z).reshape(-1)
+        copy = lambda a: a.at[:, dst_slots].set(a[:, src_slots], mode="drop")  # noqa: E731
+        return self.replace(k=jax.tree.map(copy, self.k), v=jax.tree.map(copy, self.v))
+
+    def copy_rows(self, src_rows: jax.Array, dst_rows: jax.Array) -> "PagedKVCache":
+        """A ring's rows src_rows [C] copied whole into dst_rows [C] (entries of B or more: no
+        copy): a ring row owns its pages, so a fork copies them all."""
+        B, M = self.block_tables.shape
+        src = self.block_tables[jnp.minimum(src_rows, B - 1)].reshape(-1)
+        dst = jnp.where(dst_rows[:, None] < B, self.block_tables[jnp.minimum(dst_rows, B - 1)],
+                        -1).reshape(-1)
+        return self.copy_pages(src, dst)
 
 
 

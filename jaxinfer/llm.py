@@ -24,7 +24,7 @@ from jaxinfer.engine.paged import PagedSlots
 from jaxinfer.engine.request import RequestMetrics, RequestOutput, SamplingParams
 from jaxinfer.engine.textstream import TextStream
 from jaxinfer.kv_cache import KV_DTYPES
-from jaxinfer.models import llama
+from jaxinfer.models import get_model
 from jaxinfer.sampling import MAX_LOGPROBS
 from jaxinfer.speculative import SpeculativeConfig
 
@@ -58,7 +58,8 @@ def enable_compilation_cache() -> Optional[str]:
 
 
 def _default_dtype() -> str:
-    return tuning.for_backend().default_dtype
+    """dtype=None: $JAXINFER_DEFAULT_DTYPE if set, else the backend's measured best."""
+    return os.environ.get("JAXINFER_DEFAULT_DTYPE") or tuning.for_backend().default_dtype
 
 
 _QUANTIZATIONS = ("int8", "int4", "int4-awq", "fp8")
@@ -92,9 +93,6 @@ class LLM:
                 raise ValueError(f"max_num_seqs {max_num_seqs} is not a multiple of the data "
                                  f"degree {mesh.data} (each replica decodes its share of rows)")
             if (mesh.data, mesh.tensor, mesh.sequence) != (1, 1, 1):
-                if quantization is not None or kv_cache_dtype is not None:
-                    raise NotImplementedError("quantized weights or KV cache on a mesh are not "
-                                              "supported yet")
                 partitioner = sharding.Partitioner(sharding.make_mesh(mesh))
         if attention not in _ATTENTION:
             raise ValueError(f"attention must be one of {_ATTENTION}, got {attention!r}")
@@ -123,7 +121,7 @@ class LLM:
         weights_only = tuning.for_backend().float32_activations and dtype != "float32"
         act_dtype = jnp.float32 if weights_only else _DTYPES[dtype]
         if weights_only:
-            params = llama.with_float32_activations(params)
+            params = get_model(cfg.architecture).with_float32_activations(params)
         draft = None
         if speculative is not None and speculative.method == "draft":
             drafter = load_model(speculative.draft_model, dtype=_DTYPES[dtype],
@@ -133,7 +131,8 @@ class LLM:
                     f"draft_model {speculative.draft_model!r} has a vocabulary of "
                     f"{drafter.config.vocab_size} tokens; the target's has {cfg.vocab_size} "
                     "(a draft must share the target's vocabulary)")
-            draft = (llama.with_float32_activations(drafter.params) if weights_only
+            drafter_model = get_model(drafter.config.architecture)
+            draft = (drafter_model.with_float32_activations(drafter.params) if weights_only
                      else drafter.params, drafter.config)
         limit = cfg.max_position_embeddings
         if max_seq_len is None:
@@ -202,6 +201,7 @@ class LLM:
                               kv_dtype=KV_DTYPES.get(kv_cache_dtype, _DTYPES[dtype]))
         if memory_left:
             self._engine.set_num_pages(self._pages_from_memory(memory_left, page_size))
+        self._data_degree = data
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
 
@@ -226,6 +226,12 @@ class LLM:
                 f"{pages} pages of {page} bytes; one max_seq_len ({self.max_seq_len}) request "
                 f"needs {need} (lower max_seq_len or max_num_seqs, or pass num_pages)")
         return pages
+
+    @property
+    def max_n(self) -> int:
+        """The most sequences one request may hold (SamplingParams.n, beam_width): the slots
+        of one data replica."""
+        return self.max_num_seqs // self._data_degree
 
     # ---- validation --------------------------------------------------------------------------
 
@@ -261,16 +267,26 @@ class LLM:
             k = getattr(params, name)
             if k is not None and k > MAX_LOGPROBS:
                 raise ValueError(f"{name}={k} exceeds the limit of {MAX_LOGPROBS}")
+        if params.n > self.max_n:
+            raise ValueError(f"n={params.n} exceeds the {self.max_n} sequences one request may "
+                             "hold (max_num_seqs per data replica)")
         text, ids = self._encode(prompt)
         rid = str(next(self._ids)) if request_id is None else str(request_id)
         if rid in self._requests:
             raise ValueError(f"request_id {rid!r} is already in use")
         seed = params.seed if params.seed is not None else secrets.randbits(32)
-        return Request(request_id=rid, prompt=text, prompt_ids=ids, params=params, seed=seed,
-                       max_new=min(params.max_tokens, self.max_seq_len - len(ids)),
-                       stream=TextStream(self.tokenizer, params.stop_strings),
-                       metrics=RequestMetrics(arrival_time=time.perf_counter(),
-                                              prompt_tokens=len(ids)))
+        metrics = RequestMetrics(arrival_time=time.perf_counter(), prompt_tokens=len(ids))
+        # Sequence i of a request draws with seed + i: alone it equals a request of that seed.
+        group = [Request(request_id=rid, prompt=text, prompt_ids=ids, params=params,
+                         seed=(seed + i) % 2**32,
+                         max_new=min(params.max_tokens, self.max_seq_len - len(ids)),
+                         stream=TextStream(self.tokenizer, params.stop_strings), metrics=metrics,
+                         index=i)
+                 for i in range(params.n)]
+        for req in group:
+            req.group = group
+        group[0].forks = group[1:]
+        return group[0]
 
     # ---- request-level API -------------------------------------------------------------------
 
@@ -284,9 +300,10 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         """One scheduling step: RequestOutputs of the requests that progressed."""
         outs = []
-        for req in self._engine.step():
-            outs.append(req.output())
-            if req.finish_reason is not None:
+        for req in {r.request_id: r.group[0] for r in self._engine.step()}.values():
+            out = req.output()
+            outs.append(out)
+            if out.finished:
                 self._requests.pop(req.request_id, None)
         return outs
 
@@ -346,7 +363,11 @@ class LLM:
         return outs[0] if single else outs
 
     def stream(self, prompt: Prompt, params: Optional[SamplingParams] = None) -> Iterator[str]:
-        """Yields text deltas as they are produced; closing the generator aborts the request."""
+        """Yields text deltas as they are produced; closing the generator aborts the request.
+        One sequence (n = 1); add_request and step serve n > 1."""
+        if params is not None and params.n != 1:
+            raise ValueError(f"stream() yields one sequence, got n={params.n}; use "
+                             "add_request() and step() for n > 1")
         rid = self.add_request(prompt, params)
         req = self._requests[rid]
         try:
@@ -361,6 +382,36 @@ class LLM:
         finally:
             if req.finish_reason is None:
                 self.abort(rid)
+
+    def beam_search(self, prompts: Union[Prompt, Sequence[Prompt]], params=None) -> list:
+        """Beam search (jaxinfer.beam_search.BeamSearchParams; default width 4, 64 tokens) for
+        each prompt: a BeamSearchOutput per prompt, in order, its sequences best first. Needs
+        an engine with no unfinished requests."""
+        from jaxinfer.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+
+        params = params or BeamSearchParams()
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"expected BeamSearchParams, got {type(params).__name__}")
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                        and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]
+        encoded = [self._encode(p) for p in prompts]
+        per_replica = self.max_n
+        if params.beam_width > per_replica:
+            raise ValueError(f"beam_width {params.beam_width} exceeds the {per_replica} slots "
+                             "of a data replica (max_num_seqs)")
+        if self.has_unfinished_requests():
+            raise RuntimeError("beam_search() needs an engine with no unfinished requests")
+        at_once = self._data_degree * (per_replica // params.beam_width)
+        out = []
+        with self._engine.runner.on_mesh():
+            self._engine.runner.ensure_state()
+            for i in range(0, len(encoded), at_once):
+                part = encoded[i:i + at_once]
+                beams = BeamSearch(self, params).search([ids for _, ids in part])
+                out += [BeamSearchOutput(prompt=text, prompt_token_ids=ids, sequences=seqs)
+                        for (text, ids), seqs in zip(part, beams)]
+        return out
 
     # ---- engine ------------------------------------------------------------------------------
 

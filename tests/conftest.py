@@ -4,6 +4,11 @@ import os
 import jax
 import pytest
 
+# The golden data (tests/data) are HF transformers float32 outputs, and the tests' tolerances are
+# float32's: LLM(dtype=None) means float32 throughout the suite (subprocesses included), where
+# users get the backend's default (bf16 weights on CPU). Tests of 16-bit dtypes ask for them.
+os.environ.setdefault("JAXINFER_DEFAULT_DTYPE", "float32")
+
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> str:

@@ -20,15 +20,19 @@ import numpy as np
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine import speculation
 from jaxinfer.engine.paged import PagedSlots
-from jaxinfer.engine.request import RequestMetrics, RequestOutput, SamplingParams
+from jaxinfer.engine.request import (CompletionOutput, RequestMetrics, RequestOutput,
+                                     SamplingParams)
 from jaxinfer.engine.runner import Runner
 from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.engine.textstream import TextStream
 from jaxinfer.sharding import Partitioner, fetch
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Request:
+    """One sequence of a request: the request's only one (n = 1), or sequence `index` of its
+    group. Sequences of a group share request_id, metrics and the prompt's pages."""
+
     request_id: str
     prompt: Optional[str]
     prompt_ids: list[int]
@@ -48,21 +52,48 @@ class Request:
     spec_resume_at: int = 0          # drafting is paused until this many tokens are generated
     spec_pause: int = speculation.SPEC_PAUSE_TOKENS
     spec_window: tuple[int, int] = (0, 0)  # (steps, accepted) since the last judgement
+    index: int = 0             # sequence index within the request (n > 1)
+    group: list = dataclasses.field(default_factory=list)   # every sequence, index order
+    # Fork (n > 1): sequence 0 prefills the prompt once; the others wait in their slots until
+    # it has all but the last prompt token in the cache, then share those pages.
+    forks: list = dataclasses.field(default_factory=list)   # sequence 0: sequences waiting
+    waiting_fork: bool = False                               # a sequence waiting for its fork
 
     def __post_init__(self):
         if self.params.logprobs is not None:
             self.logprobs = []
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]
+        if not self.group:
+            self.group = [self]
+
+    @property
+    def seq_id(self):
+        """This sequence's key in the page allocator."""
+        return self.request_id if self.index == 0 else (self.request_id, self.index)
+
+    @property
+    def fork_at(self) -> int:
+        """Prompt tokens sequence 0 prefills before its group forks (all but the last)."""
+        return len(self.prompt_ids) - 1
+
+    def completion(self) -> CompletionOutput:
+        return CompletionOutput(index=self.index, text=self.stream.text,
+                                token_ids=list(self.token_ids), finish_reason=self.finish_reason,
+                                logprobs=None if self.logprobs is None else list(self.logprobs))
 
     def output(self) -> RequestOutput:
-        return RequestOutput(request_id=self.request_id, prompt=self.prompt,
-                             prompt_token_ids=list(self.prompt_ids), text=self.stream.text,
-                             token_ids=list(self.token_ids), finish_reason=self.finish_reason,
-                             metrics=self.metrics,
-                             logprobs=None if self.logprobs is None else list(self.logprobs),
-                             prompt_logprobs=None if self.prompt_logprobs is None
-                             else list(self.prompt_logprobs))
+        """The whole request's output (every sequence of the group)."""
+        first = self.group[0]
+        outputs = [r.completion() for r in self.group]
+        done = all(o.finish_reason is not None for o in outputs)
+        return RequestOutput(request_id=first.request_id, prompt=first.prompt,
+                             prompt_token_ids=list(first.prompt_ids), text=outputs[0].text,
+                             token_ids=outputs[0].token_ids,
+                             finish_reason=outputs[0].finish_reason if done else None,
+                             metrics=first.metrics, logprobs=outputs[0].logprobs,
+                             prompt_logprobs=None if first.prompt_logprobs is None
+                             else list(first.prompt_logprobs), outputs=outputs)
 
 
 def _logprob_dict(k: int, ids, values, token: int, chosen: float) -> dict[int, float]:
@@ -121,20 +152,28 @@ class Engine:
         self.scheduler.waiting.append(request)
 
     def abort(self, request_id: str) -> Optional[Request]:
-        for req in list(self.waiting):
-            if req.request_id == request_id:
+        """Aborts every unfinished sequence of the request; returns its sequence 0."""
+        found = [r for r in list(self.waiting) + self.slots
+                 if r is not None and r.request_id == request_id]
+        if not found:
+            return None
+        for req in found[0].group:
+            if req in self.waiting:
                 self.waiting.remove(req)
-                return self._finish(req, "abort")
-        for req in self.slots:
-            if req is not None and req.request_id == request_id:
-                return self._finish(req, "abort")
-        return None
+            if req.finish_reason is None:
+                self._finish(req, "abort")
+        return found[0].group[0]
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def _finish(self, req: Request, reason: str) -> Request:
         self.scheduler.free(req)
+        for child in req.forks:  # sequences still waiting to fork from this one
+            self.scheduler.free(child)
+            child.finish_reason = reason
+            child.stream.finish()
+        req.forks = []
         req.finish_reason = reason
         req.stream.finish()
         req.metrics.finished_time = time.perf_counter()
@@ -150,12 +189,16 @@ class Engine:
             plan = self.scheduler.schedule()
             if plan.admitted:
                 self.runner.admit(plan.admitted, self.scheduler.take_tables(always=True))
+            if plan.forked:
+                self.runner.admit([(c, c.fork_at) for c, _ in plan.forked],
+                                  self.scheduler.take_tables(always=True))
+                self.runner.fork([(p.slot, c.slot) for c, p in plan.forked], plan.page_copies)
             if plan.multi_step:
                 progressed = self._decode(plan.decode) if plan.decode else []
             else:
                 self.runner.set_tables(self.scheduler.take_tables())
                 progressed = self._flat_step(plan)
-        return list({req.request_id: req for req in progressed}.values())
+        return list({id(req): req for req in progressed}.values())
 
     def _flat_step(self, plan) -> list[Request]:
         """One flat step: a token for every decoding row, then the prefill chunks."""

@@ -36,7 +36,7 @@ class PagedSlots:
     def _sync(self, req) -> None:
         """Copies req's block table into its slot row; the device copy is stale only if it
         changed (a new page), which is not every step."""
-        table = self.allocator.block_table(req.request_id)
+        table = self.allocator.block_table(req.seq_id)
         row = self.tables[req.slot]
         if row[len(table):].any() or not np.array_equal(row[:len(table)], table):
             row[:] = self.allocator.null_page
@@ -48,35 +48,48 @@ class PagedSlots:
         returns the number of tokens already cached (the row starts there), or None when there
         are not enough free pages."""
         try:
-            cached = self.allocator.allocate(req.request_id, req.prefill_ids, partition)
+            cached = self.allocator.allocate(req.seq_id, req.prefill_ids, partition)
         except OutOfPages:
             return None
         req.slot = slot
         self._sync(req)
         return cached
 
+    def fork(self, source, req, num_tokens: int) -> list[tuple[int, int]] | None:
+        """req shares source's first num_tokens tokens (their full pages, referenced, and a
+        copy of the page they end in) and gets room for one more; returns the page copies
+        [(src, dst)] for the device, or None when there are not enough free pages."""
+        try:
+            copies = self.allocator.fork(source.seq_id, req.seq_id, num_tokens)
+        except OutOfPages:
+            return None
+        if not self.grow(req, num_tokens + 1):
+            self.allocator.free(req.seq_id)
+            return None
+        return copies
+
     def computed(self, req, num_tokens: int) -> None:
         """num_tokens of req (prefill ids, then generated) now have K/V in their pages."""
-        have = self.allocator.num_tokens(req.request_id)
+        have = self.allocator.num_tokens(req.seq_id)
         if num_tokens > have:
             # The cache holds prompt + generated tokens (a recompute re-prefills the same).
             total = req.prompt_ids + req.token_ids
-            self.allocator.append(req.request_id, total[have:num_tokens])
+            self.allocator.append(req.seq_id, total[have:num_tokens])
             self._sync(req)
-        self.allocator.mark_computed(req.request_id, num_tokens)
+        self.allocator.mark_computed(req.seq_id, num_tokens)
 
     def grow(self, req, num_tokens: int) -> bool:
         """Makes room for num_tokens (capped at max_seq_len); False when pages ran out."""
         try:
-            self.allocator.ensure_capacity(req.request_id, min(num_tokens, self.max_seq_len))
+            self.allocator.ensure_capacity(req.seq_id, min(num_tokens, self.max_seq_len))
         except OutOfPages:
             return False
         self._sync(req)
         return True
 
     def release(self, req) -> None:
-        if req.request_id in self.allocator:
-            self.allocator.free(req.request_id)
+        if req.seq_id in self.allocator:
+            self.allocator.free(req.seq_id)
         if req.slot is not None and req.slot < len(self.tables):
             self.tables[req.slot] = self.allocator.null_page
             self.dirty = True
@@ -92,6 +105,7 @@ class PagedSlots:
         s = self.allocator.stats()
         usable = max(s["usable"], 1)
         return {"num_pages": s["num_pages"], "pages_used": s["used"],
+                "peak_pages_used": s["peak_used"],
                 "pages_cached": s["cached"], "page_utilization": s["used"] / usable,
                 "prefix_cache_hit_tokens": s["prefix_cache_hits"],
                 "prefix_cache_query_tokens": s["prefix_cache_queries"],

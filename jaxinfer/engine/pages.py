@@ -16,9 +16,13 @@ takes its pages from the range it was allocated in. Each range has its own free 
 own prefix cache (its hash chains start from a root of their own), so a sequence never reads a
 page of another replica.
 
-No copy-on-write is needed: only registered pages are shared, a page is registered only once it
-is full and computed, and a sequence only writes at positions past its last token, i.e. into its
-own unshared, unregistered last page(s). `append` asserts this.
+Sharing is by reference counts: registered (full, computed) pages between sequences with the
+same prefix, and a forked sequence's full pages with its source (`fork`: the sequences of a
+request with n > 1, beams). A sequence only writes at positions past its last token, so the only
+page a fork could write into while another sequence holds it is the one its tokens end in,
+partly filled: `fork` copies that one page at once (copy-on-write done eagerly, since a fork
+always writes next) and shares the rest. `append` asserts that every page written is held by
+its writer alone.
 """
 
 from __future__ import annotations
@@ -92,6 +96,7 @@ class PageAllocator:
         self._page_to_hash: dict[int, bytes] = {}
         self._seqs: dict[object, _Seq] = {}
         self._queries = self._hits = self._evictions = 0
+        self._peak_used = 0
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -144,7 +149,8 @@ class PageAllocator:
         free = self.num_free_pages
         return dict(
             num_pages=self.num_pages, usable=self.num_usable_pages, free=free,
-            used=self.num_usable_pages - free, cached=sum(map(len, self._evictable)),
+            used=self.num_usable_pages - free, peak_used=self._peak_used,
+            cached=sum(map(len, self._evictable)),
             evictions=self._evictions, prefix_cache_queries=self._queries,
             prefix_cache_hits=self._hits,
             hit_rate=self._hits / self._queries if self._queries else 0.0)
@@ -194,6 +200,31 @@ class PageAllocator:
             self._hits += num_cached
         self._seqs[seq_id] = _Seq(tokens, pages, hashes, num_cached, partition)
         return num_cached
+
+    def fork(self, source_id, seq_id, num_tokens: int) -> list[tuple[int, int]]:
+        """A new sequence seq_id holding source's first num_tokens (computed) tokens: it
+        references source's full pages among them and takes a fresh page for the partly filled
+        one. Returns [(src page, dst page)]: the copy the device must make (empty when
+        num_tokens is a multiple of page_size). Raises OutOfPages (state unchanged)."""
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} is already allocated")
+        src = self._seqs[source_id]
+        if not 0 <= num_tokens <= src.num_computed:
+            raise ValueError(f"fork of {num_tokens} tokens: {source_id!r} has "
+                             f"{src.num_computed} computed")
+        full, partial = divmod(num_tokens, self.page_size)
+        if partial and self.free_pages(src.partition) < 1:
+            raise OutOfPages(f"forking {seq_id!r}", 1, 0)
+        shared = src.pages[:full]
+        for page in shared:
+            self._refcount[page] += 1
+        pages, copies = list(shared), []
+        if partial:
+            pages += self._take(1, src.partition)
+            copies.append((src.pages[full], pages[-1]))
+        self._seqs[seq_id] = _Seq(src.tokens[:num_tokens], pages, src.hashes[:full],
+                                  num_tokens, src.partition)
+        return copies
 
     def ensure_capacity(self, seq_id, num_tokens: int) -> None:
         """Grow the block table to hold num_tokens tokens in total (e.g. multi-step decode
@@ -280,4 +311,5 @@ class PageAllocator:
                 self._evictions += 1
             self._refcount[page] = 1
             out.append(page)
+        self._peak_used = max(self._peak_used, self.num_usable_pages - self.num_free_pages)
         return out

@@ -15,7 +15,8 @@ class SamplingParams:
     top_p in (0, 1]. min_p in [0, 1). repetition_penalty > 0 (1 = off). seed: reproducible
     sampling (token i depends on (seed, i) alone). stop: strings that end generation (not
     included in the text). ignore_eos: keep going past EOS. logprobs / prompt_logprobs: top-k
-    log-probabilities per generated / prompt token.
+    log-probabilities per generated / prompt token. n: sequences sampled from the prompt, which
+    is prefilled once (sequence i draws with seed + i; see docs/api.md).
     """
 
     max_tokens: int = 64
@@ -29,6 +30,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
+    n: int = 1
 
     def __post_init__(self):
         def number(name, integer=False):
@@ -39,6 +41,8 @@ class SamplingParams:
                 raise ValueError(f"SamplingParams.{name} must be {kind}, got {v!r}")
             return v
 
+        if number("n", integer=True) < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
         if number("max_tokens", integer=True) < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if number("temperature") < 0:
@@ -134,7 +138,22 @@ class RequestMetrics:
 
 
 @dataclasses.dataclass
+class CompletionOutput:
+    """One sequence of a request: sequence `index` of its n."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: Optional[str]  # "stop" | "length" | "abort" | None while running
+    logprobs: Optional[list] = None
+
+
+@dataclasses.dataclass
 class RequestOutput:
+    """A request's state. text, token_ids, logprobs and finish_reason are sequence 0's (the
+    only one when n = 1); `outputs` holds all n sequences in index order. With n > 1,
+    finish_reason stays None until every sequence has finished."""
+
     request_id: str
     prompt: Optional[str]
     prompt_token_ids: list[int]
@@ -144,6 +163,7 @@ class RequestOutput:
     metrics: RequestMetrics
     logprobs: Optional[list] = None
     prompt_logprobs: Optional[list] = None
+    outputs: list = dataclasses.field(default_factory=list)  # [CompletionOutput] * n
 
     @property
     def finished(self) -> bool:

@@ -148,6 +148,18 @@ class Runner:
                 history[b, :len(ids)] = ids
         self.state = decode.admit_rows(self.state, mask, start, generated, rows, history, tables)
 
+    def fork(self, rows: list, copies: list) -> None:
+        """Forked sequences (already admitted): rows [(source slot, slot)], page copies
+        [(src page, dst page)], at most one per fork."""
+        B = self.num_slots
+        src, dst = np.full(B, B, np.int32), np.full(B, B, np.int32)
+        page_src, page_dst = np.zeros(B, np.int32), np.full(B, -1, np.int32)
+        for i, (s, d) in enumerate(rows):
+            src[i], dst[i] = s, d
+        for i, (s, d) in enumerate(copies):
+            page_src[i], page_dst[i] = s, d
+        self.state = decode.fork_rows(self.state, src, dst, page_src, page_dst)
+
     def set_tables(self, tables) -> None:
         if tables is not None:
             self.state = decode.set_block_tables(self.state, tables)
@@ -234,6 +246,7 @@ class Runner:
         B = self.num_slots
         self.admit([], tables)
         self.set_tables(tables)
+        self.fork([], [])
         for T in self.token_buckets:
             out, self.state = self._step(host_batch(T, B, []),
                                          np.full(min(B, T), B, np.int32), np.full(T, -1, np.int32))

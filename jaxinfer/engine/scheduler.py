@@ -30,6 +30,8 @@ class SchedulerOutput:
     decode: list              # requests feeding their newest token
     multi_step: bool          # nothing to prefill: one dispatch of several decode steps
     preempted: list = dataclasses.field(default_factory=list)
+    forked: list = dataclasses.field(default_factory=list)       # [(sequence, its source)]
+    page_copies: list = dataclasses.field(default_factory=list)  # [(src page, dst page)]
 
     @property
     def num_tokens(self) -> int:
@@ -51,7 +53,8 @@ class Scheduler:
         self.preemptions = 0
 
     def running(self) -> list:
-        return [r for r in self.slots if r is not None]
+        """Sequences in slots, those waiting to fork excluded (they hold no pages)."""
+        return [r for r in self.slots if r is not None and not r.waiting_fork]
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting) or any(r is not None for r in self.slots)
@@ -65,12 +68,14 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         admitted = self._admit()
-        decoding = [r for r in self.slots if r is not None and r.prefilled == len(r.prefill_ids)]
-        prefilling = sorted((r for r in self.slots
-                             if r is not None and r.prefilled < len(r.prefill_ids)),
+        forked, copies = self._fork()
+        active = [r for r in self.slots if r is not None and not r.waiting_fork]
+        decoding = [r for r in active if r.prefilled == len(r.prefill_ids)]
+        prefilling = sorted((r for r in active if r.prefilled < len(r.prefill_ids)),
                             key=lambda r: r.admitted_order)
         if not prefilling:
-            return SchedulerOutput(admitted, [], decoding, multi_step=True)
+            return SchedulerOutput(admitted, [], decoding, multi_step=True, forked=forked,
+                                   page_copies=copies)
         preempted = self.reserve(decoding, 1) if decoding else []
         decoding = [r for r in decoding if r.slot is not None]
         budget = self.budget - len(decoding)
@@ -78,15 +83,19 @@ class Scheduler:
         for req in prefilling:
             if req.slot is None:  # preempted just now
                 continue
-            take = min(len(req.prefill_ids) - req.prefilled, self.prefill_chunk, budget)
+            # A request whose sequences wait to fork stops before its last prompt token.
+            end = req.fork_at if req.forks else len(req.prefill_ids)
+            take = min(end - req.prefilled, self.prefill_chunk, budget)
             if take <= 0:
+                if req.forks:
+                    continue  # waits for pages to fork
                 break
             chunks.append((req, take))
             budget -= take
         if chunks and self.fill_buckets:
             chunks = self._fill(chunks, len(decoding))
         return SchedulerOutput(admitted, chunks, decoding, multi_step=not chunks,
-                               preempted=preempted)
+                               preempted=preempted, forked=forked, page_copies=copies)
 
     def _fill(self, chunks: list, decodes: int) -> list:
         """chunks trimmed from the newest so that decodes + their tokens fill a bucket."""
@@ -99,14 +108,26 @@ class Scheduler:
             cut -= n
         return chunks
 
+    def _free_slots(self, need: int) -> Optional[list[int]]:
+        """`need` free slots of one data replica (a group's sequences share pages), or None."""
+        per = len(self.slots) // self.data
+        for d in range(self.data):
+            free = [b for b in range(d * per, (d + 1) * per) if self.slots[b] is None]
+            if len(free) >= need:
+                return free[:need]
+        return None
+
     def _admit(self) -> list:
-        """Moves waiting requests into free slots, first come first served, while pages last."""
+        """Moves waiting requests into free slots, first come first served, while pages last.
+        A request of n sequences not yet forked takes n slots of one replica at once."""
         now = time.perf_counter()
         admitted = []
-        for b, slot in enumerate(self.slots):
-            if slot is not None or not self.waiting:
-                continue
+        while self.waiting:
             req = self.waiting[0]
+            slots = self._free_slots(1 + len(req.forks))
+            if slots is None:
+                break
+            b = slots[0]
             # After a preemption the tokens already produced are re-prefilled, never re-sampled.
             req.prefill_ids = req.prompt_ids + req.token_ids
             cached = 0
@@ -122,8 +143,32 @@ class Scheduler:
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
             self.slots[b] = req
+            for child, c in zip(req.forks, slots[1:]):
+                child.slot, child.waiting_fork = c, True
+                child.admitted_order = req.admitted_order
+                self.slots[c] = child
             admitted.append((req, cached))
         return admitted
+
+    def _fork(self) -> tuple[list, list]:
+        """Forks the sequences waiting on a request whose prompt, but its last token, is in
+        the cache: they share its full pages and get a copy of the partly filled one
+        (engine/pages.py). Returns ([(sequence, source)], [(src page, dst page)])."""
+        forked, copies = [], []
+        for req in self.slots:
+            if req is None or not req.forks or req.prefilled < req.fork_at:
+                continue
+            for child in list(req.forks):
+                if self.paged is not None:
+                    got = self.paged.fork(req, child, req.fork_at)
+                    if got is None:
+                        break  # wait for a free page
+                    copies += got
+                child.prefill_ids, child.prefilled = list(child.prompt_ids), req.fork_at
+                child.waiting_fork = False
+                req.forks.remove(child)
+                forked.append((child, req))
+        return forked, copies
 
     def reserve(self, decoding: list, tokens: int) -> list:
         """Gives every decoding request pages for `tokens` more tokens, preempting the newest
@@ -146,6 +191,9 @@ class Scheduler:
     def _preempt(self, req) -> None:
         self.paged.release(req)
         self.slots[req.slot] = None
+        for child in req.forks:  # not forked yet: they wait with it
+            self.slots[child.slot] = None
+            child.slot, child.waiting_fork = None, False
         req.slot, req.prefilled = None, 0
         req.metrics.preemptions += 1
         self.preemptions += 1

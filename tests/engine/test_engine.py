@@ -26,7 +26,7 @@ def test_no_compilation_after_warmup(llm, compile_recorder):
     _no_compilation_after_warmup(llm, compile_recorder)
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("method", ["ngram", pytest.param("draft", marks=pytest.mark.slow)])
 def test_no_compilation_after_warmup_with_speculation(method, tmp_path, compile_recorder):
     from jaxinfer.draft_train import draft_from_target
     from jaxinfer.loading import load_model

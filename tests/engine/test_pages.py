@@ -194,7 +194,8 @@ def test_random_operations_keep_invariants(seed):
     a = PageAllocator(33, PS)  # 32 usable pages of 4 tokens
     prefixes = [[rng.randrange(50) for _ in range(rng.randrange(3, 14))] for _ in range(4)]
     seqs, shadow, ever_used, next_id = {}, {}, set(), 0
-    hits = 0
+    family = {}  # sequence -> the sequence its fork chain started from (a group)
+    hits = forks = copies_made = 0
 
     def compute(sid, upto):
         bt, toks = a.block_table(sid), seqs[sid]
@@ -213,6 +214,7 @@ def test_random_operations_keep_invariants(seed):
         assert cached % PS == 0 and cached < len(toks)
         hits += cached > 0
         seqs[sid] = list(toks)
+        family.setdefault(sid, sid)
         return True
 
     for _ in range(1000):
@@ -235,17 +237,44 @@ def test_random_operations_keep_invariants(seed):
                 seqs[sid] += new
             except OutOfPages:
                 assert _snapshot(a) == before
-        elif op < 0.9:  # preempt and re-admit for recompute
+        elif op < 0.85:  # preempt and re-admit for recompute
             sid = rng.choice(list(seqs))
             toks = seqs.pop(sid)
             a.free(sid)
-            admit(sid, toks)
+            if toks:  # an empty fork has nothing to recompute
+                admit(sid, toks)
+        elif op < 0.92:  # fork: a new sequence shares a computed prefix (n > 1, beams)
+            sid = rng.choice(list(seqs))
+            compute(sid, len(seqs[sid]))
+            n = rng.randrange(0, len(seqs[sid]) + 1)
+            before = _snapshot(a)
+            try:
+                copies = a.fork(sid, next_id, n)
+            except OutOfPages:
+                assert _snapshot(a) == before
+                continue
+            for src, dst in copies:  # the device copies the partly filled page
+                shadow[dst] = list(shadow[src])
+            assert len(copies) == (n % PS > 0)
+            copies_made += len(copies)
+            forks += 1
+            seqs[next_id], family[next_id] = seqs[sid][:n], family[sid]
+            next_id += 1
+        elif op < 0.95:  # preempt a whole group: each frees only its own references
+            root = family[rng.choice(list(seqs))]
+            members = [sid for sid in seqs if family[sid] == root]
+            for sid in members:
+                a.free(sid)
+            for sid in members:
+                toks = seqs.pop(sid)
+                if not toks or not admit(sid, toks):  # an empty fork has nothing to recompute
+                    family.pop(sid)
         else:  # finish or abort
             sid = rng.choice(list(seqs))
             del seqs[sid]
             a.free(sid)
         _check(a, seqs, shadow, ever_used)
-    assert hits > 10 and a.stats()["evictions"] > 0
+    assert hits > 10 and a.stats()["evictions"] > 0 and forks > 20 and copies_made >= 5
     for sid in list(seqs):
         a.free(sid)
         del seqs[sid]
