@@ -223,7 +223,7 @@ def parse_request(endpoint: str, body: Any, *, max_n: int = 1) -> ParsedRequest:
             top_k=_number(body, "top_k", 0, 2**31 - 1, integer=True, default=0),
             min_p=_number(body, "min_p", 0.0, 1.0, default=0.0),
             repetition_penalty=_number(body, "repetition_penalty", 0.0, 1e6, lo_open=True,
-                                       default=1.0),
+                                       default=1.0), n=n,
             seed=_number(body, "seed", 0, 2**32 - 1, integer=True),
             stop=_stop(body), ignore_eos=_bool(body, "ignore_eos"), logprobs=logprobs,
             prompt_logprobs=logprobs if echo and logprobs is not None else None)
@@ -244,16 +244,22 @@ def new_id(endpoint: str) -> str:
     return ("chatcmpl-" if endpoint == CHAT else "cmpl-") + uuid.uuid4().hex
 
 
+def _completions(out: RequestOutput) -> list:
+    """A request's sequences (CompletionOutputs), index order."""
+    return list(out.outputs) if out.outputs else [out]
+
+
 def usage(outputs: Sequence[RequestOutput]) -> dict:
+    """Prompt tokens once, completion tokens summed over every sequence (n of them)."""
     prompt = len(outputs[0].prompt_token_ids) if outputs else 0
-    completion = sum(len(o.token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in _completions(o))
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
 
 
-def finish_reason(out: RequestOutput) -> Optional[str]:
-    """OpenAI's finish_reason: "stop" (EOS or a stop string), "length", or None while running
-    (an aborted request reports "abort")."""
+def finish_reason(out) -> Optional[str]:
+    """OpenAI's finish_reason of a sequence: "stop" (EOS or a stop string), "length", or None
+    while running (an aborted request reports "abort")."""
     return out.finish_reason
 
 
@@ -296,34 +302,37 @@ def completion_logprobs(tokenizer, token_ids: Sequence[int], logprobs: Sequence[
             "text_offset": offsets}
 
 
-def _choice(req: ParsedRequest, tokenizer, out: RequestOutput, index: int) -> dict:
+def _choice(req: ParsedRequest, tokenizer, out: RequestOutput, seq, index: int) -> dict:
+    """The choice of sequence `seq` (a CompletionOutput, or out itself) of request `out`."""
     if req.endpoint == CHAT:
         lp = None if req.logprobs is None else chat_logprobs(
-            tokenizer, out.token_ids, out.logprobs or [], req.logprobs)
-        return {"index": index, "message": {"role": "assistant", "content": out.text},
-                "logprobs": lp, "finish_reason": finish_reason(out)}
-    text, lp = out.text, None
-    prompt_text = out.prompt if out.prompt is not None else tokenizer.decode(
-        out.prompt_token_ids)
+            tokenizer, seq.token_ids, seq.logprobs or [], req.logprobs)
+        return {"index": index, "message": {"role": "assistant", "content": seq.text},
+                "logprobs": lp, "finish_reason": finish_reason(seq)}
+    text, lp = seq.text, None
     if req.echo:
+        prompt_text = out.prompt if out.prompt is not None else tokenizer.decode(
+            out.prompt_token_ids)
         text = prompt_text + text
     if req.logprobs is not None:
-        ids, lps = list(out.token_ids), list(out.logprobs or [])
+        ids, lps = list(seq.token_ids), list(seq.logprobs or [])
         if req.echo:
             ids = list(out.prompt_token_ids) + ids
             lps = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + lps
         lp = completion_logprobs(tokenizer, ids, lps, req.logprobs)
-    return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason(out)}
+    return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason(seq)}
 
 
 def response_body(req: ParsedRequest, tokenizer, outputs: Sequence[RequestOutput], *,
                   model: str, response_id: Optional[str] = None,
                   created: Optional[int] = None) -> dict:
-    """A whole (non-streamed) chat.completion or text_completion, one choice per output."""
+    """A whole (non-streamed) chat.completion or text_completion: one choice per sequence of
+    each output (n per request), indexed in order."""
+    seqs = [(o, c) for o in outputs for c in _completions(o)]
     return {"id": response_id or new_id(req.endpoint),
             "object": "chat.completion" if req.endpoint == CHAT else "text_completion",
             "created": int(time.time()) if created is None else created, "model": model,
-            "choices": [_choice(req, tokenizer, o, i) for i, o in enumerate(outputs)],
+            "choices": [_choice(req, tokenizer, o, c, i) for i, (o, c) in enumerate(seqs)],
             "usage": usage(outputs)}
 
 

@@ -4,9 +4,9 @@ Defines, once per process, the model / engine / quantization / speculative flags
 flags and --config, and turns them into LLM and SamplingParams keyword arguments. Mesh and
 multi-process flags live in launch/distributed.py.
 
---config takes a preset name (configs/NAME.json at the repository root) or a path to a JSON file
-shaped {"model": {LLM kwargs}, "sampling": {SamplingParams kwargs}, "chat": bool}; flags passed
-on the command line override the preset. A preset's "speculative" entry is a dict of
+--config takes a preset name (jaxinfer/configs/NAME.json, shipped in the package) or a path to a
+JSON file shaped {"model": {LLM kwargs}, "sampling": {SamplingParams kwargs}, "chat": bool};
+flags passed on the command line override the preset. A preset's "speculative" entry is a dict of
 SpeculativeConfig fields. Defaults come from the library, so the command line and the Python API
 agree.
 """
@@ -20,8 +20,9 @@ import os
 import sys
 import time
 
-from absl import flags
+from absl import app, flags, logging
 
+from jaxinfer import configs
 from jaxinfer.engine.request import SamplingParams
 from jaxinfer.launch import distributed
 from jaxinfer.speculative import SpeculativeConfig
@@ -38,12 +39,11 @@ def _llm_defaults() -> dict:
 
 LLM_DEFAULTS = _llm_defaults()
 
-CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "configs")
 PRESET_SECTIONS = ("model", "sampling", "chat")
 
-CONFIG = flags.DEFINE_string("config", None, "Preset name in configs/ (e.g. smollm2-cpu) or "
-                             "path to a preset JSON file; explicit flags override it.")
+CONFIG = flags.DEFINE_string("config", None, "Preset name in jaxinfer/configs/ (e.g. "
+                             "smollm2-cpu) or path to a preset JSON file; explicit flags "
+                             "override it.")
 # Model / engine (LLM kwargs).
 MODEL_FLAGS = ("model", "dtype", "max_seq_len", "max_num_seqs", "quantization",
                "kv_cache_dtype", "attention", "page_size", "num_pages", "prefill_chunk",
@@ -51,7 +51,8 @@ MODEL_FLAGS = ("model", "dtype", "max_seq_len", "max_num_seqs", "quantization",
 flags.DEFINE_string("model", LLM_DEFAULTS["model"], "Model alias, .gguf path, HF model "
                     "directory or jaxinfer checkpoint.")
 flags.DEFINE_string("dtype", LLM_DEFAULTS["dtype"], "float32 | bfloat16 | float16 (default: "
-                    "float32 on CPU, bfloat16 on accelerators).")
+                    "bfloat16 weights with float32 activations on CPU, bfloat16 on accelerators; "
+                    "$JAXINFER_DEFAULT_DTYPE overrides).")
 flags.DEFINE_integer("max_seq_len", LLM_DEFAULTS["max_seq_len"], "Longest sequence (prompt + "
                      "generated tokens); default: min(model context, 2048).")
 flags.DEFINE_integer("max_num_seqs", LLM_DEFAULTS["max_num_seqs"],
@@ -80,8 +81,9 @@ DRAFT_MODEL = flags.DEFINE_string("draft_model", None, "Draft model for --specul
 NGRAM_MAX = flags.DEFINE_integer("ngram_max", _SPEC_DEFAULTS["ngram_max"],
                                  "Longest suffix n-gram matched for --speculative=ngram.")
 # Sampling (SamplingParams kwargs).
-SAMPLING_FLAGS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-                  "seed", "stop", "ignore_eos")
+SAMPLING_FLAGS = ("n", "max_tokens", "temperature", "top_k", "top_p", "min_p",
+                  "repetition_penalty", "seed", "stop", "ignore_eos")
+flags.DEFINE_integer("n", SP_DEFAULTS["n"], "Sequences per prompt (sequence i: seed + i).")
 flags.DEFINE_integer("max_tokens", SP_DEFAULTS["max_tokens"], "Most tokens to generate.")
 flags.DEFINE_float("temperature", SP_DEFAULTS["temperature"], "Sampling temperature; 0 = greedy.")
 flags.DEFINE_integer("top_k", SP_DEFAULTS["top_k"], "Keep the k most likely tokens; 0 = off.")
@@ -98,18 +100,14 @@ FLAGS = flags.FLAGS
 
 
 def resolve_preset_path(name_or_path: str) -> str:
-    """A bare name -> configs/NAME.json at the repository root; otherwise a path to a file."""
+    """A bare name -> the package's preset (jaxinfer.configs.path); otherwise a path to a file."""
     if os.path.isfile(name_or_path):
         return name_or_path
-    bare = os.sep not in name_or_path and not name_or_path.endswith(".json")
-    if bare:
-        path = os.path.join(CONFIGS_DIR, name_or_path + ".json")
-        if os.path.isfile(path):
-            return path
-        available = sorted(f[:-5] for f in os.listdir(CONFIGS_DIR)
-                           if f.endswith(".json")) if os.path.isdir(CONFIGS_DIR) else []
+    if os.sep not in name_or_path and not name_or_path.endswith(".json"):
+        if name_or_path in configs.names():
+            return configs.path(name_or_path)
         raise ValueError(f"unknown preset {name_or_path!r}; available: "
-                         f"{', '.join(available) or 'none'} (or pass a path to a JSON file)")
+                         f"{', '.join(configs.names())} (or pass a path to a JSON file)")
     raise ValueError(f"preset file {name_or_path!r} does not exist")
 
 
@@ -182,3 +180,17 @@ def make_llm(llm_kwargs: dict, warmup: bool = False):
     if warmup:
         print(f"compiled in {llm.warmup():.1f} s", file=sys.stderr)
     return llm
+
+
+def run_main(argv, run, errors=(ValueError, NotImplementedError)):
+    """The launchers' main: no positional arguments, absl logging at WARNING unless
+    --verbosity was given, and bad input (`errors`) as a one-line message instead of a
+    traceback. Returns run()'s result."""
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if not FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)
+    try:
+        return run()
+    except errors as e:
+        raise SystemExit(f"error: {e}") from None

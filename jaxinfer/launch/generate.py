@@ -8,9 +8,9 @@
     python -m jaxinfer.launch.generate --coordinator_address host0:1234 --num_processes N \
         --process_id i --data 2 --sequence 4 --prompt ...
 
---config takes a preset name (configs/NAME.json at the repository root) or a path to a JSON file
-shaped {"model": {LLM kwargs}, "sampling": {SamplingParams kwargs}, "chat": bool}; flags passed
-on the command line override the preset. Sampling flag defaults are SamplingParams' defaults
+--config takes a preset name (jaxinfer/configs/NAME.json, shipped in the package) or a path to a
+JSON file shaped {"model": {LLM kwargs}, "sampling": {SamplingParams kwargs}, "chat": bool};
+flags passed on the command line override the preset. Sampling flag defaults are SamplingParams' defaults
 (greedy decoding).
 
 Prints each answer, then a table of per-request metrics (TTFT, mean inter-token latency, decode
@@ -20,11 +20,10 @@ compilation in its TTFT unless --warmup compiles every shape beforehand.
 
 from __future__ import annotations
 
-import sys
 import time
 from typing import Optional
 
-from absl import app, flags, logging
+from absl import app, flags
 
 from jaxinfer.engine.request import SamplingParams
 from jaxinfer.launch import common
@@ -73,7 +72,11 @@ def report(prompts: list[str], outputs, wall_s: float) -> str:
     """The answers, a per-request metrics table and an aggregate line."""
     lines = []
     for i, (prompt, out) in enumerate(zip(prompts, outputs)):
-        lines += [f"=== [{i}] {prompt}", out.text, ""]
+        if len(out.outputs) > 1:  # SamplingParams(n > 1): every sequence, in index order
+            for seq in out.outputs:
+                lines += [f"=== [{i}.{seq.index}] {prompt}", seq.text, ""]
+        else:
+            lines += [f"=== [{i}] {prompt}", out.text, ""]
     lines.append(f"{'req':>3}  {'prompt_tok':>10}  {'gen_tok':>7}  {'ttft_ms':>8}  {'itl_ms':>7}  "
                  f"{'tok/s':>7}  finish")
     for i, out in enumerate(outputs):
@@ -107,15 +110,7 @@ def run() -> str:
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if not FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)
-    try:
-        text = run()
-    except (ValueError, NotImplementedError) as e:  # bad input: a message, not a traceback
-        raise SystemExit(f"error: {e}") from None
-    print(text)
+    print(common.run_main(argv, run))
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ def reference():
     """The library's greedy outputs for PROMPTS, batched together like the script batches them."""
     llm = ji.LLM("smollm2-135m")
     outs = llm.generate(PROMPTS, ji.SamplingParams(max_tokens=8))
-    return outs, len(llm.tokenizer.encode(CHAT_PROMPT))
+    return outs, llm.tokenizer
 
 
 def test_generate_greedy_matches_library(tmp_path, reference):
@@ -54,15 +54,21 @@ def test_generate_greedy_matches_library(tmp_path, reference):
     assert "loaded smollm2-135m" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_preset_and_flag_override(tmp_path, reference):
-    _, raw_prompt_tokens = reference
-    # smollm2-chat: chat mode, max_tokens 128, temperature 0.7. The flags override the last two.
+def test_preset_and_flag_override(tmp_path, data_dir, reference):
+    """smollm2-chat: chat mode, max_tokens 128, temperature 0.7; the flags override the last
+    two. The golden chat case for this question (HF transformers' chat template and greedy
+    ids, tests/data/smollm2_greedy.json) gives the prompt's tokens and the answer."""
+    with open(os.path.join(data_dir, "smollm2_greedy.json")) as f:
+        case = next(c for c in json.load(f)["cases"]
+                    if c.get("messages") == [{"role": "user", "content": CHAT_PROMPT}])
     r = launch(tmp_path, "--config", "smollm2-chat", "--prompt", CHAT_PROMPT,
                "--max_tokens", "5", "--temperature", "0")
     assert r.returncode == 0, r.stderr
     ((_, prompt_tokens, generated, finish),) = rows(r.stdout)
-    assert prompt_tokens > raw_prompt_tokens + 5  # the preset's chat=true applied the template
+    assert prompt_tokens == len(case["prompt_ids"])  # the template was applied, exactly
     assert (generated, finish) == (5, "length")
+    _, tokenizer = reference
+    assert _answers(r.stdout) == [tokenizer.decode(case["greedy_ids"][:5])]
     assert "max_seq_len 2048" in r.stderr
 
 
@@ -94,10 +100,15 @@ def test_errors_exit_1_with_one_line(tmp_path, args, message):
 
 
 def test_configs_are_well_formed():
-    configs = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__)))), "configs")
+    """The presets ship inside the package (jaxinfer/configs, package data), so they resolve
+    from an installed wheel."""
+    from jaxinfer import configs
+
+    assert {"smollm2-cpu", "smollm2-chat", "llama-3-8b"} <= set(configs.names())
+    with pytest.raises(ValueError, match="unknown preset 'nope'; available: llama-3-70b"):
+        configs.path("nope")
     for name in ("smollm2-cpu", "smollm2-chat"):
-        with open(os.path.join(configs, name + ".json")) as f:
+        with open(configs.path(name)) as f:
             preset = json.load(f)
         assert set(preset) <= {"model", "sampling", "chat"}
         ji.SamplingParams(**preset.get("sampling", {}))
@@ -144,3 +155,21 @@ def test_distributed_flags_go_together(tmp_path):
     assert r.returncode != 0
     assert "error: --coordinator_address, --num_processes and --process_id go together (got " \
            "only --coordinator_address, --num_processes)" in r.stderr
+
+
+@pytest.mark.slow
+def test_report_lists_every_sequence_of_n():
+    """--n 2: the report prints both sequences of a prompt, in index order, as [prompt.index];
+    sequence 1 is what seed + 1 samples alone."""
+    from jaxinfer.launch.generate import report
+
+    llm = ji.LLM("smollm2-135m", max_seq_len=64, max_num_seqs=2)
+    params = ji.SamplingParams(n=2, max_tokens=4, temperature=1.0, seed=5)
+    (out,) = llm.generate([PROMPTS[0]], params)
+    alone = llm.generate([PROMPTS[0]], dataclasses.replace(params, n=1, seed=6))[0]
+    text = report([PROMPTS[0]], [out], 1.0)
+    assert [s.index for s in out.outputs] == [0, 1]
+    assert out.outputs[1].token_ids == alone.token_ids
+    for seq in out.outputs:
+        assert f"=== [0.{seq.index}] {PROMPTS[0]}\n{seq.text}\n\n" in text
+    assert rows(text) == [(0, out.metrics.prompt_tokens, 8, "length")]

@@ -1,0 +1,76 @@
+"""Feeds checked requests (Work) to an LLM through the request-level API and turns finished
+requests into output records. Shared by the local runner and the Ray actors."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+from jaxinfer.batch import records
+from jaxinfer.batch.inputs import Work
+from jaxinfer.batch.records import Result
+from jaxinfer.openai_api import CHAT, RequestError, response_body
+
+
+class EngineFeeder:
+    """add_request / step for Work items, each carrying a caller's tag (where its Result goes).
+
+    A request with no seed gets records.derive_seed(job_seed, custom_id). What add_request
+    refuses before any device work (a prompt of max_seq_len tokens or more, a token id outside
+    the vocabulary) comes back at once as that request's error Result."""
+
+    def __init__(self, llm, model_name: str, job_seed: Optional[int]):
+        if llm.tokenizer is None:  # response bodies carry text
+            raise ValueError(f"model {model_name!r} has no tokenizer: a batch job's responses "
+                             "hold text, so it needs one")
+        self.llm, self.model_name, self.job_seed = llm, model_name, job_seed
+        self._running: dict[str, tuple[Work, Any]] = {}
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._running)
+
+    def submit(self, work: Work, tag: Any) -> Optional[Result]:
+        """Adds the request; None, or the request's error Result when it is refused."""
+        req = work.request
+        if req.n > self.llm.max_n:
+            return records.request_error(work.line, work.custom_id, RequestError(
+                f"n={req.n} exceeds the limit of {self.llm.max_n} sequences per request", "n"),
+                records.INVALID_REQUEST)
+        field = "messages" if req.endpoint == CHAT else "prompt"
+        try:
+            prompt = self.llm.tokenizer.apply_chat_template(
+                req.messages, add_generation_prompt=True) if req.endpoint == CHAT else req.prompt
+        except Exception as e:  # noqa: BLE001 - a template's own error, about this request
+            return records.request_error(work.line, work.custom_id, RequestError(
+                f"messages: the chat template refused them: {e}", field), records.INVALID_PROMPT)
+        params = req.sampling(self.llm.max_seq_len)
+        if params.seed is None:
+            params = dataclasses.replace(
+                params, seed=records.derive_seed(self.job_seed, work.custom_id))
+        rid = f"batch:{work.line}"  # LLM's own ids are bare numbers
+        try:
+            self.llm.add_request(prompt, params, request_id=rid)
+        except ValueError as e:
+            kind = records.PROMPT_TOO_LONG if "max_seq_len" in str(e) else records.INVALID_PROMPT
+            return records.request_error(work.line, work.custom_id, RequestError(str(e), field),
+                                         kind)
+        self._running[rid] = (work, tag)
+        return None
+
+    def step(self) -> list[tuple[Any, Result]]:
+        """One engine step; (tag, Result) of each request that finished in it."""
+        done = []
+        for out in self.llm.step():
+            if not out.finished:
+                continue
+            work, tag = self._running.pop(out.request_id)
+            body = response_body(work.request, self.llm.tokenizer, [out], model=self.model_name)
+            done.append((tag, records.success(work.line, work.custom_id, body)))
+        return done
+
+    def abort_all(self) -> None:
+        """Drops every running request (the job is stopping; they are redone on resume)."""
+        for rid in list(self._running):
+            self.llm.abort(rid)
+        self._running.clear()

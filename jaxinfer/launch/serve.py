@@ -1,0 +1,87 @@
+"""Serves a model over an OpenAI-compatible HTTP API (FastAPI + uvicorn).
+
+    python -m jaxinfer.launch.serve --model smollm2-135m
+    python -m jaxinfer.launch.serve --config smollm2-cpu --port 8080 --api_key secret \\
+        --max_waiting 64
+    python -m jaxinfer.launch.serve --tensor 2 --host 0.0.0.0   # on a mesh, reachable from others
+
+Then any OpenAI client: `openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key=...)`.
+Endpoints: POST /v1/completions, POST /v1/chat/completions (stream: true for server-sent
+events), GET /v1/models, GET /health (200 once the model is loaded and warmed), GET /metrics
+(Prometheus). Binds 127.0.0.1 unless --host says otherwise. SIGTERM drains: no new requests,
+running ones finish or are aborted after --drain_timeout, exit 0. The contract is in
+docs/serving.md; the model, engine, quantization, speculative, mesh and --config flags are
+those of launch.generate (sampling is per request, so the sampling flags are refused).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from absl import app, flags
+
+from jaxinfer.launch import common
+
+_HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to bind (0.0.0.0: every interface).")
+_PORT = flags.DEFINE_integer("port", 8000, "Port to listen on.")
+_API_KEY = flags.DEFINE_string("api_key", None, "When set, /v1/* requests need "
+                               "`Authorization: Bearer <key>` (else 401). Default: the "
+                               "JAXINFER_API_KEY environment variable, if set.")
+_MAX_WAITING = flags.DEFINE_integer("max_waiting", 256, "Requests that may wait for a batch "
+                                    "slot (beyond --max_num_seqs running); more get 429.")
+_MAX_BODY = flags.DEFINE_integer("max_body_bytes", 1 << 20, "Largest request body; larger "
+                                 "ones get 413.")
+_DRAIN = flags.DEFINE_float("drain_timeout", 30.0, "Seconds running requests get to finish "
+                            "after SIGTERM before they are aborted.")
+_NAME = flags.DEFINE_string("served_model_name", None, "The model name clients send and "
+                            "/v1/models lists (default: --model).")
+_WARMUP = flags.DEFINE_bool("warmup", True, "Compile every shape before reporting healthy.")
+
+FLAGS = flags.FLAGS
+
+
+def check_flags() -> None:
+    given = [name for name in common.SAMPLING_FLAGS if FLAGS[name].present]
+    if given:
+        raise ValueError(f"--{given[0]}: sampling settings are per request in the server "
+                         "(send them in the request body)")
+    for name, flag, lo in (("--port", _PORT, 0), ("--max_waiting", _MAX_WAITING, 0),
+                           ("--max_body_bytes", _MAX_BODY, 1)):
+        if flag.value < lo:
+            raise ValueError(f"{name} must be >= {lo}, got {flag.value}")
+    if not _DRAIN.value >= 0:
+        raise ValueError(f"--drain_timeout must be >= 0, got {_DRAIN.value}")
+
+
+def run() -> int:
+    from jaxinfer.serve import ServeConfig, serve_forever
+
+    check_flags()
+    llm_kwargs, _ = common.build_settings(common.preset_from_flag())
+    cfg = ServeConfig(model_name=_NAME.value or llm_kwargs["model"],
+                      api_key=_API_KEY.value or os.environ.get("JAXINFER_API_KEY") or None,
+                      max_waiting=_MAX_WAITING.value, max_body_bytes=_MAX_BODY.value)
+
+    def load():
+        import jax
+
+        llm = common.make_llm(llm_kwargs, warmup=_WARMUP.value)
+        if jax.process_count() > 1:
+            raise NotImplementedError("serving from several processes is not supported yet: "
+                                      "run one process (a mesh of its local devices)")
+        return llm
+
+    return serve_forever(load, cfg, _HOST.value, _PORT.value, _DRAIN.value)
+
+
+def main(argv):
+    code = common.run_main(argv, run)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # The loader thread may still be inside JAX when a signal came during loading.
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    app.run(main)
