@@ -17,7 +17,7 @@ clock reading just before it spawns the child (CLOCK_MONOTONIC, shared by both p
   backend      first device query (XLA client creation); part of "load" in a plain program
   load         `LLM(...)`: model file read, dequantization, parameters to device, engine setup
   first_token  `generate(max_tokens=1)`: tracing, compiling (or cache loading) and running
-Targets on CPU: cold <= 20 s, warm <= 5 s (medians of the totals). The model file itself is
+Targets on CPU: cold <= 10 s, warm <= 3 s (medians of the totals). The model file itself is
 already in the model cache and likely in the OS page cache; only the compiled programs are
 cold.
 """
@@ -34,8 +34,8 @@ import sys
 import tempfile
 import time
 
-COLD_TARGET_S = 20.0
-WARM_TARGET_S = 5.0
+COLD_TARGET_S = 10.0
+WARM_TARGET_S = 3.0
 PHASES = ("startup", "import", "backend", "load", "first_token")
 MARK = "COLDSTART_RESULT "
 

@@ -22,8 +22,8 @@ also compiles every shape with LLM.warmup()), then serves the whole workload --r
 run with the highest throughput is reported. Load and warm-up times are reported separately.
   jaxinfer  LLM.generate on all requests at once: continuous batching of up to --max-num-seqs,
             weights dequantized from the GGUF into each of --dtypes ("default": LLM's own
-            default, dtype=None; on CPU, bfloat16 is the weights' dtype only: activations and
-            the KV cache stay float32), one worker each. XLA's CPU thread pool follows the CPUs the
+            default, dtype=None: bfloat16; on CPU the weights' and the KV cache's dtype, while
+            activations stay float32), one worker each. XLA's CPU thread pool follows the CPUs the
             process may use; XLA has no flag for its size (intra_op_parallelism_threads is a
             TensorFlow option, and --xla_cpu_multi_thread_eigen=true is already the default).
   hf        transformers generate, float32 weights from the same GGUF, sdpa attention,

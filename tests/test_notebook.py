@@ -40,6 +40,7 @@ def _kernel_name(tmp_path, monkeypatch) -> str:
     return "jaxinfer-test"
 
 
+@pytest.mark.slow
 def test_quickstart_runs(tmp_path, monkeypatch):
     workdir = tmp_path / "cwd"
     workdir.mkdir()

@@ -177,6 +177,7 @@ def test_pallas_kernels_run_under_shard_map_on_a_mesh():
     np.testing.assert_allclose(mesh["logprobs"], one["logprobs"], atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_sequence_parallelism_splits_prefill_and_matches_one_device():
     """Sequence meshes: ring and all-gather context-parallel attention equal the reference
     (float32, 1e-5); a random model served with its prefill tokens split over `sequence`
