@@ -35,6 +35,11 @@ _CHAT = flags.DEFINE_bool("chat", False, "Send each prompt as one user message t
                           "model's chat template (LLM.chat).")
 _WARMUP = flags.DEFINE_bool("warmup", False, "Compile every shape before generating, so that "
                             "TTFT excludes compilation.")
+_BEAM_WIDTH = flags.DEFINE_integer("beam_width", 0, "Beam search of this width instead of "
+                                   "sampling (LLM.beam_search; --max_tokens, --ignore_eos, "
+                                   "--stop apply); 0 = off.")
+_LENGTH_PENALTY = flags.DEFINE_float("length_penalty", 1.0, "--beam_width: a beam's score is "
+                                     "its log-probability / generated tokens ** this.")
 
 FLAGS = flags.FLAGS
 
@@ -94,14 +99,42 @@ def report(prompts: list[str], outputs, wall_s: float) -> str:
     return "\n".join(lines)
 
 
+def beam_report(prompts: list[str], results, wall_s: float) -> str:
+    """Each prompt's beams, best first, with their scores and cumulative log-probabilities."""
+    lines = []
+    for i, (prompt, res) in enumerate(zip(prompts, results)):
+        for j, seq in enumerate(res.sequences):
+            lines += [f"=== [{i}] beam {j}: score {seq.score:.4f}, logprob "
+                      f"{seq.cumulative_logprob:.4f}, {len(seq.token_ids)} tokens, "
+                      f"{seq.finish_reason}  {prompt}", seq.text, ""]
+    lines.append(f"beam search: {len(prompts)} prompt{'s' * (len(prompts) != 1)} in "
+                 f"{wall_s:.2f} s")
+    return "\n".join(lines)
+
+
 def run() -> str:
     """Everything main does, minus error handling; returns the report."""
     prompts = read_prompts(_PROMPT.value, _PROMPTS_FILE.value)
     llm_kwargs, sampling_kwargs, chat = build_settings(common.preset_from_flag())
     params = SamplingParams(**sampling_kwargs)  # checked before the model loads
+    beam = None
+    if _BEAM_WIDTH.value:
+        from jaxinfer.beam_search import BeamSearchParams
+
+        beam = BeamSearchParams(beam_width=_BEAM_WIDTH.value, max_tokens=params.max_tokens,
+                                length_penalty=_LENGTH_PENALTY.value,
+                                ignore_eos=params.ignore_eos, stop=params.stop)
     llm = common.make_llm(llm_kwargs, warmup=_WARMUP.value)
 
     t0 = time.perf_counter()
+    if beam is not None:
+        texts = prompts
+        if chat:
+            texts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}],
+                                                       add_generation_prompt=True)
+                     for p in prompts]
+        results = llm.beam_search(texts, beam)
+        return beam_report(prompts, results, time.perf_counter() - t0)
     if chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
     else:

@@ -173,3 +173,20 @@ def test_report_lists_every_sequence_of_n():
     for seq in out.outputs:
         assert f"=== [0.{seq.index}] {PROMPTS[0]}\n{seq.text}\n\n" in text
     assert rows(text) == [(0, out.metrics.prompt_tokens, 8, "length")]
+
+
+@pytest.mark.slow
+def test_beam_width_flag_runs_beam_search(tmp_path):
+    """--beam_width 2: the launcher prints the beams of LLM.beam_search, best first."""
+    from jaxinfer.beam_search import BeamSearchParams
+
+    r = launch(tmp_path, "--prompt", PROMPTS[0], "--beam_width", "2", "--max_tokens", "4",
+               "--max_seq_len", "64", "--max_num_seqs", "2")
+    assert r.returncode == 0, r.stderr
+    llm = ji.LLM("smollm2-135m", max_seq_len=64, max_num_seqs=2)
+    (want,) = llm.beam_search([PROMPTS[0]], BeamSearchParams(beam_width=2, max_tokens=4))
+    for j, seq in enumerate(want.sequences):
+        assert f"=== [0] beam {j}: score {seq.score:.4f}" in r.stdout
+        assert f"{PROMPTS[0]}\n{seq.text}\n\n" in r.stdout
+    bad = launch(tmp_path, "--prompt", "x", "--beam_width", "11")
+    assert bad.returncode != 0 and "beam_width must be an int in [1, 10], got 11" in bad.stderr
