@@ -24,14 +24,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 
 import scaling  # noqa: E402
 from jaxinfer import sharding  # noqa: E402
 from jaxinfer.config import MeshConfig, ModelConfig  # noqa: E402
-from jaxinfer.kv_cache import PagedKVCache  # noqa: E402
-from jaxinfer.models import get_model  # noqa: E402
 
 MIXTRAL_8X7B = ModelConfig("mixtral", vocab_size=32000, d_model=4096, num_layers=32,
                            num_heads=32, num_kv_heads=8, head_dim=128, ffn_dim=14336,
@@ -40,32 +36,8 @@ MIXTRAL_8X7B = ModelConfig("mixtral", vocab_size=32000, d_model=4096, num_layers
 
 
 def compile_decode(cfg: ModelConfig, degree: int, batch: int, capacity: int) -> dict:
-    mesh_cfg = MeshConfig(tensor=degree)
-    part = sharding.Partitioner(sharding.make_mesh(mesh_cfg))
-    model = get_model(cfg.architecture)
-    dtype = jnp.bfloat16
-    params = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0), dtype))
-    p_axes = sharding.param_axes(cfg, params, model.param_specs)
-    cache = jax.eval_shape(lambda: PagedKVCache.ring(cfg.num_layers, batch, capacity,
-                                                     cfg.num_kv_heads, cfg.head_dim, dtype))
-    c_axes = cache.logical_axes()
-    shard = lambda tree, axes: jax.tree.map(lambda x, a: part.sharding(x.shape, a), tree, axes)
-    tok = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
-    num = jax.ShapeDtypeStruct((batch,), jnp.int32)
-    in_shardings = (shard(params, p_axes), shard(cache, c_axes),
-                    part.sharding(tok.shape, ("batch", "tokens")),
-                    part.sharding(num.shape, ("batch",)))
-
-    def step(params, cache, tokens, num_new):
-        h, cache = model.forward(params, cfg, tokens, cache, num_new)
-        logits = model.head(params, h[:, -1])
-        return sharding.constrain(logits, ("batch", "vocab")), cache
-
-    fn = jax.jit(step, in_shardings=in_shardings,
-                 out_shardings=(part.sharding((batch, cfg.vocab_size), ("batch", "vocab")),
-                                in_shardings[1]), donate_argnums=(1,))
-    with part.active():
-        compiled = fn.lower(params, cache, tok, num).compile()
+    compiled, part, (params, p_axes), (cache, c_axes) = scaling.lower_step(
+        cfg, MeshConfig(tensor=degree), batch, 1, capacity)
     expert_bytes = scaling.per_device_bytes(
         part, [lp.w_gate for lp in params.layers] + [lp.w_up for lp in params.layers]
         + [lp.w_down for lp in params.layers],

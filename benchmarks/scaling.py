@@ -38,7 +38,7 @@ from jaxinfer import configs, sharding  # noqa: E402
 from jaxinfer.config import MeshConfig  # noqa: E402
 from jaxinfer.kv_cache import PagedKVCache  # noqa: E402
 from jaxinfer.loading.safetensors import config_from_hf  # noqa: E402
-from jaxinfer.models import llama  # noqa: E402
+from jaxinfer.models import get_model  # noqa: E402
 
 H100 = {"flops": 989e12, "hbm": 3.35e12, "link": 450e9, "latency": 10e-6}
 _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute",
@@ -94,14 +94,15 @@ def per_device_bytes(part, tree, axes_tree) -> int:
         * x.dtype.itemsize, tree, axes_tree)))
 
 
-def compile_step(cfg, mesh_cfg: MeshConfig, batch: int, tokens: int, capacity: int,
-                 dtype=jnp.bfloat16) -> dict:
+def lower_step(cfg, mesh_cfg: MeshConfig, batch: int, tokens: int, capacity: int,
+               dtype=jnp.bfloat16):
     """Compiles one forward step of `tokens` new tokens for `batch` rows into a ring cache of
-    `capacity` slots (logits of each row's last token), sharded on mesh_cfg; returns the
-    per-device figures."""
+    `capacity` slots (logits of each row's last token), with abstract parameters of cfg's
+    family sharded on mesh_cfg: (compiled, partitioner, (params, axes), (cache, axes))."""
     part = sharding.Partitioner(sharding.make_mesh(mesh_cfg))
-    params = jax.eval_shape(lambda: llama.init_params(cfg, jax.random.key(0), dtype))
-    p_axes = sharding.param_axes(cfg, params, llama.param_specs)
+    model = get_model(cfg.architecture)
+    params = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0), dtype))
+    p_axes = sharding.param_axes(cfg, params, model.param_specs)
     cache = jax.eval_shape(lambda: PagedKVCache.ring(cfg.num_layers, batch, capacity,
                                                      cfg.num_kv_heads, cfg.head_dim, dtype))
     c_axes = cache.logical_axes()
@@ -113,8 +114,8 @@ def compile_step(cfg, mesh_cfg: MeshConfig, batch: int, tokens: int, capacity: i
                     part.sharding(num.shape, ("batch",)))
 
     def step(params, cache, tokens, num_new):
-        h, cache = llama.forward(params, cfg, tokens, cache, num_new)
-        logits = llama.lm_head(params, h[:, -1])
+        h, cache = model.forward(params, cfg, tokens, cache, num_new)
+        logits = model.head(params, h[:, -1])
         return sharding.constrain(logits, ("batch", "vocab")), cache
 
     fn = jax.jit(step, in_shardings=in_shardings,
@@ -122,6 +123,15 @@ def compile_step(cfg, mesh_cfg: MeshConfig, batch: int, tokens: int, capacity: i
                                 in_shardings[1]), donate_argnums=(1,))
     with part.active():
         compiled = fn.lower(params, cache, tok, num).compile()
+    return compiled, part, (params, p_axes), (cache, c_axes)
+
+
+def compile_step(cfg, mesh_cfg: MeshConfig, batch: int, tokens: int, capacity: int,
+                 dtype=jnp.bfloat16) -> dict:
+    """lower_step's per-device figures: FLOPs, bytes, scratch, parameter and cache shards,
+    collectives."""
+    compiled, part, (params, p_axes), (cache, c_axes) = lower_step(cfg, mesh_cfg, batch, tokens,
+                                                                   capacity, dtype)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     n = mesh_cfg.data * mesh_cfg.tensor * mesh_cfg.sequence
