@@ -67,7 +67,7 @@ def main():
     import jaxinfer as ji
 
     llm = ji.LLM(args.model, max_num_seqs=1, max_seq_len=1024, dtype=args.dtype)
-    wbytes = weight_bytes(llm._engine.params)  # as placed (the LLM has no public accessor)
+    wbytes = weight_bytes(llm.params)  # as placed
     rng = np.random.default_rng(0)
     prefill_prompt = rng.integers(100, llm.model_config.vocab_size, args.prefill_tokens).tolist()
     llm.generate([prefill_prompt], ji.SamplingParams(max_tokens=2))  # compile
@@ -161,7 +161,7 @@ def batch_step_vs_matmuls(args) -> dict:
     llm.step()      # compiles the R-row decode loop
     stack = tuning.loop_jit(matmul_stack, static_argnames="num_steps")
     x = jnp.asarray(rng.standard_normal((R, llm.model_config.d_model)), jnp.float32) * 0.01
-    params = llm._engine.params  # the LLM's weights as placed (no public accessor)
+    params = llm.params  # the LLM's weights as placed
     stack(params, x, num_steps=steps).block_until_ready()
     step_ms, stack_ms = [], []
     for _ in range(args.runs):

@@ -33,7 +33,6 @@ import os
 import statistics
 import time
 
-import jax
 
 import jaxinfer as ji
 from jaxinfer import quant
@@ -41,14 +40,13 @@ from jaxinfer import quant
 
 def llm_bytes(llm: ji.LLM) -> tuple[int, int]:
     """(parameter bytes, decode state bytes) of an LLM that has generated once (the decode
-    state, KV cache pool included, is allocated by the first request): the nbytes of every
-    array in each pytree, a quantized weight's codes, scales and offsets alike. The LLM exposes
-    neither pytree publicly (llm.stats() has counters only), so they are read from its engine."""
-    engine = llm._engine
-    if engine.state is None:
+    state, KV cache pool included, is allocated by the first request): llm.stats()'s sizes,
+    the nbytes of every array in each pytree, a quantized weight's codes, scales and offsets
+    alike."""
+    stats = llm.stats()
+    if not stats["state_bytes"]:
         raise ValueError("the decode state is allocated by the first request: generate first")
-    return tuple(sum(int(x.nbytes) for x in jax.tree.leaves(tree))
-                 for tree in (engine.params, engine.state))
+    return stats["parameter_bytes"], stats["state_bytes"]
 
 
 def _llm(model: str, name: str, batch: int, dtype: str = "float32") -> ji.LLM:

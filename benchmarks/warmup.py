@@ -81,7 +81,7 @@ def worker(model: str, config: str) -> dict:
     llm.generate(["The capital of France is"],
                  ji.SamplingParams(max_tokens=24, stop=[" Paris", "."]))
     return {"config": config, "load_programs": load_programs,
-            "warmup_programs": warmup_programs, "engine_programs": llm._engine.num_programs(),
+            "warmup_programs": warmup_programs, "engine_programs": llm.stats()["model_programs"],
             "warmup_s": warmup_s, "maps": maps, "max_map_count": max_maps,
             "maps_fraction": maps / max_maps, "after_warmup": compiles[0] - before}
 

@@ -420,4 +420,11 @@ class LLM:
         return self._engine.warmup()
 
     def stats(self) -> dict:
+        """Counters and sizes of the engine (docs/api.md, Statistics)."""
         return self._engine.stats()
+
+    @property
+    def params(self):
+        """The model's weights as placed on the device(s): the pytree every step reads
+        (quantized weights as QuantizedWeight leaves). Read-only: the engine keeps using it."""
+        return self._engine.params

@@ -15,6 +15,7 @@ import dataclasses
 import time
 from typing import Optional
 
+import jax
 import numpy as np
 
 from jaxinfer.config import EngineConfig, ModelConfig
@@ -101,6 +102,12 @@ def _logprob_dict(k: int, ids, values, token: int, chosen: float) -> dict[int, f
     out = {int(i): float(v) for i, v in zip(ids[:k], values[:k])}
     out[int(token)] = float(chosen)
     return out
+
+
+def tree_bytes(tree) -> int:
+    """The bytes of every array in a pytree (a quantized weight's codes, scales and offsets
+    alike), as placed: the global size of a sharded array."""
+    return sum(int(x.nbytes) for x in jax.tree.leaves(tree))
 
 
 class Engine:
@@ -357,6 +364,9 @@ class Engine:
             "elapsed_s": elapsed,
             "generation_tokens_per_s": c["generated_tokens"] / elapsed if elapsed > 0 else 0.0,
             "preemptions": self.scheduler.preemptions,
+            "parameter_bytes": tree_bytes(self.params),
+            "state_bytes": tree_bytes(self.state) if self.state is not None else 0,
+            "model_programs": self.num_programs(),
             **({"spec_steps": c["spec_steps"], "draft_tokens": c["draft_tokens"],
                 "accepted_tokens": c["accepted_tokens"],
                 "acceptance_rate": c["accepted_tokens"] / max(c["draft_tokens"], 1),

@@ -237,3 +237,27 @@ def test_speculation_rates_pick_the_faster_mode_and_probe_the_other():
     for _ in range(10):                         # drafting got faster: it wins again
         rates.record(16, True, tokens=500, seconds=1.0)
     assert rates.draft(16) and rates.draft(16)
+
+
+def test_stats_sizes(llm):
+    """llm.stats()'s sizes: the weights' bytes equal the checkpoint's (read from the
+    safetensors header: every tensor float32, as the test run's LLM dtype); the decode state's
+    bytes cover at least the KV pool (layers x pages x page size x kv heads x head dim, K and
+    V, float32) once a request has allocated it; model_programs counts the token and row
+    buckets."""
+    import json
+    import struct
+
+    with open(os.path.join(TINY, "model.safetensors"), "rb") as f:
+        header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+    header.pop("__metadata__", None)
+    assert {v["dtype"] for v in header.values()} == {"F32"}
+    want = 4 * sum(int(np.prod(v["shape"])) for v in header.values())
+    llm.generate([[1, 2, 3]], ji.SamplingParams(max_tokens=2))
+    stats = llm.stats()
+    assert stats["parameter_bytes"] == want
+    cfg = llm.model_config
+    page_size = 16  # the LLM's default
+    pool = 2 * 4 * cfg.num_layers * stats["num_pages"] * page_size * cfg.num_kv_heads * cfg.head_dim
+    assert pool <= stats["state_bytes"] < pool * 1.5, (pool, stats["state_bytes"])
+    assert stats["model_programs"] >= 2
