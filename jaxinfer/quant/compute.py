@@ -105,30 +105,38 @@ def _cpu_product(x: jax.Array, w: QuantizedWeight, spec: str) -> jax.Array:
     and the high nibbles hold, and two dots are summed. fp8 is decoded with integer ops (its
     converts are not vectorized)."""
     a = w.axis
-    expand = lambda g, n: jnp.repeat(jnp.asarray(g, jnp.float32), n, axis=a)  # noqa: E731
     if w.kind != "int4":
         codes = _fp8_from_bits(w.q) if w.kind == "fp8" else jnp.asarray(w.q).astype(jnp.float32)
         if w.offset is None and w.scale.shape[a] == 1:   # per channel: scale the dot's result
             y = jnp.einsum(spec, x, codes.astype(x.dtype), preferred_element_type=jnp.float32)
             return y * jnp.asarray(w.scale, jnp.float32).reshape(-1)
-        scale = expand(w.scale, codes.shape[a] // w.scale.shape[a])
-        value = codes * scale if w.offset is None else codes * scale + expand(
-            w.offset, codes.shape[a] // w.scale.shape[a])
+        value = _grouped_affine(codes, w.scale, w.offset, a)
         return jnp.einsum(spec, x, value.astype(x.dtype), preferred_element_type=jnp.float32)
     packed = jnp.asarray(w.q)
-    per_group = packed.shape[a] // w.scale.shape[a]   # packed rows (pairs) per group
-    scale = expand(w.scale, per_group)
-    offset = None if w.offset is None else expand(w.offset, per_group)
     # Byte j of a 32-element block holds element j (low nibble) and j + 16 (high nibble).
     xb = x.reshape(x.shape[:-1] + (x.shape[-1] // INT4_BLOCK, 2, INT4_BLOCK // 2))
     y = 0.0
     for half, codes in enumerate((packed & 0x0F, packed >> 4)):
-        value = codes.astype(jnp.float32) * scale
-        if offset is not None:
-            value = value + offset
+        value = _grouped_affine(codes.astype(jnp.float32), w.scale, w.offset, a)
         xs = xb[..., half, :].reshape(x.shape[:-1] + (x.shape[-1] // 2,))
         y = y + jnp.einsum(spec, xs, value.astype(x.dtype), preferred_element_type=jnp.float32)
     return y
+
+
+def _grouped_affine(codes: jax.Array, scale, offset, a: int) -> jax.Array:
+    """codes * scale (+ offset), the scales [.., groups, ..] on axis a applied to consecutive
+    runs of codes.shape[a] // groups codes: the codes viewed as [.., groups, run, ..] times
+    the scales broadcast over the run, then viewed back. (jnp.repeat of the scales instead
+    built a gather that XLA:CPU ran per tile: grouped int8 decode at 0.44x float32 against
+    0.97x for per-channel scales.)"""
+    groups = scale.shape[a]
+    shape = codes.shape
+    split = shape[:a] + (groups, shape[a] // groups) + shape[a + 1:]
+    widen = lambda g: jnp.expand_dims(jnp.asarray(g, jnp.float32), a + 1)  # noqa: E731
+    value = codes.reshape(split) * widen(scale)
+    if offset is not None:
+        value = value + widen(offset)
+    return value.reshape(shape)
 
 
 def _fp8_from_bits(b: jax.Array) -> jax.Array:
