@@ -21,6 +21,7 @@ them alike:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -123,11 +124,13 @@ def main():
               f"ratios: {', '.join(f'{x:.2f}' for x in result['step_over_stack_runs'])})")
 
 
-def matmul_stack(params, x, *, num_steps: int):
+def matmul_stack(params, x, *, num_steps: int, architecture: str = "llama"):
     """num_steps iterations of the model's linears over x [R, D] (see the module docstring):
-    each layer's q, k, v, o, gate, up and down, then the head; chained so none is dead code."""
+    each layer's q, k, v, o, gate, up and down (a llama-style layer's), then the family's
+    head; chained so none is dead code."""
     from jaxinfer.layers import linear
-    from jaxinfer.models import llama
+    from jaxinfer.models import get_model
+    head = get_model(architecture).head
 
     def body(_, x):
         for lp in params.layers:
@@ -136,7 +139,7 @@ def matmul_stack(params, x, *, num_steps: int):
             o = q + jnp.tile(kv, q.shape[-1] // kv.shape[-1])
             x = x + linear(o, lp.wo)
             x = x + linear(jax.nn.silu(linear(x, lp.w_gate)) * linear(x, lp.w_up), lp.w_down)
-        logits = llama.lm_head(params, x)
+        logits = head(params, x)
         return x + 1e-6 * logits[:, :x.shape[-1]]
     return jax.lax.fori_loop(0, num_steps, body, x)
 
@@ -159,7 +162,8 @@ def batch_step_vs_matmuls(args) -> dict:
     while waiting:
         waiting -= {out.request_id for out in llm.step() if out.token_ids}
     llm.step()      # compiles the R-row decode loop
-    stack = tuning.loop_jit(matmul_stack, static_argnames="num_steps")
+    stack = tuning.loop_jit(functools.partial(matmul_stack, architecture=llm.model_config.architecture),
+                            static_argnames="num_steps")
     x = jnp.asarray(rng.standard_normal((R, llm.model_config.d_model)), jnp.float32) * 0.01
     params = llm.params  # the LLM's weights as placed
     stack(params, x, num_steps=steps).block_until_ready()

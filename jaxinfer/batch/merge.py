@@ -110,13 +110,7 @@ def merge(output_dir: str) -> dict:
 
     totals = Totals()
     for _, s in shards:
-        totals.records += s["requests"]
-        totals.succeeded += s["succeeded"]
-        totals.errors.update(s["errors_by_kind"])
-        totals.blank_lines += s["blank_lines"]
-        totals.prompt_tokens += s["prompt_tokens"]
-        totals.completion_tokens += s["completion_tokens"]
-        totals.seconds += s["elapsed_s"]
+        totals.add_summary(s)
     runs = max(s["runs"] for _, s in shards)
     first = read_json(os.path.join(shards[0][0], JOB_FILE))
     summary = {"input": first["input"], "output": os.path.abspath(path),

@@ -81,14 +81,25 @@ class Totals:
     runs: set = dataclasses.field(default_factory=set)
 
     def add_entry(self, entry: dict) -> None:
-        self.records += entry["records"]
-        self.succeeded += entry["succeeded"]
-        self.errors.update(entry["errors"])
-        self.blank_lines += entry["blank_lines"]
-        self.prompt_tokens += entry["prompt_tokens"]
-        self.completion_tokens += entry["completion_tokens"]
-        self.seconds += entry["seconds"]
+        """Adds a manifest entry (one committed part)."""
+        self._add(entry["records"], entry["succeeded"], entry["errors"], entry["blank_lines"],
+                  entry["prompt_tokens"], entry["completion_tokens"], entry["seconds"])
         self.runs.add(entry["run"])
+
+    def add_summary(self, s: dict) -> None:
+        """Adds a shard's summary.json counts (summary() of that shard's Totals)."""
+        self._add(s["requests"], s["succeeded"], s["errors_by_kind"], s["blank_lines"],
+                  s["prompt_tokens"], s["completion_tokens"], s["elapsed_s"])
+
+    def _add(self, records, succeeded, errors, blank_lines, prompt_tokens, completion_tokens,
+             seconds) -> None:
+        self.records += records
+        self.succeeded += succeeded
+        self.errors.update(errors)
+        self.blank_lines += blank_lines
+        self.prompt_tokens += prompt_tokens
+        self.completion_tokens += completion_tokens
+        self.seconds += seconds
 
     def summary(self) -> dict:
         """summary.json's counts: requests are input lines that got an output line."""
