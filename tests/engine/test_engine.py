@@ -243,8 +243,8 @@ def test_stats_sizes(llm):
     """llm.stats()'s sizes: the weights' bytes equal the checkpoint's (read from the
     safetensors header: every tensor float32, as the test run's LLM dtype); the decode state's
     bytes cover at least the KV pool (layers x pages x page size x kv heads x head dim, K and
-    V, float32) once a request has allocated it; model_programs counts the token and row
-    buckets."""
+    V, float32) once a request has allocated it; model_programs counts at least one flat
+    step and one decode loop."""
     import json
     import struct
 
