@@ -12,7 +12,8 @@ Both programs are jitted over all layers and timed --runs times after one compil
 medians, in ms per step:
   * attention: the page loop for every layer (one query per row);
   * gather: the same pages gathered for every layer (pool[layer, pages], K and V, as the
-    loop's blocks read them, for the longest row's page count) and summed, nothing else.
+    loop's blocks read them, for the longest row's page count) and accumulated elementwise,
+    nothing else.
 
 argparse, like every script under benchmarks/.
 """
@@ -72,11 +73,18 @@ def main(argv=None) -> dict:
     def gather(q, k_all, v_all, tables, lengths):
         pages = tables[:, :need]
         view = lambda a: a.reshape(L, P, Z, K * H)  # noqa: E731  as the loop views the pool
-        out = q
+        # As the loop reads them: blocks of PAGES_PER_BLOCK pages per row in a fori_loop,
+        # added elementwise into one block-sized buffer, reduced once at the end (an earlier
+        # version reduced each layer's gathered pages over (pages, slots), and that reduction,
+        # not the gather, took most of its time).
+        pb = attention.PAGES_PER_BLOCK
+        acc = jnp.zeros((B, pb, Z, K * H), jnp.float32)
         for layer in range(L):
-            got = view(k_all)[layer, pages].sum((1, 2)) + view(v_all)[layer, pages].sum((1, 2))
-            out = out + 1e-3 * got.reshape(B, K, H)[:, :1]
-        return out
+            def body(i, acc, layer=layer):
+                block = jnp.take(pages, i * pb + jnp.arange(pb), axis=1, mode="clip")
+                return acc + view(k_all)[layer, block] + view(v_all)[layer, block]
+            acc = jax.lax.fori_loop(0, -(-need // pb), body, acc)
+        return q + 1e-3 * acc.sum((1, 2)).reshape(B, K, H)[:, :1]
 
     result = {}
     for name, fn in (("attention", attend), ("gather", gather)):
@@ -87,7 +95,7 @@ def main(argv=None) -> dict:
             fn(q, k_all, v_all, tables, lengths).block_until_ready()
             ms.append((time.perf_counter() - t) * 1e3)
         result[name] = statistics.median(ms)
-    gathered = 2 * L * B * need * Z * K * H * 4
+    gathered = 2 * L * B * -(-need // attention.PAGES_PER_BLOCK) * attention.PAGES_PER_BLOCK * Z * K * H * 4
     print(f"backend {jax.default_backend()}, {B} rows of {args.context_min}-{args.context_max} "
           f"tokens, {L} layers, {N} heads / {K} kv heads x {H}")
     print(f"attention (page loop)  {result['attention']:8.1f} ms per step (median of {args.runs})")

@@ -6,8 +6,14 @@ seed and the token's index alone, so a seeded request gives the same tokens what
 the batch, and recomputing a prefix never re-samples it differently.
 
 Order of operations (as HF and vLLM): repetition penalty on raw logits, temperature, top-k,
-top-p over the top-k survivors (renormalised), min-p relative to the most likely token, then a
-Gumbel-max draw. temperature == 0 is greedy (argmax after the repetition penalty).
+top-p over the top-k survivors (renormalised), min-p relative to the most likely token, then an
+inverse-CDF draw (`draw`): one uniform u = uniform(fold_in(key(seed), i)) per token, and the
+first token whose cumulative weight exceeds u times the total. temperature == 0 is greedy
+(argmax after the repetition penalty).
+
+The draw needs one random number per token instead of one per vocabulary entry (the Gumbel-max
+draw it replaces): on XLA:CPU the threefry bits and two logarithms over the vocabulary of every
+row cost more than the rest of the sampler.
 """
 
 from __future__ import annotations
@@ -43,6 +49,13 @@ def filtered_logits(logits: jax.Array, sp: SamplingArrays) -> jax.Array:
     return jax.lax.cond(needs_sort, _sorted_filter, _min_p_filter, scaled, sp)
 
 
+def filtered_weights(logits: jax.Array, sp: SamplingArrays) -> jax.Array:
+    """The sampling distribution of each row up to a factor, [B, V] float32 >= 0:
+    exp(filtered - max), 1 at the most likely token and 0 where filtered away."""
+    masked = filtered_logits(logits, sp)
+    return jnp.exp(masked - jnp.max(masked, axis=-1, keepdims=True))
+
+
 def _min_p_filter(scaled: jax.Array, sp: SamplingArrays) -> jax.Array:
     """filtered_logits for rows without top-k and top-p: p_i >= min_p * p_max."""
     rel = jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True))
@@ -69,6 +82,54 @@ def _sorted_filter(scaled: jax.Array, sp: SamplingArrays) -> jax.Array:
     return jnp.take_along_axis(sorted_filtered, inv, axis=-1)
 
 
+DRAW_BLOCK = 256  # vocabulary entries per block of the two-level inverse CDF
+
+
+def draw(weights: jax.Array, u: jax.Array, block: int = DRAW_BLOCK) -> jax.Array:
+    """Inverse-CDF draw: for each row of weights [B, V] (>= 0, some > 0; unnormalised) and
+    u [B] in [0, 1), the first token i whose inclusive cumulative weight exceeds u * total.
+    Token i is drawn with probability weights[i] / total, and a token of weight 0 is never drawn.
+
+    Two levels, so that no scan runs over the whole vocabulary: the sums of blocks of `block`
+    tokens, their running sum over the blocks (u picks a block), then the running sum within
+    that block. Float rounding can make a running sum step down or miss u * total by an ulp; the
+    pick then falls on the nearest entry of positive weight, never on a zero. Returns [B] int32.
+    """
+    B, V = weights.shape
+    C = -(-V // block)
+    w = jnp.pad(weights.astype(jnp.float32), ((0, 0), (0, C * block - V))).reshape(B, C, block)
+    sums = jnp.sum(w, axis=-1)                                             # [B, C]
+    csum = jnp.cumsum(sums, axis=-1)
+    target = u.astype(jnp.float32) * csum[:, -1]
+    c = _first_or_last(csum > target[:, None], sums > 0)                   # [B]
+    ws = jnp.take_along_axis(w, c[:, None, None], axis=1)[:, 0]            # [B, block]
+    before = jnp.take_along_axis(csum - sums, c[:, None], axis=1)[:, 0]
+    rest = jnp.maximum(target - before, 0.0)
+    i = _first_or_last(jnp.cumsum(ws, axis=-1) > rest[:, None], ws > 0)
+    return (c * block + i).astype(jnp.int32)
+
+
+def _first_or_last(hit: jax.Array, positive: jax.Array) -> jax.Array:
+    """Per row: the first index where hit & positive, else the last where positive."""
+    n = hit.shape[-1]
+    idx = jnp.arange(n, dtype=jnp.int32)
+    first = jnp.min(jnp.where(hit & positive, idx, n), axis=-1)
+    last = jnp.max(jnp.where(positive, idx, -1), axis=-1)
+    return jnp.where(first < n, first, jnp.maximum(last, 0))
+
+
+def uniforms(seed: jax.Array, token_index: jax.Array, stream: int | None = None) -> jax.Array:
+    """u [B] in [0, 1) of each row's token: uniform(fold_in(key(seed), token_index)), or of
+    fold_in(that key, stream) for a separate stream of the same token (speculative decoding's
+    proposal and acceptance draws)."""
+    def one(s, i):
+        key = jax.random.fold_in(jax.random.key(s), i)
+        if stream is not None:
+            key = jax.random.fold_in(key, stream)
+        return jax.random.uniform(key, (), jnp.float32)
+    return jax.vmap(one)(seed, token_index)
+
+
 def sample(logits: jax.Array, sp: SamplingArrays, seen: jax.Array,
            token_index: jax.Array) -> jax.Array:
     """Draws one token per row. logits [B, V]; seen [B, V] bool; token_index [B] int32 (index of
@@ -77,10 +138,7 @@ def sample(logits: jax.Array, sp: SamplingArrays, seen: jax.Array,
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def stochastic(logits):
-        masked = filtered_logits(logits, sp)
-        keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(sp.seed, token_index)
-        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(keys)
-        drawn = jnp.argmax(masked + gumbel, axis=-1).astype(jnp.int32)
+        drawn = draw(filtered_weights(logits, sp), uniforms(sp.seed, token_index))
         return jnp.where(sp.temperature > 0, drawn, greedy)
 
     # The sort behind top-k/top-p costs more than a decode step's matmuls on small models; skip
@@ -96,7 +154,8 @@ def sampling_probs(logits: jax.Array, sp: SamplingArrays, seen: jax.Array) -> ja
     greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), V, dtype=jnp.float32)
 
     def stochastic(logits):
-        probs = jax.nn.softmax(filtered_logits(logits, sp), axis=-1)
+        w = filtered_weights(logits, sp)
+        probs = w / jnp.sum(w, axis=-1, keepdims=True)
         return jnp.where((sp.temperature > 0)[:, None], probs, greedy)
 
     return jax.lax.cond(jnp.any(sp.temperature > 0), stochastic, lambda _: greedy, logits)

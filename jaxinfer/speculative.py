@@ -13,7 +13,7 @@ the argmax for greedy rows), so at temperature 0 verification is prefix matching
 
 Randomness comes from fold_in(key(seed), i) for the request's token at index i alone, as in
 plain sampling. For n-gram drafts (q one-hot) the acceptance test is coupled to the sampler's own
-Gumbel noise (see verify), so speculation emits exactly the tokens plain sampling would, for
+uniform (see verify), so speculation emits exactly the tokens plain sampling would, for
 every seed: a seeded request gives the same tokens with or without speculation, alone or in a
 crowd. With a draft model, acceptance takes a uniform from fold_in(key, 1) and the draft its
 noise from fold_in(key, 2): outputs follow the target's distribution and repeat for a seed, but
@@ -28,8 +28,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.sampling import (SamplingArrays, apply_repetition_penalty, mark_seen, sample,
-                               sampling_probs)
+from jaxinfer.sampling import (SamplingArrays, apply_repetition_penalty, draw, mark_seen, sample,
+                               sampling_probs, uniforms)
 
 _METHODS = ("ngram", "draft")
 
@@ -108,10 +108,7 @@ def draw_draft(logits: jax.Array, sp: SamplingArrays, seen: jax.Array, token_ind
     greedy = jnp.argmax(q, axis=-1).astype(jnp.int32)
 
     def stochastic(q):
-        keys = jax.vmap(lambda key: jax.random.fold_in(key, 2))(
-            _keys(sp.seed, token_index[:, None])[:, 0])
-        gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (q.shape[-1],), jnp.float32))(keys)
-        drawn = jnp.argmax(jnp.log(q) + gumbel, axis=-1).astype(jnp.int32)
+        drawn = draw(q, uniforms(sp.seed, token_index, stream=2))
         return jnp.where(sp.temperature > 0, drawn, greedy)
 
     token = jax.lax.cond(jnp.any(sp.temperature > 0), stochastic, lambda _: greedy, q)
@@ -177,10 +174,7 @@ def verify(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array, sp: Samp
         residual = jnp.where(rejected[:, None], jnp.maximum(p_a - q_a, 0.0), p_a)
         # p == q makes rejection impossible, but rounding can leave an all-zero residual.
         residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, p_a)
-        key_a = jnp.take_along_axis(keys, a[:, None], axis=1)[:, 0]
-        gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (V,), jnp.float32))(key_a)
-        drawn = jnp.argmax(jnp.log(residual) + gumbel, axis=-1).astype(jnp.int32)
-        return a, drawn
+        return a, draw(residual, uniforms(sp.seed, token_index + a))
 
     a_g, tok_g = greedy(None)
     a_s, tok_s = jax.lax.cond(jnp.any(sp.temperature > 0), stochastic, lambda _: (a_g, tok_g),

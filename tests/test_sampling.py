@@ -4,6 +4,7 @@
   whose rows each carry different (temperature, top_k, top_p, min_p);
 - greedy / top_k=1 / repetition-penalty cases with exact answers;
 - the empirical distribution of `sample` == the exact filtered softmax (total-variation bound);
+- the inverse-CDF draw == a float64 numpy inverse CDF, never drawing a zero weight;
 - token i of a request depends on (seed, i) alone, inside the sampler and through the LLM API;
 - new sampling values never compile anything.
 """
@@ -276,13 +277,43 @@ def test_seeded_token_depends_on_seed_and_index_only():
     }
     assert len(results) == 1
 
-    # And it is the documented draw: argmax(filtered + Gumbel(fold_in(key(seed), index))).
+    # And it is the documented draw: the inverse CDF of the filtered softmax at
+    # u = uniform(fold_in(key(seed), index)).
     pen = np.where(seen0, np.where(row0 > 0, row0 / np.float32(1.2), row0 * np.float32(1.2)),
                    row0).astype(np.float32)
-    keep, unsure, _ = _reference_filter(pen, 1.0, 0, 0.95, 0.0)
+    keep, unsure, probs = _reference_filter(pen, 1.0, 0, 0.95, 0.0)
     assert not unsure.any()
-    g = np.asarray(jax.random.gumbel(jax.random.fold_in(jax.random.key(1234), idx0), (V,)))
-    assert results == {int(np.argmax(np.where(keep, pen, -np.inf) + g))}
+    assert results == {_reference_draw(probs, 1234, idx0)}
+
+
+def _reference_draw(probs, seed, index):
+    """The documented draw in float64: the first token whose cumulative probability exceeds
+    u = uniform(fold_in(key(seed), index)). Asserts u is not within 1e-5 of a boundary, where
+    float32 running sums may decide either way."""
+    u = float(jax.random.uniform(jax.random.fold_in(jax.random.key(np.uint32(seed)), index)))
+    cum = np.cumsum(probs)
+    assert np.min(np.abs(cum - u)) > 1e-5
+    return int(np.argmax(cum > u))
+
+
+def test_draw_against_reference_and_zero_weights():
+    """sampling.draw on rows whose weights are unnormalised, sparse (zeros must never be
+    drawn, even at u near 0 or 1) and span several blocks, against a float64 inverse CDF."""
+    from jaxinfer.sampling import draw
+    rng = np.random.default_rng(7)
+    B, V = 64, 1000                         # 4 blocks of 256, the last one partial
+    w = rng.random((B, V)) * (rng.random((B, V)) < 0.05) * rng.uniform(0.1, 50, (B, 1))
+    w[np.arange(B), rng.integers(0, V, B)] = 1.0     # every row has mass
+    u = np.concatenate([[0.0, 1 - 2 ** -24], rng.random(B - 2)]).astype(np.float32)
+    got = np.asarray(jax.jit(draw)(jnp.asarray(w, jnp.float32), jnp.asarray(u)))
+    assert np.all(w[np.arange(B), got] > 0)
+    cum = np.cumsum(w / w.sum(1, keepdims=True), axis=1)
+    want = np.argmax(cum > u[:, None].astype(np.float64), axis=1)
+    near = np.min(np.abs(cum - u[:, None]), axis=1) < 1e-5
+    np.testing.assert_array_equal(got[~near], want[~near])
+    assert (~near).sum() >= B - 4
+    assert got[1] == np.nonzero(w[1])[0].max()      # u just below 1: the last positive token
+    assert got[0] == np.nonzero(w[0])[0].min()      # u = 0: the first positive token
 
 
 def test_different_seeds_and_indices_give_different_tokens():
@@ -299,9 +330,9 @@ def test_different_seeds_and_indices_give_different_tokens():
     big = np.array([2**31 - 1, 2**31, 2**32 - 1], np.uint64)   # the whole uint32 range is usable
     out = np.asarray(_sample(logits[:3], _arrays(1.0, seed=big), _no_seen(3, V),
                              jnp.zeros(3, jnp.int32)))
-    ref = [int(np.argmax(np.asarray(logits[0]) + np.asarray(jax.random.gumbel(
-        jax.random.fold_in(jax.random.key(np.uint32(s)), 0), (V,))))) for s in big]
-    np.testing.assert_array_equal(out, ref)
+    x = np.asarray(logits[0], np.float64)
+    probs = np.exp(x - x.max()) / np.exp(x - x.max()).sum()
+    np.testing.assert_array_equal(out, [_reference_draw(probs, s, 0) for s in big])
 
 
 # ---- the real model through the LLM API ---------------------------------------------------------
