@@ -6,7 +6,10 @@ They are hashable so jitted functions can take them as static arguments.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:  # annotations only: speculative imports this module
+    from jaxinfer.speculative import SpeculativeConfig
 
 
 @dataclasses.dataclass(frozen=True)

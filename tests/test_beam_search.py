@@ -24,7 +24,7 @@ PROMPTS = [[132, 194, 243, 11, 39, 211], [130, 69, 8, 192], [186, 77, 139],
 
 def _forward(w, cfg, tokens):
     """Logits [T, V] in float64: a plain HF-layout Llama (half-rotation RoPE)."""
-    T, D = len(tokens), cfg["hidden_size"]
+    T = len(tokens)
     N, K = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     H, eps = cfg["head_dim"], cfg["rms_norm_eps"]
     theta = cfg["rope_parameters"]["rope_theta"]

@@ -135,13 +135,13 @@ def test_kv_heads_fewer_than_the_tensor_degree_are_replicated():
 
 @pytest.mark.slow
 def test_meshes_give_the_golden_greedy_tokens(data_dir):
-    """SmolLM2 (9 query heads, 3 kv heads) on (data, tensor, sequence) = (1,3,1), (2,3,1),
-    (1,1,2), (2,1,2): the 15 HF greedy goldens, parameters split 3 ways under tensor=3, the
-    pool split over data and sequence, and nothing compiled after warmup on a (2,3,1) mesh."""
+    """SmolLM2 (9 query heads, 3 kv heads) on (data, tensor, sequence) = (2,3,1) and (2,1,2):
+    the 15 HF greedy goldens, parameters split 3 ways under tensor=3, the pool split over data
+    and sequence, and nothing compiled after warmup on a (2,3,1) mesh."""
     with open(os.path.join(data_dir, "smollm2_greedy.json")) as f:
         cases = json.load(f)["cases"]
     got = run_worker("meshes")
-    assert set(got["runs"]) == {"1,3,1", "2,3,1", "1,1,2", "2,1,2"}
+    assert set(got["runs"]) == {"2,3,1", "2,1,2"}
     for mesh, run in got["runs"].items():
         for case, tokens, finish in zip(cases, run["tokens"], run["finish"], strict=True):
             want = case["greedy_ids"][:-1] if case["hit_eos"] else case["greedy_ids"]

@@ -179,4 +179,4 @@ def test_merge_from_the_command_line(tmp_path, input_file):
                         "--fail_on_error"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "2 line(s) got an error record" in r.stderr, r.stderr
     assert r.stdout.startswith("batch: 39 requests, 37 ok, 2 failed (1 duplicate_custom_id, "
-                               f"1 invalid_json); 111 output tokens in ") and str(out) in r.stdout
+                               "1 invalid_json); 111 output tokens in ") and str(out) in r.stdout
