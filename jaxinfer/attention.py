@@ -403,7 +403,7 @@ def _tile_attention(q, k_all, v_all, layer: int, block_tables, tiles: Tiles, met
 
 def _single_query_loop(qt, block, trips, softcap):
     """paged_loop_attention's loop for tiles of one query (decode): qt [Nt, K, G, H] (scaled),
-    block(i) as there. Returns [Nt * 1, N, H] float32.
+    block(i) as there. Returns [Nt, N, H] float32.
 
     The same online softmax as the general loop, without its query axis: each (tile, kv head)
     is one [G, H] x [H, S] product. For 16 decode rows of 128-384 tokens over SmolLM2's shapes

@@ -93,12 +93,6 @@ def ngram_propose(history: jax.Array, length: jax.Array, k: int, n_max: int, n_m
     return jnp.take_along_axis(history, idx, axis=1), num
 
 
-def _keys(seed: jax.Array, index: jax.Array) -> jax.Array:
-    """Keys [B, S] of token indices index [B, S] of requests with seeds seed [B]."""
-    return jax.vmap(lambda s, ii: jax.vmap(lambda i: jax.random.fold_in(jax.random.key(s), i))(ii)
-                    )(seed, index)
-
-
 def draw_draft(logits: jax.Array, sp: SamplingArrays, seen: jax.Array, token_index: jax.Array):
     """A draft model's proposal for output index token_index [B]: (token [B] int32, q [B, V]),
     q the distribution it is drawn from (the same transforms as the target's p; one-hot at the
@@ -161,8 +155,7 @@ def verify(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array, sp: Samp
 
     def stochastic(_):
         p = sampling_probs(flat, sp_rep, seen_s).reshape(B, S, V)
-        keys = _keys(sp.seed, index)                                        # [B, S]
-        u = jax.vmap(jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1))))(keys)
+        u = uniforms(sp_rep.seed, index.reshape(-1), stream=1).reshape(B, S)
         p_d = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]
         q = draft_probs.astype(jnp.float32)
         q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
