@@ -73,11 +73,11 @@ def main(argv=None) -> dict:
     def gather(q, k_all, v_all, tables, lengths):
         pages = tables[:, :need]
         view = lambda a: a.reshape(L, P, Z, K * H)  # noqa: E731  as the loop views the pool
-        # As the loop reads them: blocks of PAGES_PER_BLOCK pages per row in a fori_loop,
+        # As the loop reads them: blocks of SINGLE_PAGES_PER_BLOCK pages per row in a fori_loop,
         # added elementwise into one block-sized buffer, reduced once at the end (an earlier
         # version reduced each layer's gathered pages over (pages, slots), and that reduction,
         # not the gather, took most of its time).
-        pb = attention.PAGES_PER_BLOCK
+        pb = attention.SINGLE_PAGES_PER_BLOCK
         acc = jnp.zeros((B, pb, Z, K * H), jnp.float32)
         for layer in range(L):
             def body(i, acc, layer=layer):
@@ -95,7 +95,7 @@ def main(argv=None) -> dict:
             fn(q, k_all, v_all, tables, lengths).block_until_ready()
             ms.append((time.perf_counter() - t) * 1e3)
         result[name] = statistics.median(ms)
-    gathered = 2 * L * B * -(-need // attention.PAGES_PER_BLOCK) * attention.PAGES_PER_BLOCK * Z * K * H * 4
+    gathered = 2 * L * B * -(-need // attention.SINGLE_PAGES_PER_BLOCK) * attention.SINGLE_PAGES_PER_BLOCK * Z * K * H * 4
     print(f"backend {jax.default_backend()}, {B} rows of {args.context_min}-{args.context_max} "
           f"tokens, {L} layers, {N} heads / {K} kv heads x {H}")
     print(f"attention (page loop)  {result['attention']:8.1f} ms per step (median of {args.runs})")

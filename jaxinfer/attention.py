@@ -165,22 +165,30 @@ def reference_attention(q, q_positions, segments, *, sliding_window=None, softca
     return out.reshape(B, T, N, H).astype(q.dtype)
 
 
-PAGES_PER_BLOCK = 4  # pages the jnp attention gathers per tile and loop iteration
+PAGES_PER_BLOCK = 4  # pages the jnp attention gathers per multi-query tile and loop iteration
+# Pages per loop iteration for single-query (decode) tiles. Their multiply-reduce body does
+# little work per key, so larger blocks amortise the loop's per-iteration cost: over 16 rows of
+# 128-384 tokens at SmolLM2's shapes (30 layers, one jitted program), 8 pages took 44.3 ms
+# against 49.6 for 4 and 65.0 for 16 with a float32 pool, 37.7 against 44.4 and 61.9 with a
+# bf16 one (a one-off sweep of the benchmarks/attention_gather.py setup).
+SINGLE_PAGES_PER_BLOCK = 8
 
 
 @flax.struct.dataclass
 class Tiles:
     """A step's queries cut into Nt tiles of Q queries, each tile within one row: index [Nt, Q]
     their flat token (T: none), pos [Nt, Q] their position (-1: none), row [Nt] (B: an empty
-    tile), first_page [Nt] the first logical page (position // Z) a tile's queries may see, and
-    num_blocks the trip count of the page loop over them: blocks of pages_per_block pages,
-    enough for every tile."""
+    tile), first_page [Nt] the first logical page (position // Z) a tile's queries may see,
+    blocks [Nt] how many blocks of pages_per_block pages from there each tile needs (0: an
+    empty tile), and num_blocks their maximum, the trip count of a page loop over every tile."""
 
     index: jax.Array
     pos: jax.Array
     row: jax.Array
     first_page: jax.Array
     num_blocks: jax.Array
+    blocks: jax.Array
+    pages_per_block: int = flax.struct.field(pytree_node=False, default=PAGES_PER_BLOCK)
 
     @property
     def query_tile(self) -> int:
@@ -197,6 +205,8 @@ class RaggedMeta:
     loop, so a set's trip count follows its own longest row: `singles`, one tile per row that
     feeds one token (decode), and `tiles`, the rows that feed several (prefill chunks,
     verification), in tiles of query_tile queries. Either is None when no row can have it.
+    Each set walks its pages in blocks of its own pages_per_block (singles:
+    SINGLE_PAGES_PER_BLOCK; tiles: the pages_per_block given to ragged_meta).
     """
 
     query_start: jax.Array
@@ -204,10 +214,10 @@ class RaggedMeta:
     kv_lengths: jax.Array
     singles: Tiles | None
     tiles: Tiles | None
-    pages_per_block: int = flax.struct.field(pytree_node=False, default=PAGES_PER_BLOCK)
-    # A static trip count instead (every page a row's table can hold): a loop of fixed length
-    # that reverse-mode differentiation can go through (scoring and training forwards).
-    static_blocks: int | None = flax.struct.field(pytree_node=False, default=None)
+    # A static trip count instead, enough for static_pages pages (every page a row's table can
+    # hold): a loop of fixed length that reverse-mode differentiation can go through (scoring
+    # and training forwards).
+    static_pages: int | None = flax.struct.field(pytree_node=False, default=None)
 
 
 def _tiles(query_start, counts, kv_lengths, num_queries, *, num_tokens: int, query_tile: int,
@@ -231,37 +241,35 @@ def _tiles(query_start, counts, kv_lengths, num_queries, *, num_tokens: int, que
         jnp.maximum(lo - sliding_window + 1, 0) // Z
     first = jnp.where(last >= 0, first, 0)
     span = jnp.where(last >= 0, last // Z + 1 - first, 0)                 # pages a tile needs
+    blocks = (span + pages_per_block - 1) // pages_per_block
     return Tiles(index=index, pos=pos, row=jnp.where(last >= 0, row, B), first_page=first,
-                 num_blocks=jnp.max((span + pages_per_block - 1) // pages_per_block,
-                                    initial=0))
+                 num_blocks=jnp.max(blocks, initial=0), blocks=blocks,
+                 pages_per_block=pages_per_block)
 
 
 def ragged_meta(query_start: jax.Array, num_queries: jax.Array, kv_lengths: jax.Array, *,
                 num_tokens: int, query_tile: int, num_tiles: int, page_size: int,
                 sliding_window: int | None = None, pages_per_block: int = PAGES_PER_BLOCK,
-                static_blocks: int | None = None) -> RaggedMeta:
+                single_pages_per_block: int = SINGLE_PAGES_PER_BLOCK,
+                static_pages: int | None = None) -> RaggedMeta:
     """RaggedMeta of a step (see there); num_tiles must cover sum_b ceil(num_queries[b] /
     query_tile) (num_tiles_bound gives a safe value). query_tile 1: every query is a single
-    (no multi-query tiles). static_blocks: see RaggedMeta."""
+    (no multi-query tiles). pages_per_block: pages per loop iteration of the multi-query tiles,
+    single_pages_per_block of the singles. static_pages: see RaggedMeta."""
     B = query_start.shape[0]
-    kw = dict(num_tokens=num_tokens, page_size=page_size, sliding_window=sliding_window,
-              pages_per_block=pages_per_block)
+    kw = dict(num_tokens=num_tokens, page_size=page_size, sliding_window=sliding_window)
     args = (query_start, kv_lengths, num_queries)
-    if query_tile == 1:
-        singles = _tiles(query_start, num_queries, *args[1:], query_tile=1,
-                         num_tiles=num_tiles, **kw)
-        tiles = None
-    else:
-        one = (num_queries == 1).astype(num_queries.dtype)
-        singles = _tiles(query_start, one, *args[1:], query_tile=1,
-                         num_tiles=min(B, num_tokens), **kw)
-        tiles = _tiles(query_start, jnp.where(num_queries > 1, num_queries, 0), *args[1:],
-                       query_tile=query_tile, num_tiles=num_tiles, **kw)
+    one = num_queries if query_tile == 1 else (num_queries == 1).astype(num_queries.dtype)
+    singles = _tiles(query_start, one, *args[1:], query_tile=1,
+                     num_tiles=num_tiles if query_tile == 1 else min(B, num_tokens),
+                     pages_per_block=single_pages_per_block, **kw)
+    tiles = None if query_tile == 1 else _tiles(
+        query_start, jnp.where(num_queries > 1, num_queries, 0), *args[1:],
+        query_tile=query_tile, num_tiles=num_tiles, pages_per_block=pages_per_block, **kw)
     # Computed once per step: unbarriered, XLA fuses the searches into every layer's uses.
     return jax.lax.optimization_barrier(RaggedMeta(
         query_start=query_start, num_queries=num_queries, kv_lengths=kv_lengths,
-        singles=singles, tiles=tiles, pages_per_block=pages_per_block,
-        static_blocks=static_blocks))
+        singles=singles, tiles=tiles, static_pages=static_pages))
 
 
 def num_tiles_bound(num_tokens: int, query_tile: int, num_rows: int) -> int:
@@ -336,7 +344,7 @@ def _tile_attention(q, k_all, v_all, layer: int, block_tables, tiles: Tiles, met
                     *, page_size, sliding_window, softcap, scale):
     """paged_loop_attention over one set of tiles: [Nt * Q, N, H] float32 in tile order."""
     T, N, H = q.shape
-    Z, pb = page_size, meta.pages_per_block
+    Z, pb = page_size, tiles.pages_per_block
     K = jax.tree.leaves(k_all)[0].shape[-2]
     G, (Nt, Q), B = N // K, tiles.pos.shape, block_tables.shape[0]
     M, S = block_tables.shape[1], pb * Z
@@ -357,16 +365,18 @@ def _tile_attention(q, k_all, v_all, layer: int, block_tables, tiles: Tiles, met
     k_pool, v_pool = jax.tree.map(view, k_all), jax.tree.map(view, v_all)
     z = jnp.arange(Z, dtype=jnp.int32)
 
-    def block(i):
-        """Block i of every tile's pages: keys and values [Nt, S, K, H] in float32 (values
-        zeroed where no query of the tile sees the key) and visible [Nt, Q, S]."""
-        j = tiles.first_page[:, None] + i * pb + jnp.arange(pb, dtype=jnp.int32)[None]  # [Nt, pb]
-        pages = jnp.take_along_axis(table, j % M, axis=1)
-        gather = lambda a: a[layer, pages]                  # noqa: E731  [Nt, pb, Z, K(, H)]
-        k = dense(jax.tree.map(gather, k_pool), jnp.float32).reshape(Nt, S, K, H)
-        v = dense(jax.tree.map(gather, v_pool), jnp.float32).reshape(Nt, S, K, H)
-        kpos = (j[:, :, None] * Z + z).reshape(Nt, 1, S)
-        qpos = tiles.pos[:, :, None]                                       # [Nt, Q, 1]
+    def gather_block(t, j0):
+        """The block of pb pages from logical page j0[c] of tile t[c], for C (tile, page)
+        pairs: keys and values [C, S, K, H] in float32 (values zeroed where no query of the
+        tile sees the key) and visible [C, Q, S]."""
+        C = t.shape[0]
+        j = j0[:, None] + jnp.arange(pb, dtype=jnp.int32)[None]           # [C, pb]
+        pages = table[t[:, None], j % M]
+        gather = lambda a: a[layer, pages]                  # noqa: E731  [C, pb, Z, K(, H)]
+        k = dense(jax.tree.map(gather, k_pool), jnp.float32).reshape(C, S, K, H)
+        v = dense(jax.tree.map(gather, v_pool), jnp.float32).reshape(C, S, K, H)
+        kpos = (j[:, :, None] * Z + z).reshape(C, 1, S)
+        qpos = tiles.pos[t][:, :, None]                                    # [C, Q, 1]
         visible = kpos <= qpos
         if sliding_window is not None:
             visible &= kpos > qpos - sliding_window
@@ -374,10 +384,16 @@ def _tile_attention(q, k_all, v_all, layer: int, block_tables, tiles: Tiles, met
         v = jnp.where(jnp.any(visible, axis=1)[:, :, None, None], v, 0.0)
         return k, v, visible
 
-    trips = tiles.num_blocks if meta.static_blocks is None else meta.static_blocks
+    def block(i):
+        """Block i of every tile's pages (gather_block of every tile)."""
+        return gather_block(jnp.arange(Nt, dtype=jnp.int32), tiles.first_page + i * pb)
+
+    static_blocks = None if meta.static_pages is None else -(-meta.static_pages // pb)
     mesh_shape = sharding.context_mesh_shape()
     if Q == 1 and (mesh_shape is None or mesh_shape.get("tensor", 1) == 1):
-        return _single_query_loop(qt.reshape(Nt, K, G, H), block, trips, softcap)
+        return _single_query_loop(qt.reshape(Nt, K, G, H), gather_block, tiles, static_blocks,
+                                  softcap)
+    trips = tiles.num_blocks if static_blocks is None else static_blocks
 
     def body(i, carry):
         m, l, acc = carry                                   # [Nt, K, G, Q], same, [.., H]
@@ -401,32 +417,54 @@ def _tile_attention(q, k_all, v_all, layer: int, block_tables, tiles: Tiles, met
     return out.transpose(0, 3, 1, 2, 4).reshape(Nt * Q, N, H)
 
 
-def _single_query_loop(qt, block, trips, softcap):
+def _single_query_loop(qt, gather_block, tiles: Tiles, static_blocks, softcap):
     """paged_loop_attention's loop for tiles of one query (decode): qt [Nt, K, G, H] (scaled),
-    block(i) as there. Returns [Nt, N, H] float32.
+    gather_block(t, j0) as there. Returns [Nt, N, H] float32.
 
-    The same online softmax as the general loop, without its query axis: each (tile, kv head)
-    is one [G, H] x [H, S] product. For 16 decode rows of 128-384 tokens over SmolLM2's shapes
-    (9 heads, 3 kv heads, 30 layers), all layers' attention measured 0.63-0.69x the time of the
-    form it replaced, which multiplied every query head by every kv head's keys with the
-    off-diagonal blocks masked (fewer, larger products at K times the arithmetic): 104.7
-    against 166.4 ms in one run. The general loop with a query axis of 1 was slower than
-    either."""
+    A work list rather than a loop to the longest row: tile t needs tiles.blocks[t] blocks of
+    pages, and each iteration takes the next Nt (tile, block) pairs of the list, so the trip
+    count is ceil(sum of blocks / Nt) where a loop over block indices runs max(blocks) times
+    for every tile (16 decode rows of 128-384 tokens: 3 iterations for 2.6 blocks a row on
+    average, against 4). Each pair's keys fold into its tile's online softmax through [Nt, C]
+    one-hot sums; a pair's probabilities use its tile's new running maximum directly.
+
+    Both products are written as multiply-and-reduce rather than dots: each (pair, kv head)
+    has a [G, H] x [H, S] product, which XLA:CPU runs as one small library dot at a time,
+    while the multiply-reduce fuses each block's products into a few vectorised loops. For 16
+    decode rows of 128-384 tokens at SmolLM2's shapes (9 heads, 3 kv heads, 30 layers, blocks
+    of 8 pages, a loop to the longest row), all layers' attention took 44.3 ms against 62.7
+    with dots over a float32 pool and 37.7 against 46.9 over a bf16 one (one run of the
+    benchmarks/attention_gather.py setup)."""
     Nt, K, G, H = qt.shape
+    C = Nt                                               # pairs per iteration
+    ends = jnp.cumsum(tiles.blocks)                      # [Nt]
+    if static_blocks is None:
+        trips = (ends[-1] + C - 1) // C
+    else:
+        trips = -(-Nt * static_blocks // C)
+    tile_ids = jnp.arange(Nt, dtype=jnp.int32)
 
     def body(i, carry):
         m, l, acc = carry                                           # [Nt, K, G], same, [.., H]
-        k, v, visible = block(i)                                    # [Nt, S, K, H], [Nt, 1, S]
-        s = jnp.einsum("tkgh,tskh->tkgs", qt, k)
+        w = i * C + jnp.arange(C, dtype=jnp.int32)                  # the pairs' list indices
+        t = jnp.searchsorted(ends, w, side="right").astype(jnp.int32)   # Nt: past the list
+        tc = jnp.minimum(t, Nt - 1)
+        j0 = tiles.first_page[tc] + (w - ends[tc] + tiles.blocks[tc]) * tiles.pages_per_block
+        k, v, visible = gather_block(tc, j0)                        # [C, S, K, H], [C, 1, S]
+        s = jnp.sum(qt[tc][:, None] * k[:, :, :, None, :], axis=-1)  # [C, S, K, G]
         if softcap is not None:
             s = softcap * jnp.tanh(s / softcap)
-        s = jnp.where(visible[:, None], s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        s = jnp.where((visible[:, 0] & (t < Nt)[:, None])[:, :, None, None], s, -jnp.inf)
+        onehot = t[None, :] == tile_ids[:, None]                    # [Nt, C]
+        m_pairs = jnp.where(onehot[..., None, None], jnp.max(s, axis=1)[None], -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(m_pairs, axis=1))            # [Nt, K, G]
         m_use = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        p = jnp.exp(s - m_use[..., None])
+        p = jnp.exp(s - m_use[tc][:, None])                         # [C, S, K, G]
         corr = jnp.where(jnp.isfinite(m), jnp.exp(m - m_use), 0.0)
-        pv = jnp.einsum("tkgs,tskh->tkgh", p, v)
-        return m_new, l * corr + jnp.sum(p, axis=-1), acc * corr[..., None] + pv
+        pv = jnp.sum(p[..., None] * v[:, :, :, None, :], axis=1)     # [C, K, G, H]
+        sums = onehot.astype(jnp.float32)
+        l = l * corr + jnp.einsum("tc,ckg->tkg", sums, jnp.sum(p, axis=1))
+        return m_new, l, acc * corr[..., None] + jnp.einsum("tc,ckgh->tkgh", sums, pv)
 
     init = (jnp.full((Nt, K, G), -jnp.inf), jnp.zeros((Nt, K, G)), jnp.zeros((Nt, K, G, H)))
     _, l, acc = jax.lax.fori_loop(0, trips, body, init)

@@ -36,8 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import sharding
-from jaxinfer.attention import (PAGES_PER_BLOCK, RaggedMeta, num_tiles_bound, ragged_attention,
-                                ragged_meta)
+from jaxinfer.attention import RaggedMeta, num_tiles_bound, ragged_attention, ragged_meta
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache import PagedKVCache
 from jaxinfer.layers import float_matmul, rope_angles, rope_inv_freq
@@ -248,11 +247,11 @@ class Family:
         T, B, Z = batch.num_tokens, cache.batch, cache.page_size
         positions = batch.positions(cache.lengths)                         # [T]
         kv_lengths = cache.lengths + batch.num_queries
-        static = -(-cache.block_tables.shape[1] // PAGES_PER_BLOCK) if differentiable else None
+        static = cache.block_tables.shape[1] if differentiable else None
         metas = {w: ragged_meta(batch.query_start, batch.num_queries, kv_lengths,
                                 num_tokens=T, query_tile=query_tile,
                                 num_tiles=num_tiles or num_tiles_bound(T, query_tile, B),
-                                page_size=Z, sliding_window=w, static_blocks=static)
+                                page_size=Z, sliding_window=w, static_pages=static)
                  for w in cfg.windows}
         thetas = dict.fromkeys(cfg.layer_rope_theta(i) for i in range(cfg.num_layers))
         rope = {t: rope_angles(positions[None], rope_inv_freq(
