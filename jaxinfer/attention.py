@@ -424,17 +424,21 @@ def _single_query_loop(qt, gather_block, tiles: Tiles, static_blocks, softcap):
     A work list rather than a loop to the longest row: tile t needs tiles.blocks[t] blocks of
     pages, and each iteration takes the next Nt (tile, block) pairs of the list, so the trip
     count is ceil(sum of blocks / Nt) where a loop over block indices runs max(blocks) times
-    for every tile (16 decode rows of 128-384 tokens: 3 iterations for 2.6 blocks a row on
-    average, against 4). Each pair's keys fold into its tile's online softmax through [Nt, C]
+    for every tile (one row of 2,000 tokens among fifteen of 100 costs 16 + 15 blocks of 128
+    keys, 2 iterations, not 16 iterations of 16 blocks). Each pair's keys fold into its tile's online softmax through [Nt, C]
     one-hot sums; a pair's probabilities use its tile's new running maximum directly.
 
-    Both products are written as multiply-and-reduce rather than dots: each (pair, kv head)
-    has a [G, H] x [H, S] product, which XLA:CPU runs as one small library dot at a time,
-    while the multiply-reduce fuses each block's products into a few vectorised loops. For 16
-    decode rows of 128-384 tokens at SmolLM2's shapes (9 heads, 3 kv heads, 30 layers, blocks
-    of 8 pages, a loop to the longest row), all layers' attention took 44.3 ms against 62.7
-    with dots over a float32 pool and 37.7 against 46.9 over a bf16 one (one run of the
-    benchmarks/attention_gather.py setup)."""
+    The key product is written as multiply-and-reduce rather than a dot: each (pair, kv head)
+    has a [G, H] x [H, S] product, which XLA:CPU runs as one small library dot at a time, while
+    the multiply-reduce fuses each block's products into a few vectorised loops. For 16 decode
+    rows of 128-384 tokens at SmolLM2's shapes (9 heads, 3 kv heads, 30 layers, blocks of 8
+    pages, a loop to the longest row), all layers' attention took 44.3 ms with both products
+    as multiply-reduce against 62.7 with both as dots over a float32 pool, and 37.7 against
+    46.9 over a bf16 one (one run of the benchmarks/attention_gather.py setup). The value
+    product is a dot again: as a
+    multiply-reduce too it was as fast over a float32 pool and slower over a bf16 one (the
+    16-row bf16 step at 2.74-2.75x its matmul stack in three runs, against 2.46-2.60x).
+    """
     Nt, K, G, H = qt.shape
     C = Nt                                               # pairs per iteration
     ends = jnp.cumsum(tiles.blocks)                      # [Nt]
@@ -461,7 +465,7 @@ def _single_query_loop(qt, gather_block, tiles: Tiles, static_blocks, softcap):
         m_use = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
         p = jnp.exp(s - m_use[tc][:, None])                         # [C, S, K, G]
         corr = jnp.where(jnp.isfinite(m), jnp.exp(m - m_use), 0.0)
-        pv = jnp.sum(p[..., None] * v[:, :, :, None, :], axis=1)     # [C, K, G, H]
+        pv = jnp.einsum("cskg,cskh->ckgh", p, v)                    # [C, K, G, H]
         sums = onehot.astype(jnp.float32)
         l = l * corr + jnp.einsum("tc,ckg->tkg", sums, jnp.sum(p, axis=1))
         return m_new, l, acc * corr[..., None] + jnp.einsum("tc,ckgh->tkgh", sums, pv)
