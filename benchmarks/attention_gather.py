@@ -11,9 +11,10 @@ seeded from 128..384 tokens, pages of 16 tokens shuffled over a pool of --num_pa
 Both programs are jitted over all layers and timed --runs times after one compile; printed
 medians, in ms per step:
   * attention: the page loop for every layer (one query per row);
-  * gather: the same pages gathered for every layer (pool[layer, pages], K and V, as the
-    loop's blocks read them, for the longest row's page count) and accumulated elementwise,
-    nothing else.
+  * gather: pages gathered for every layer (pool[layer, pages], K and V, in blocks of
+    SINGLE_PAGES_PER_BLOCK pages as the loop reads them, every row up to the longest row's
+    page count) and accumulated elementwise, nothing else. The loop walks a work list of each
+    row's own blocks, so this reads at least as much as the attention does.
 
 argparse, like every script under benchmarks/.
 """

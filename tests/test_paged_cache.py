@@ -114,17 +114,39 @@ def test_loop_attention_equals_reference(window, softcap, tile):
     on a mixed flat batch: a chunk of 7 queries (tiles split it), single decode tokens, an
     empty row, a row at a full page, rows out of order in the batch, padding at the end;
     scattered pages and NaN in every unwritten slot."""
-    from jaxinfer.attention import (num_tiles_bound, ragged_attention, ragged_meta,
-                                    reference_attention)
-
-    rng = np.random.default_rng(7)
-    B, M, N, K, H = 5, 6, 4, 2, 32
     kv_lengths = np.array([9, 0, 1, 24, 13], np.int32)  # 24 = a full last page
     num_queries = np.array([1, 0, 1, 1, 7], np.int32)
     if tile == 1:
         num_queries[4] = 1
     query_start = np.array([2, 0, 3, 1, 4], np.int32)
-    T = 16
+    _check_loop_attention(kv_lengths, num_queries, query_start, M=6, T=16, window=window,
+                          softcap=softcap, tile=tile)
+
+
+@pytest.mark.parametrize("window,static", [(None, False), (11, False), (None, True)])
+def test_decode_work_list_spans_rows_and_iterations(window, static):
+    """Decode rows of very different lengths with blocks of 2 pages (8 keys): the work list of
+    (row, block) pairs (23 blocks over 8 tiles, 3 iterations) puts blocks of several rows in
+    one iteration and one row's blocks in several, an empty row has none, and a window starts
+    rows past their first page; with static=True the static trip count of the differentiable
+    forward. Each row still equals the dense reference over its keys."""
+    kv_lengths = np.array([1, 37, 5, 64, 0, 19, 33], np.int32)
+    num_queries = np.array([1, 1, 1, 1, 0, 1, 1], np.int32)
+    query_start = np.array([5, 0, 1, 2, 0, 3, 4], np.int32)
+    _check_loop_attention(kv_lengths, num_queries, query_start, M=16, T=8, window=window,
+                          softcap=None, tile=1, single_pages_per_block=2,
+                          static_pages=16 if static else None)
+
+
+def _check_loop_attention(kv_lengths, num_queries, query_start, *, M, T, window, softcap, tile,
+                          **meta_kw):
+    """ragged_attention (the jnp path) over a NaN-filled pool with shuffled pages == the dense
+    reference over each row's keys; tokens of no row get zeros."""
+    from jaxinfer.attention import (num_tiles_bound, ragged_attention, ragged_meta,
+                                    reference_attention)
+
+    rng = np.random.default_rng(7)
+    B, N, K, H = len(kv_lengths), 4, 2, 32
     cache = _paged_cache(CFG.replace(num_layers=1, num_kv_heads=K, head_dim=H), B, M, rng)
     Z, P = PAGE, cache.num_pages
     k = np.asarray(cache.k[0]).reshape(P, Z, K, H).copy()
@@ -138,7 +160,7 @@ def test_loop_attention_equals_reference(window, softcap, tile):
     meta = ragged_meta(jnp.asarray(query_start), jnp.asarray(num_queries),
                        jnp.asarray(kv_lengths), num_tokens=T, query_tile=tile,
                        num_tiles=num_tiles_bound(T, tile, B), page_size=Z,
-                       sliding_window=window)
+                       sliding_window=window, **meta_kw)
     got = ragged_attention(jnp.asarray(q), jnp.asarray(k.reshape(1, P * Z, K, H)),
                            jnp.asarray(v.reshape(1, P * Z, K, H)), 0, jnp.asarray(tables), meta,
                            page_size=Z, sliding_window=window, softcap=softcap)
