@@ -1,6 +1,7 @@
 """Batch-1 decode and 512-token prefill throughput against the weight-bandwidth roofline.
 
     python benchmarks/decode.py [--model smollm2-135m] [--dtype D] [--runs 5] [--decode_tokens 128]
+                                [--ablate_attention]
 
 Prints, all measured in this one process, interleaved run by run so that machine noise hits
 them alike:
@@ -15,7 +16,9 @@ them alike:
     for every row, host booking included) and one call of a jitted loop of decode_steps
     iterations of the model's linears alone (q, k, v, o, gate, up, down per layer and the
     head, through the same quantization-aware `linear`, no norms, RoPE, attention or
-    sampling). Both per step; the ratio step / stack per run, and its median.
+    sampling). Both per step; the ratio step / stack per run, and its median;
+  * with --ablate_attention, the same comparison again with the jnp attention replaced by
+    zeros (the step's cost beyond its matmuls apart from attention).
 """
 
 from __future__ import annotations
@@ -62,6 +65,8 @@ def main():
                     "compared with the matmul stack (0: skip)")
     ap.add_argument("--context_min", type=int, default=128)
     ap.add_argument("--context_max", type=int, default=384)
+    ap.add_argument("--ablate_attention", action="store_true",
+                    help="also time the --rows-row step with attention replaced by zeros")
     ap.add_argument("--json", action="store_true", help="print one JSON line instead of text")
     args = ap.parse_args()
 
@@ -103,6 +108,11 @@ def main():
     del llm
     if args.rows:
         result.update(batch_step_vs_matmuls(args))
+    if args.rows and args.ablate_attention:
+        ablated = step_without_attention(args)
+        result.update(ablated_step_ms=ablated["batch_step_ms"],
+                      ablated_stack_ms=ablated["matmul_stack_ms"],
+                      ablated_step_over_stack=ablated["step_over_stack"])
     if args.json:
         print(json.dumps(result))
         return
@@ -122,6 +132,10 @@ def main():
         print(f"{args.rows}-row matmul stack {result['matmul_stack_ms']:8.2f} ms (median)")
         print(f"step / matmul stack   {result['step_over_stack']:8.2f} (median of per-run "
               f"ratios: {', '.join(f'{x:.2f}' for x in result['step_over_stack_runs'])})")
+    if args.rows and args.ablate_attention:
+        print(f"without attention     {result['ablated_step_over_stack']:8.2f} (step / matmul "
+              f"stack, median; {result['ablated_step_ms']:.2f} against "
+              f"{result['ablated_stack_ms']:.2f} ms)")
 
 
 def matmul_stack(params, x, *, num_steps: int, architecture: str = "llama"):
@@ -179,6 +193,23 @@ def batch_step_vs_matmuls(args) -> dict:
     return {"rows": R, "batch_step_ms": statistics.median(step_ms),
             "matmul_stack_ms": statistics.median(stack_ms),
             "step_over_stack": statistics.median(ratios), "step_over_stack_runs": ratios}
+
+
+def step_without_attention(args) -> dict:
+    """batch_step_vs_matmuls with the jnp attention (the CPU path) replaced by zeros: what the
+    rest of the step (norms, RoPE, cache writes, sampling, host booking) costs beyond the
+    matmuls. Compiled programs are dropped first, so the step is traced again with the
+    replacement, and again after it is undone."""
+    from jaxinfer import attention
+
+    real = attention.paged_loop_attention
+    jax.clear_caches()
+    attention.paged_loop_attention = lambda q, *a, **kw: jnp.zeros_like(q)
+    try:
+        return batch_step_vs_matmuls(args)
+    finally:
+        attention.paged_loop_attention = real
+        jax.clear_caches()
 
 
 if __name__ == "__main__":
