@@ -168,9 +168,11 @@ def reference_attention(q, q_positions, segments, *, sliding_window=None, softca
 PAGES_PER_BLOCK = 4  # pages the jnp attention gathers per multi-query tile and loop iteration
 # Pages per loop iteration for single-query (decode) tiles. Their multiply-reduce body does
 # little work per key, so larger blocks amortise the loop's per-iteration cost: over 16 rows of
-# 128-384 tokens at SmolLM2's shapes (30 layers, one jitted program), 8 pages took 44.3 ms
-# against 49.6 for 4 and 65.0 for 16 with a float32 pool, 37.7 against 44.4 and 61.9 with a
-# bf16 one (a one-off sweep of the benchmarks/attention_gather.py setup).
+# 128-384 tokens at SmolLM2's shapes (30 layers, one jitted program, a loop to the longest row),
+# 8 pages took 44.3 ms against 49.6 for 4 and 65.0 for 16 with a float32 pool, 37.7 against
+# 44.4 and 61.9 with a bf16 one (a one-off sweep of the benchmarks/attention_gather.py setup);
+# with the work list, the engine's 16-row float32 step ran 1.99x its matmul stack with 8 pages,
+# 2.08x with 4 and 2.28x with 16 (one run each).
 SINGLE_PAGES_PER_BLOCK = 8
 
 
@@ -425,8 +427,9 @@ def _single_query_loop(qt, gather_block, tiles: Tiles, static_blocks, softcap):
     pages, and each iteration takes the next Nt (tile, block) pairs of the list, so the trip
     count is ceil(sum of blocks / Nt) where a loop over block indices runs max(blocks) times
     for every tile (one row of 2,000 tokens among fifteen of 100 costs 16 + 15 blocks of 128
-    keys, 2 iterations, not 16 iterations of 16 blocks). Each pair's keys fold into its tile's online softmax through [Nt, C]
-    one-hot sums; a pair's probabilities use its tile's new running maximum directly.
+    keys, 2 iterations, not 16 iterations of 16 blocks). Each pair's keys fold into its tile's
+    online softmax through [Nt, C] one-hot sums; a pair's probabilities use its tile's new
+    running maximum directly.
 
     The key product is written as multiply-and-reduce rather than a dot: each (pair, kv head)
     has a [G, H] x [H, S] product, which XLA:CPU runs as one small library dot at a time, while
@@ -435,9 +438,9 @@ def _single_query_loop(qt, gather_block, tiles: Tiles, static_blocks, softcap):
     pages, a loop to the longest row), all layers' attention took 44.3 ms with both products
     as multiply-reduce against 62.7 with both as dots over a float32 pool, and 37.7 against
     46.9 over a bf16 one (one run of the benchmarks/attention_gather.py setup). The value
-    product is a dot again: as a
-    multiply-reduce too it was as fast over a float32 pool and slower over a bf16 one (the
-    16-row bf16 step at 2.74-2.75x its matmul stack in three runs, against 2.46-2.60x).
+    product is a dot again: as a multiply-reduce it was as fast over a float32 pool and slower
+    over a bf16 one (the 16-row bf16 step at 2.74-2.75x its matmul stack in three runs,
+    against 2.46-2.60x).
     """
     Nt, K, G, H = qt.shape
     C = Nt                                               # pairs per iteration
