@@ -200,8 +200,11 @@ def step_without_attention(args) -> dict:
     rest of the step (norms, RoPE, cache writes, sampling, host booking) costs beyond the
     matmuls. Compiled programs are dropped first, so the step is traced again with the
     replacement, and again after it is undone."""
-    from jaxinfer import attention
+    from jaxinfer import attention, tuning
 
+    if tuning.for_backend().default_attention != "reference":
+        raise SystemExit(f"--ablate_attention replaces the jnp attention, which backend "
+                         f"{jax.default_backend()!r} does not use by default")
     real = attention.paged_loop_attention
     jax.clear_caches()
     attention.paged_loop_attention = lambda q, *a, **kw: jnp.zeros_like(q)
