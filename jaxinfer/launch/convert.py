@@ -21,15 +21,19 @@ from typing import Optional
 
 from absl import app, flags, logging
 
-_MODEL = flags.DEFINE_string("model", None, "Model alias, .gguf path or HF model directory.")
-_OUTPUT = flags.DEFINE_string("output", None, "Checkpoint directory to write.")
-_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
-                           "Dtype the params are stored in.")
-_QUANT = flags.DEFINE_enum("quantization", None, ["int8", "int4", "int4-awq", "fp8"],
-                           "Quantize the weights before saving them (default: as loaded).")
-_OVERWRITE = flags.DEFINE_bool("overwrite", False,
-                               "Replace an existing jaxinfer checkpoint at --output.")
-flags.mark_flags_as_required(["model", "output"])
+
+def define_flags() -> None:
+    """Registers this script's flags. Called when it runs as a script, not on import, so
+    that `convert` imports into a process that also holds launch.common's flags (which
+    define --model, --dtype and --quantization with other meanings)."""
+    flags.DEFINE_string("model", None, "Model alias, .gguf path or HF model directory.")
+    flags.DEFINE_string("output", None, "Checkpoint directory to write.")
+    flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
+                      "Dtype the params are stored in.")
+    flags.DEFINE_enum("quantization", None, ["int8", "int4", "int4-awq", "fp8"],
+                      "Quantize the weights before saving them (default: as loaded).")
+    flags.DEFINE_bool("overwrite", False, "Replace an existing jaxinfer checkpoint at --output.")
+    flags.mark_flags_as_required(["model", "output"])
 
 
 def _dir_size(path: str) -> int:
@@ -66,19 +70,21 @@ def convert(model: str, output: str, dtype: str = "float32", overwrite: bool = F
 
 
 def main(argv):
+    FLAGS = flags.FLAGS
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # app.run's INFO default floods with orbax logs
     try:
-        s = convert(_MODEL.value, _OUTPUT.value, _DTYPE.value, _OVERWRITE.value, _QUANT.value)
+        s = convert(FLAGS.model, FLAGS.output, FLAGS.dtype, FLAGS.overwrite, FLAGS.quantization)
     except ValueError as e:  # unusable model or output directory: a message, not a traceback
         raise SystemExit(f"error: {e}") from None
-    kind = f"{_DTYPE.value}, {s['quantization']}" if s["quantization"] else _DTYPE.value
+    kind = f"{FLAGS.dtype}, {s['quantization']}" if s["quantization"] else FLAGS.dtype
     print(f"wrote {s['output']}: {s['num_params']:,} params ({kind}), "
           f"{s['bytes'] / 2**20:.1f} MiB, tokenizer: {'yes' if s['has_tokenizer'] else 'no'}, "
           f"in {s['seconds']:.1f} s")
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

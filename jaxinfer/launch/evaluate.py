@@ -28,23 +28,27 @@ from jaxinfer.quant import KV_DTYPES, MODES
 
 DEFAULT_TEXT = "/usr/share/common-licenses/GPL-3"
 
-_MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model alias, .gguf path or HF model "
-                             "directory.")
-_QUANT = flags.DEFINE_enum("quantization", None, list(MODES), "Weight quantization.")
-_GROUP = flags.DEFINE_integer("group_size", None, "Elements per scale of int8 / int4 "
-                              "(0: per output channel; default: jaxinfer.quant.GROUP_SIZE).",
-                              lower_bound=0)
-_REF_MODEL = flags.DEFINE_string("reference_model", None, "Float model to compare with "
-                                 "(default: --model).")
-_KV = flags.DEFINE_enum("kv_cache_dtype", None, list(KV_DTYPES), "KV-cache quantization.")
-_TEXT = flags.DEFINE_string("text", DEFAULT_TEXT, "Text file to score (default: the GPL-3 "
-                            "text shipped on every Debian system).")
-_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 4096, "Score the text's first tokens only.",
-                                   lower_bound=2)
-_WINDOW = flags.DEFINE_integer("window", 512, "Tokens per scoring window.", lower_bound=2)
-_REFERENCE = flags.DEFINE_bool("reference", True, "Also score float32 weights with a float "
-                               "cache, and report greedy agreement with it.")
-_JSON = flags.DEFINE_string("json", None, "Write the results to this JSON file.")
+def define_flags() -> None:
+    """Registers this script's flags. Called when it runs as a script, not on import, so
+    that `evaluate` imports into a process that also holds launch.common's flags (which
+    define --model, --quantization and --max_tokens with other meanings)."""
+    flags.DEFINE_string("model", "smollm2-135m", "Model alias, .gguf path or HF model "
+                        "directory.")
+    flags.DEFINE_enum("quantization", None, list(MODES), "Weight quantization.")
+    flags.DEFINE_integer("group_size", None, "Elements per scale of int8 / int4 "
+                         "(0: per output channel; default: jaxinfer.quant.GROUP_SIZE).",
+                         lower_bound=0)
+    flags.DEFINE_string("reference_model", None, "Float model to compare with "
+                        "(default: --model).")
+    flags.DEFINE_enum("kv_cache_dtype", None, list(KV_DTYPES), "KV-cache quantization.")
+    flags.DEFINE_string("text", DEFAULT_TEXT, "Text file to score (default: the GPL-3 "
+                        "text shipped on every Debian system).")
+    flags.DEFINE_integer("max_tokens", 4096, "Score the text's first tokens only.",
+                         lower_bound=2)
+    flags.DEFINE_integer("window", 512, "Tokens per scoring window.", lower_bound=2)
+    flags.DEFINE_bool("reference", True, "Also score float32 weights with a float "
+                      "cache, and report greedy agreement with it.")
+    flags.DEFINE_string("json", None, "Write the results to this JSON file.")
 
 
 def evaluate(model: str, quantization=None, kv_cache_dtype=None, text: str = DEFAULT_TEXT,
@@ -86,8 +90,9 @@ def _nbytes(params) -> int:
 
 def main(argv):
     del argv
-    r = evaluate(_MODEL.value, _QUANT.value, _KV.value, _TEXT.value, _MAX_TOKENS.value,
-                 _WINDOW.value, _REFERENCE.value, _GROUP.value, _REF_MODEL.value)
+    F = flags.FLAGS
+    r = evaluate(F.model, F.quantization, F.kv_cache_dtype, F.text, F.max_tokens, F.window,
+                 F.reference, F.group_size, F.reference_model)
     group = "" if r["group_size"] is None else f" (group {r['group_size']})"
     name = (f"weights {r['quantization'] or 'as loaded'}{group}, "
             f"KV {r['kv_cache_dtype'] or 'float32'}")
@@ -99,10 +104,11 @@ def main(argv):
         print(f"float32: perplexity {r['float32_perplexity']:.3f}, params "
               f"{r['float32_param_bytes'] / 2**20:.1f} MiB; greedy agreement "
               f"{r['greedy_agreement']:.4f}; perplexity x{ratio:.4f}")
-    if _JSON.value:
-        with open(_JSON.value, "w") as f:
+    if F.json:
+        with open(F.json, "w") as f:
             json.dump(r, f, indent=2)
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)
