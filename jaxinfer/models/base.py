@@ -55,22 +55,31 @@ class ModelParams:
     lm_head: Optional[jax.Array] = None  # [D, V]; None when tied to embed
 
 
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["cache", "k_all", "v_all", "slots", "metas", "rope", "layer"],
+                   meta_fields=["attn_impl"])
 @dataclasses.dataclass(frozen=True)
 class Context:
     """What a layer's attention needs of the step: the pools it writes and reads, where the
-    step's tokens go, and the per-window / per-base metadata computed once per step."""
+    step's tokens go, the per-window / per-base metadata computed once per step, and which
+    layer runs. A pytree, so that a layer can be one jitted call (see forward_tokens)."""
 
-    cache: PagedKVCache             # the step's cache as it came in (tables, page size)
+    cache: PagedKVCache             # the step's cache as it came in, without its pools
     k_all: Any                      # [L, P * Z, K, H] pools as written so far
     v_all: Any
     slots: jax.Array                # [T] pool slot of each token
-    metas: dict                     # window (None: global) -> RaggedMeta
+    metas: tuple                    # one RaggedMeta per window of cfg.windows, in its order
     rope: dict                      # RoPE base -> (cos, sin) [1, T, H/2]
+    layer: Any                      # the running layer's index in the pools: int or int32 []
     attn_impl: str
 
     def angles(self, cfg: ModelConfig, i: int) -> tuple[jax.Array, jax.Array]:
         """(cos, sin) [1, T, H/2] of layer i's RoPE base."""
         return self.rope[cfg.layer_rope_theta(i)]
+
+    def meta(self, cfg: ModelConfig, window: Optional[int]) -> RaggedMeta:
+        """The RaggedMeta of the layers with this sliding window (None: global)."""
+        return self.metas[cfg.windows.index(window)]
 
     def replace(self, **kw) -> "Context":
         return dataclasses.replace(self, **kw)
@@ -83,13 +92,14 @@ def rows(x: jax.Array) -> jax.Array:
 
 def attend(ctx: Context, cfg: ModelConfig, i: int, q: jax.Array, k: jax.Array,
            v: jax.Array) -> tuple[jax.Array, Context]:
-    """Writes layer i's new keys and values k, v [T, K, H] into the cache, then attends the
-    queries q [T, N, H] over the cache (layer i's window and score scale). Returns [T, N, H]
-    and the context holding the written pools."""
-    k_all = ctx.cache.write_layer(ctx.k_all, i, k, ctx.slots)
-    v_all = ctx.cache.write_layer(ctx.v_all, i, v, ctx.slots)
+    """Writes the running layer's new keys and values k, v [T, K, H] into its part of the
+    pools (ctx.layer), then attends the queries q [T, N, H] over it with layer i's window and
+    score scale (i: a layer of the same kind, whose static properties these are). Returns
+    [T, N, H] and the context holding the written pools."""
+    k_all = ctx.cache.write_layer(ctx.k_all, ctx.layer, k, ctx.slots)
+    v_all = ctx.cache.write_layer(ctx.v_all, ctx.layer, v, ctx.slots)
     window = cfg.window(i)
-    o = ragged_attention(q, k_all, v_all, i, ctx.cache.block_tables, ctx.metas[window],
+    o = ragged_attention(q, k_all, v_all, ctx.layer, ctx.cache.block_tables, ctx.meta(cfg, window),
                          page_size=ctx.cache.page_size, sliding_window=window,
                          sm_scale=cfg.query_scale, implementation=ctx.attn_impl,
                          wraps=ctx.cache.wraps)
@@ -224,6 +234,11 @@ class Family:
               taps: Optional[dict] = None) -> tuple[jax.Array, Context]:
         raise NotImplementedError
 
+    def _layer_of_kind(self, cfg: ModelConfig, i: int, lp, h: jax.Array,
+                       ctx: Context) -> tuple[jax.Array, Context]:
+        """layer() for every layer of layer i's kind: ctx.layer says which one runs."""
+        return self.layer(lp, cfg, i, h, ctx)
+
     def final_norm(self, params: ModelParams, cfg: ModelConfig, h: jax.Array) -> jax.Array:
         from jaxinfer.layers import rms_norm
         return rms_norm(h, params.final_norm, cfg.rms_norm_eps)
@@ -248,17 +263,17 @@ class Family:
         positions = batch.positions(cache.lengths)                         # [T]
         kv_lengths = cache.lengths + batch.num_queries
         static = cache.block_tables.shape[1] if differentiable else None
-        metas = {w: ragged_meta(batch.query_start, batch.num_queries, kv_lengths,
-                                num_tokens=T, query_tile=query_tile,
-                                num_tiles=num_tiles or num_tiles_bound(T, query_tile, B),
-                                page_size=Z, sliding_window=w, static_pages=static)
-                 for w in cfg.windows}
+        metas = tuple(ragged_meta(batch.query_start, batch.num_queries, kv_lengths,
+                                  num_tokens=T, query_tile=query_tile,
+                                  num_tiles=num_tiles or num_tiles_bound(T, query_tile, B),
+                                  page_size=Z, sliding_window=w, static_pages=static)
+                      for w in cfg.windows)
         thetas = dict.fromkeys(cfg.layer_rope_theta(i) for i in range(cfg.num_layers))
         rope = {t: rope_angles(positions[None], rope_inv_freq(
             cfg.head_dim, t, cfg.rope_scaling, cfg.rope_freq_factors)) for t in thetas}
-        return Context(cache=cache, k_all=cache.k, v_all=cache.v,
+        return Context(cache=cache.replace(k=None, v=None), k_all=cache.k, v_all=cache.v,
                        slots=cache.write_slots(batch.rows, positions), metas=metas, rope=rope,
-                       attn_impl=attn_impl)
+                       layer=0, attn_impl=attn_impl)
 
     def forward_tokens(self, params: ModelParams, cfg: ModelConfig, batch: TokenBatch,
                        cache: PagedKVCache, *, attn_impl: str = "reference",
@@ -275,13 +290,21 @@ class Family:
         any split of the batch. differentiable (static): the jnp attention loops over every
         page a row's table can hold (a fixed trip count, which jax.grad can go through).
         The layers are unrolled: on XLA:CPU a scan copies each layer's weights out of the
-        stack before every matmul (docs/architecture.md, Model)."""
+        stack before every matmul (docs/architecture.md, Model). Each layer is a call of one
+        jitted function per kind of layer (its window and RoPE base), its index in the pools
+        an argument: jax traces and lowers a kind once and reuses that for every layer of the
+        kind (SmolLM2's 30 layers: one trace), and XLA inlines the calls, so the compiled
+        program is the unrolled one."""
         ctx = self.context(cfg, batch, cache, attn_impl=attn_impl, query_tile=query_tile,
                            num_tiles=num_tiles, differentiable=differentiable)
         h = rows(self.embed(params, cfg, batch.tokens))
+        kinds = {}
         for i, lp in enumerate(params.layers):
+            kind = (cfg.window(i), cfg.layer_rope_theta(i))
+            if kind not in kinds:  # jitted per forward: its trace cache lives as long as this
+                kinds[kind] = jax.jit(functools.partial(self._layer_of_kind, cfg, i))
             with jax.named_scope(f"layer_{i}"):
-                h, ctx = self.layer(lp, cfg, i, h, ctx)
+                h, ctx = kinds[kind](lp, h, ctx.replace(layer=np.int32(i)))
         cache = cache.advance(ctx.k_all, ctx.v_all, batch.num_queries)
         return self.final_norm(params, cfg, h), cache
 
