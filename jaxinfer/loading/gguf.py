@@ -84,9 +84,10 @@ def config_from_metadata(meta: dict[str, Any], path: str = "<gguf>") -> ModelCon
             raise ModelFileError(f"{path!r}: unsupported RoPE scaling factor {factor!r} "
                                  f"({arch}.{key})")
     window = get("attention.sliding_window", 0, required=False) or None
+    family = gguf_family(meta)
     try:
         common = dict(
-            architecture=arch,
+            architecture=family,
             vocab_size=int(vocab),
             d_model=d_model,
             num_layers=int(get("block_count")),
@@ -105,11 +106,27 @@ def config_from_metadata(meta: dict[str, Any], path: str = "<gguf>") -> ModelCon
             eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         )
         # The family's own fields (experts, per-layer attention, QK-norm).
-        return ModelConfig(**(common | get_model(arch).gguf_config(meta, get, path)))
+        return ModelConfig(**(common | get_model(family).gguf_config(meta, get, path)))
     except ModelFileError:
         raise
     except ValueError as e:  # ModelConfig's own consistency checks
         raise ModelFileError(f"{path!r}: {e}") from None
+
+
+def gguf_family(meta: dict[str, Any]) -> str:
+    """The family (jaxinfer.models registry name) of a GGUF file: its general.architecture,
+    except that llama.cpp writes Mixtral as architecture "llama" with experts
+    (`llama.expert_count` > 0), which is the Mixtral family."""
+    arch = meta.get("general.architecture")
+    if arch == "llama" and int(meta.get("llama.expert_count") or 0) > 0:
+        return "mixtral"
+    return arch
+
+
+def _permutes_qk(meta: dict[str, Any]) -> bool:
+    """convert_hf_to_gguf permutes Q and K for interleaved RoPE in llama and mistral files
+    only (Mixtral included, written as llama)."""
+    return meta.get("general.architecture") in ("llama", "mistral")
 
 
 def _unpermute_qk(w: Weight, n_heads: int) -> Weight:
@@ -215,7 +232,7 @@ def load_gguf(path: str, *, quantized: bool = False
     meta = dict(gf.metadata)
     cfg = config_from_metadata(meta, path)
     tensors = gf.tensors
-    permuted = cfg.architecture in ("llama", "mistral")  # convert_hf_to_gguf permutes these only
+    permuted = _permutes_qk(meta)
     arch = cfg.architecture
     H = cfg.head_dim
     dims = {"V": cfg.vocab_size, "D": cfg.d_model, "F": cfg.ffn_dim, "Q": cfg.q_dim,
@@ -276,6 +293,9 @@ def load_gguf(path: str, *, quantized: bool = False
     if first is not None:  # the family reads its own layers
         for i in range(cfg.num_layers):
             layer = first if i == 0 else model.gguf_layer(read_shape, cfg, i)
+            if permuted:  # Mixtral: llama's permuted Q and K
+                layer["wq"] = _unpermute_qk(layer["wq"], cfg.num_heads)
+                layer["wk"] = _unpermute_qk(layer["wk"], cfg.num_kv_heads)
             weights.update({f"layers.{i}.{name}": w for name, w in layer.items()})
         return cfg, weights, meta
 
