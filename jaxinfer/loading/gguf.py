@@ -14,7 +14,8 @@ host), F32 and F16 directly, other types through gguf-py; each bit for bit as
 
 from __future__ import annotations
 
-from typing import Any, Union
+import concurrent.futures
+from typing import Any, Callable, Union
 
 import numpy as np
 
@@ -111,6 +112,19 @@ def config_from_metadata(meta: dict[str, Any], path: str = "<gguf>") -> ModelCon
         raise
     except ValueError as e:  # ModelConfig's own consistency checks
         raise ModelFileError(f"{path!r}: {e}") from None
+
+
+# Threads that decode tensors while a model loads: numpy releases the GIL in the block
+# decoding's array operations, so the embedding and the layers decode side by side.
+LOAD_THREADS = 2
+
+
+def _in_order(jobs: list[Callable[[], Any]]) -> list:
+    """Runs the jobs on LOAD_THREADS threads and returns their results in order; a failing job
+    raises its error when its turn comes, the first failure in order being the one raised."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=LOAD_THREADS) as pool:
+        futures = [pool.submit(job) for job in jobs]
+        return [f.result() for f in futures]
 
 
 def gguf_family(meta: dict[str, Any]) -> str:
@@ -253,7 +267,7 @@ def load_gguf(path: str, *, quantized: bool = False
         "ffn_gate.bias": ("F",), "ffn_up.bias": ("F",), "ffn_down.bias": ("D",),
     }
 
-    def read(name: str, symbols: tuple[str, ...], transposed: bool = False) -> Weight:
+    def checked(name: str, symbols: tuple[str, ...]) -> TensorInfo:
         if name not in tensors:
             raise ModelFileError(f"model file {path!r} lacks tensor {name!r}")
         got, shape = tensors[name].shape, tuple(dims[s] for s in symbols)
@@ -261,10 +275,16 @@ def load_gguf(path: str, *, quantized: bool = False
             why = ", ".join(dim_sources[s] for s in dict.fromkeys(symbols))
             raise ModelFileError(f"model file {path!r}: tensor {name!r} has shape {got}; the "
                                  f"metadata implies {shape} ({why})")
-        return _read(gf, tensors[name], transposed, quantized)
+        return tensors[name]
+
+    def read(name: str, symbols: tuple[str, ...], transposed: bool = False) -> Weight:
+        return _read(gf, checked(name, symbols), transposed, quantized)
 
     weights: dict[str, Weight] = {}
-    weights["embed"] = read("token_embd.weight", ("V", "D"))
+    # The embedding, the largest tensor, is checked now and decodes beside the layers (see
+    # _in_order below).
+    embed_info = checked("token_embd.weight", ("V", "D"))
+    read_embed = lambda: _read(gf, embed_info, False, quantized)  # noqa: E731
     weights["final_norm"] = read("output_norm.weight", ("D",))
     if "output.weight" in tensors:
         weights["lm_head"] = read("output.weight", ("V", "D"), transposed=True)
@@ -291,8 +311,10 @@ def load_gguf(path: str, *, quantized: bool = False
 
     first = model.gguf_layer(read_shape, cfg, 0)
     if first is not None:  # the family reads its own layers
-        for i in range(cfg.num_layers):
-            layer = first if i == 0 else model.gguf_layer(read_shape, cfg, i)
+        embed, *rest = _in_order([read_embed] + [
+            lambda i=i: model.gguf_layer(read_shape, cfg, i) for i in range(1, cfg.num_layers)])
+        weights["embed"] = embed
+        for i, layer in enumerate([first] + rest):
             if permuted:  # Mixtral: llama's permuted Q and K
                 layer["wq"] = _unpermute_qk(layer["wq"], cfg.num_heads)
                 layer["wk"] = _unpermute_qk(layer["wk"], cfg.num_kv_heads)
@@ -303,7 +325,9 @@ def load_gguf(path: str, *, quantized: bool = False
     has_bias = cfg.architecture == "qwen2" or any(
         f"blk.{i}.{b}" in tensors for i in range(cfg.num_layers) for b in _BIASES)
     cfg = cfg.replace(attention_bias=has_bias)
-    for i in range(cfg.num_layers):
+
+    def llama_layer(i: int) -> dict[str, Weight]:
+        layer = {}
         for gname, name in (_LAYER_TENSORS | (_BIASES if has_bias else {})).items():
             full = f"blk.{i}.{gname}"
             if name.startswith("b") and full not in tensors and cfg.architecture != "qwen2":
@@ -315,9 +339,16 @@ def load_gguf(path: str, *, quantized: bool = False
                 w = _unpermute_qk(w, cfg.num_heads if name == "wq" else cfg.num_kv_heads)
             if permuted and name in ("bq", "bk"):
                 w = _unpermute_qk_bias(w, cfg.num_heads if name == "bq" else cfg.num_kv_heads)
-            weights[f"layers.{i}.{name}"] = w
+            layer[name] = w
         for gname in _UNSUPPORTED_BIASES:
             full = f"blk.{i}.{gname}"
             if full in tensors and np.any(read(full, layer_shapes[gname])):
                 raise ModelFileError(f"model file {path!r}: a non-zero {full!r} is not supported")
+        return layer
+
+    embed, *layers = _in_order([read_embed] + [
+        lambda i=i: llama_layer(i) for i in range(cfg.num_layers)])
+    weights["embed"] = embed
+    for i, layer in enumerate(layers):
+        weights.update({f"layers.{i}.{name}": w for name, w in layer.items()})
     return cfg, weights, meta
