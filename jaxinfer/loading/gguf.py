@@ -114,15 +114,21 @@ def config_from_metadata(meta: dict[str, Any], path: str = "<gguf>") -> ModelCon
         raise ModelFileError(f"{path!r}: {e}") from None
 
 
-# Threads that decode tensors while a model loads: numpy releases the GIL in the block
-# decoding's array operations, so the embedding and the layers decode side by side.
+# Threads that dequantize tensors while a model loads to float: numpy releases the GIL in the
+# block arithmetic, so the embedding and the layers decode side by side (SmolLM2's file:
+# load_model 0.42-0.46 s against 0.71-0.90 s on one thread). Loads that keep the file's codes
+# (quantized=True) use one: they gain little (0.22 against 0.25 s) and a second thread raised
+# their peak memory by 165 MiB (`benchmarks/loading.py --configs float,int4`).
 LOAD_THREADS = 2
 
 
-def _in_order(jobs: list[Callable[[], Any]]) -> list:
-    """Runs the jobs on LOAD_THREADS threads and returns their results in order; a failing job
-    raises its error when its turn comes, the first failure in order being the one raised."""
-    with concurrent.futures.ThreadPoolExecutor(max_workers=LOAD_THREADS) as pool:
+def _in_order(jobs: list[Callable[[], Any]], threads: int) -> list:
+    """Runs the jobs on `threads` threads and returns their results in order; a failing job
+    raises its error when its turn comes, the first failure in order being the one raised.
+    One thread: the caller's own (a worker thread's malloc arena kept its memory)."""
+    if threads == 1:
+        return [job() for job in jobs]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=threads) as pool:
         futures = [pool.submit(job) for job in jobs]
         return [f.result() for f in futures]
 
@@ -284,6 +290,7 @@ def load_gguf(path: str, *, quantized: bool = False
     # The embedding, the largest tensor, is checked now and decodes beside the layers (see
     # _in_order below).
     embed_info = checked("token_embd.weight", ("V", "D"))
+    threads = 1 if quantized else LOAD_THREADS
     read_embed = lambda: _read(gf, embed_info, False, quantized)  # noqa: E731
     weights["final_norm"] = read("output_norm.weight", ("D",))
     if "output.weight" in tensors:
@@ -312,7 +319,8 @@ def load_gguf(path: str, *, quantized: bool = False
     first = model.gguf_layer(read_shape, cfg, 0)
     if first is not None:  # the family reads its own layers
         embed, *rest = _in_order([read_embed] + [
-            lambda i=i: model.gguf_layer(read_shape, cfg, i) for i in range(1, cfg.num_layers)])
+            lambda i=i: model.gguf_layer(read_shape, cfg, i) for i in range(1, cfg.num_layers)],
+            threads)
         weights["embed"] = embed
         for i, layer in enumerate([first] + rest):
             if permuted:  # Mixtral: llama's permuted Q and K
@@ -347,7 +355,7 @@ def load_gguf(path: str, *, quantized: bool = False
         return layer
 
     embed, *layers = _in_order([read_embed] + [
-        lambda i=i: llama_layer(i) for i in range(cfg.num_layers)])
+        lambda i=i: llama_layer(i) for i in range(cfg.num_layers)], threads)
     weights["embed"] = embed
     for i, layer in enumerate(layers):
         weights.update({f"layers.{i}.{name}": w for name, w in layer.items()})
