@@ -17,11 +17,21 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+# XLA:CPU aborts a process whose simulated devices do not all reach a collective within 40 s.
+# On the 2-core machine, with another test worker compiling beside it, one of the 8 device
+# threads once came too late (alone the worker takes about 23 s, under two busy loops 36 s).
+# That abort, and only it, gets one more try; a hang would time out again, a wrong result fails.
+RENDEZVOUS_TIMEOUT = "Expected 8 threads to join the rendezvous"
+
+
 @pytest.fixture(scope="module")
 def results():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "moe_worker.py")], env=env,
-                          capture_output=True, text=True, timeout=1200)
+    for attempt in range(2):
+        proc = subprocess.run([sys.executable, os.path.join(HERE, "moe_worker.py")], env=env,
+                              capture_output=True, text=True, timeout=1200)
+        if proc.returncode == 0 or RENDEZVOUS_TIMEOUT not in proc.stderr:
+            break
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
