@@ -281,13 +281,14 @@ def num_tiles_bound(num_tokens: int, query_tile: int, num_rows: int) -> int:
     return num_tokens // query_tile + min(num_rows, num_tokens)
 
 
-def ragged_attention(q: jax.Array, k_all, v_all, layer: int, block_tables: jax.Array,
+def ragged_attention(q: jax.Array, k_all, v_all, layer, block_tables: jax.Array,
                      meta: RaggedMeta, *, page_size: int, sliding_window: int | None = None,
                      softcap: float | None = None, sm_scale: float | None = None,
                      implementation: str = "reference", wraps: bool = False) -> jax.Array:
-    """Attention of a flat step's queries q [T, N, H] over layer `layer` of a page pool k_all,
-    v_all [L, P * Z, K, H] (float or QuantizedKV), each query over its row's keys up to its own
-    position (and within the window). Returns [T, N, H] in q.dtype; tokens of no row get zeros.
+    """Attention of a flat step's queries q [T, N, H] over layer `layer` (an int, or an int32
+    scalar inside a jitted layer) of a page pool k_all, v_all [L, P * Z, K, H] (float or
+    QuantizedKV), each query over its row's keys up to its own position (and within the
+    window). Returns [T, N, H] in q.dtype; tokens of no row get zeros.
 
     implementation "reference": the jnp path (paged_loop_attention); "pallas": the ragged paged
     attention kernel (interpret mode on CPU), unless the cache is a ring that wraps (wraps:
@@ -321,7 +322,7 @@ def ragged_attention(q: jax.Array, k_all, v_all, layer: int, block_tables: jax.A
         meta.num_queries, *scales)
 
 
-def paged_loop_attention(q, k_all, v_all, layer: int, block_tables, meta: RaggedMeta, *,
+def paged_loop_attention(q, k_all, v_all, layer, block_tables, meta: RaggedMeta, *,
                          page_size: int, sliding_window=None, softcap=None, sm_scale=None):
     """The jnp ragged attention, written for XLA:CPU: for each set of tiles (meta.singles, then
     meta.tiles), a while loop of dynamic trip count walks every tile's pages pages_per_block at
@@ -342,7 +343,7 @@ def paged_loop_attention(q, k_all, v_all, layer: int, block_tables, meta: Ragged
     return out
 
 
-def _tile_attention(q, k_all, v_all, layer: int, block_tables, tiles: Tiles, meta: RaggedMeta,
+def _tile_attention(q, k_all, v_all, layer, block_tables, tiles: Tiles, meta: RaggedMeta,
                     *, page_size, sliding_window, softcap, scale):
     """paged_loop_attention over one set of tiles: [Nt * Q, N, H] float32 in tile order."""
     T, N, H = q.shape

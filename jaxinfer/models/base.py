@@ -234,11 +234,6 @@ class Family:
               taps: Optional[dict] = None) -> tuple[jax.Array, Context]:
         raise NotImplementedError
 
-    def _layer_of_kind(self, cfg: ModelConfig, i: int, lp, h: jax.Array,
-                       ctx: Context) -> tuple[jax.Array, Context]:
-        """layer() for every layer of layer i's kind: ctx.layer says which one runs."""
-        return self.layer(lp, cfg, i, h, ctx)
-
     def final_norm(self, params: ModelParams, cfg: ModelConfig, h: jax.Array) -> jax.Array:
         from jaxinfer.layers import rms_norm
         return rms_norm(h, params.final_norm, cfg.rms_norm_eps)
@@ -302,7 +297,8 @@ class Family:
         for i, lp in enumerate(params.layers):
             kind = (cfg.window(i), cfg.layer_rope_theta(i))
             if kind not in kinds:  # jitted per forward: its trace cache lives as long as this
-                kinds[kind] = jax.jit(functools.partial(self._layer_of_kind, cfg, i))
+                # layer i's static properties serve its whole kind; ctx.layer says which runs
+                kinds[kind] = jax.jit(lambda lp, h, ctx, i=i: self.layer(lp, cfg, i, h, ctx))
             with jax.named_scope(f"layer_{i}"):
                 h, ctx = kinds[kind](lp, h, ctx.replace(layer=np.int32(i)))
         cache = cache.advance(ctx.k_all, ctx.v_all, batch.num_queries)
