@@ -22,6 +22,23 @@
    jax.devices()[0].device_kind, or --peak_bw); target >= 0.6. Each config's first rows are checked
    against `paged_attention_reference` (max abs diff).
 
+3. Ragged paged attention (one flat step), bf16, N=32, K=8, H=128, page_size 16, shuffled pages,
+   three mixes: "mixed" (4 prefill chunks of 512 tokens ending at context 2048, beside 64 decode
+   rows at context 2048: T = 2112), "decode-heavy" (128 decode rows at context 4096 beside one
+   256-token chunk ending at 4096: T = 384) and "decode" (64 decode rows at context 4096 alone).
+   On each mix, timed interleaved in one process:
+     ragged      `ragged_paged_attention` over the flat batch (block sizes from its table);
+     ragged:*    the same with a block_q / pages_per_block override (--ragged_variants);
+     split       `paged_attention` over the decode rows plus `flash_attention` over the prefill
+                 chunks in one jitted call (the two-kernel step this design replaced; flash gets
+                 each chunk's keys as a contiguous [C, context, K, H] array gathered beforehand,
+                 outside the timing, so the split baseline is favoured);
+     reference   `ragged_paged_attention_reference` (jnp, materialises each token's keys).
+       bytes = 2 (K and V) * sum_r context_r * K * H * 2 + 2 * T * N * H * 2 (q in, out)
+       FLOPs = 4 * N * H * sum over query tokens of the keys it sees
+   Prints ms, GB/s, the fraction of the card's bandwidth, TFLOP/s, and max |x - reference| on the
+   whole batch (split: its outputs put back in flat order).
+
 Timing: jax.block_until_ready around each sample, after compile and warm-up calls; one sample
 dispatches enough back-to-back calls to last >= --min_sample_ms (so launch overhead does not
 dominate short decode kernels) and reports time per call; the figure is the median of --runs
@@ -48,7 +65,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from pallas_kernels import flash_attention, paged_attention, paged_attention_reference  # noqa
+from pallas_kernels import (flash_attention, paged_attention, paged_attention_reference,  # noqa
+                            ragged_paged_attention, ragged_paged_attention_reference)
 
 CPU_NOTE = ("CPU / interpret mode: these timings are NOT performance figures; the run only shows "
             "that the benchmark works end to end.")
@@ -202,6 +220,129 @@ def measure_paged(args, kernel, q, k_pages, v_pages, lengths, tables) -> dict:
     return {"max_abs_diff_vs_ref": diff, "ms": t["paged"] * 1e3}
 
 
+RAGGED_MIXES = {
+    # name: (list of (query tokens, context) per prefill chunk, decode rows, decode context)
+    "full": {"mixed": ([(512, 2048)] * 4, 64, 2048),
+             "decode-heavy": ([(256, 4096)], 128, 4096),
+             "decode": ([], 64, 4096)},
+    "smoke": {"mixed": ([(16, 48), (16, 24)], 4, 40),
+              "decode": ([], 4, 40)},
+}
+
+
+def ragged_batch(chunks, decode_rows, decode_ctx, page, rng):
+    """Flat-batch metadata of one mix: prefill chunks first, then decode rows; every row's pages
+    drawn at random from one shuffled pool."""
+    rows = list(chunks) + [(1, decode_ctx)] * decode_rows
+    num_queries = np.array([n for n, _ in rows], np.int32)
+    kv_lengths = np.array([c for _, c in rows], np.int32)
+    query_start = np.concatenate([[0], np.cumsum(num_queries)[:-1]]).astype(np.int32)
+    pages = -(-kv_lengths // page)
+    max_pages = int(pages.max())
+    perm = rng.permutation(int(pages.sum())).astype(np.int32)
+    tables = np.zeros((len(rows), max_pages), np.int32)
+    at = 0
+    for r, n in enumerate(pages):
+        tables[r, :n] = perm[at:at + n]
+        at += n
+    return dict(num_queries=num_queries, kv_lengths=kv_lengths, query_start=query_start,
+                tables=tables, num_pages=int(pages.sum()), T=int(num_queries.sum()))
+
+
+def ragged_variants(spec: str) -> dict[str, dict]:
+    """"bq64,ppb8" -> {"ragged:bq64": {"block_q": 64}, "ragged:ppb8": {"pages_per_block": 8}}."""
+    out = {}
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        m = {"bq": "block_q", "ppb": "pages_per_block"}
+        key = next((k for k in m if item.startswith(k) and item[len(k):].isdigit()), None)
+        if key is None:
+            raise SystemExit(f"--ragged_variants: {item!r} is not bq<N> or ppb<N>")
+        out["ragged:" + item] = {m[key]: int(item[len(key):])}
+    return out
+
+
+def bench_ragged(args, cfg, interpret: bool, peak: float | None, emit):
+    N, K, H, page = cfg["N"], cfg["K"], cfg["H"], cfg["page_size"]
+    dtype = jnp.bfloat16
+    rng = np.random.default_rng(1)
+    variants = {"ragged": {}, **ragged_variants(args.ragged_variants)}
+    for mix, (chunks, decode_rows, decode_ctx) in cfg["mixes"].items():
+        b = ragged_batch(chunks, decode_rows, decode_ctx, page, rng)
+        T, C = b["T"], len(chunks)
+        kq, kk, kv = jax.random.split(jax.random.key(T), 3)
+        q = jax.random.normal(kq, (T, N, H), dtype)
+        k_pages = jax.random.normal(kk, (b["num_pages"], page, K, H), dtype)
+        v_pages = jax.random.normal(kv, (b["num_pages"], page, K, H), dtype)
+        meta = [jnp.asarray(b[n]) for n in ("kv_lengths", "tables", "query_start", "num_queries")]
+        kv_len, tables, qstart, nq = meta
+        fns = {}
+        for name, over in variants.items():
+            f = jax.jit(lambda *a, over=over: ragged_paged_attention(*a, interpret=interpret,
+                                                                     **over))
+            fns[name] = (lambda f=f: f(q, k_pages, v_pages, kv_len, tables, qstart, nq))
+        ref = jax.jit(ragged_paged_attention_reference)
+        fns["reference"] = lambda: ref(q, k_pages, v_pages, kv_len, tables, qstart, nq)
+
+        # The split baseline: decode rows through paged_attention, chunks through flash.
+        dq = q[T - decode_rows:]
+        dtab, dlen = tables[C:], kv_len[C:]
+        split_args = [dq, dtab, dlen]
+        if C:
+            width = max(c for _, c in chunks)
+            if any(n != chunks[0][0] for n, _ in chunks):
+                raise SystemExit("the split baseline needs chunks of equal query length")
+            n0 = chunks[0][0]
+            cq = q[:C * n0].reshape(C, n0, N, H)
+            ctab = tables[:C, :-(-width // page)]
+            ck = k_pages[ctab].reshape(C, -1, K, H)[:, :width]
+            cv = v_pages[ctab].reshape(C, -1, K, H)[:, :width]
+            coff = jnp.asarray([c - n for n, c in chunks], jnp.int32)
+            clen = jnp.asarray([c for _, c in chunks], jnp.int32)
+            split_args += [cq, ck, cv, coff, clen]
+
+        @jax.jit
+        def split(k_pages, v_pages, dq, dtab, dlen, *chunk):
+            parts = []
+            if chunk:
+                cq, ck, cv, coff, clen = chunk
+                parts.append(flash_attention(cq, ck, cv, causal=True, q_offset=coff,
+                                             kv_lengths=clen,
+                                             interpret=interpret).reshape(-1, N, H))
+            if dq.shape[0]:
+                parts.append(paged_attention(dq, k_pages, v_pages, dlen, dtab,
+                                             interpret=interpret))
+            return jnp.concatenate(parts)
+        fns["split"] = lambda: split(k_pages, v_pages, *split_args)
+
+        outs, notes = {}, {}
+        for name in list(fns):
+            try:
+                outs[name] = jax.block_until_ready(fns[name]())
+            except Exception as e:  # noqa: BLE001 -- report and time the others
+                notes[name] = "failed: " + short(e)
+                del fns[name]
+        times = time_interleaved(fns, args.runs, args.min_sample_ms / 1e3) if fns else {}
+        nbytes = 2 * int(b["kv_lengths"].sum()) * K * H * 2 + 2 * T * N * H * 2
+        seen = sum(int(sum(c - n + 1 + i for i in range(n))) for n, c in
+                   zip(b["num_queries"], b["kv_lengths"]))
+        flops = 4 * N * H * seen
+        for name in list(variants) + ["split", "reference"]:
+            row = {"bench": "ragged_paged_attention", "mix": mix, "impl": name, "T": T,
+                   "rows": len(b["num_queries"]), "chunks": C, "N": N, "K": K, "H": H,
+                   "page_size": page, "bytes": nbytes, "flops": flops}
+            if name in times:
+                t = times[name]
+                row.update(ms=t * 1e3, GBps=nbytes / t / 1e9, tflops=flops / t / 1e12)
+                if peak:
+                    row["fraction_of_peak"] = nbytes / t / peak
+            if name in outs and "reference" in outs and name != "reference":
+                row["max_abs_diff_vs_ref"] = max_diff(outs[name], outs["reference"])
+            if name in notes:
+                row["note"] = notes[name]
+            emit(row)
+        del q, k_pages, v_pages, outs, split_args, fns
+
+
 def printer(as_json: bool, peak: float | None):
     def f(x, fmt, missing="-"):
         return missing if x is None else format(x, fmt)
@@ -222,6 +363,14 @@ def printer(as_json: bool, peak: float | None):
             print(f"{'':>6} flash/cudnn {f(r, '.2f', 'n/a')} (target >= 0.9{verdict}), "
                   f"flash/xla {f(row.get('flash_over_xla'), '.2f', 'n/a')}"
                   " (xla TFLOP/s at its own batch)", flush=True)
+        elif b == "ragged_paged_attention":
+            frac = row.get("fraction_of_peak")
+            print(f"{row['mix']:>12} {row['impl']:>12} {row['T']:>5} {f(row.get('ms'), '9.4f'):>9} "
+                  f"{f(row.get('GBps'), '8.4g'):>8} "
+                  f"{f(frac, '6.2f', 'n/a' if not peak else '-'):>6} "
+                  f"{f(row.get('tflops'), '7.3g'):>7} "
+                  f"{f(row.get('max_abs_diff_vs_ref'), '11.2e'):>11}  {row.get('note', '')}",
+                  flush=True)
         else:
             frac = row.get("fraction_of_peak")
             print(f"{row['B']:>5} {row['context']:>7} {f(row.get('ms'), '10.4f'):>10} "
@@ -242,13 +391,15 @@ def main():
                     "in smoke mode)")
     ap.add_argument("--min_sample_ms", type=float, default=20.0,
                     help="one sample repeats the call until it lasts about this long")
-    ap.add_argument("--only", choices=("flash", "paged"), default=None)
+    ap.add_argument("--only", choices=("flash", "paged", "ragged"), default=None)
     ap.add_argument("--peak_bw", type=float, default=None, help="card bandwidth in bytes/s")
     ap.add_argument("--xla_score_gib", type=float, default=8.0,
                     help="cap on the xla path's float32 score matrix; sets its batch")
     ap.add_argument("--block_q", type=int, default=None, help="flash block_q override")
     ap.add_argument("--block_k", type=int, default=None, help="flash block_k override")
     ap.add_argument("--pages_per_block", type=int, default=None, help="paged override")
+    ap.add_argument("--ragged_variants", default="bq32,bq64,ppb8",
+                    help="extra ragged runs with overrides: bq<N> block_q, ppb<N> pages_per_block")
     args = ap.parse_args()
 
     backend = jax.default_backend()
@@ -262,10 +413,12 @@ def main():
         args.min_sample_ms = min(args.min_sample_ms, 1.0)
         flash_cfg = dict(B=2, N=4, K=2, H=64, seqs=(64, 128))
         paged_cfg = dict(N=4, K=2, H=64, page_size=16, batches=(2, 4), contexts=(32, 80))
+        ragged_cfg = dict(N=4, K=2, H=64, page_size=16, mixes=RAGGED_MIXES["smoke"])
     else:
         flash_cfg = dict(B=8, N=32, K=8, H=128, seqs=(2048, 8192))
         paged_cfg = dict(N=32, K=8, H=128, page_size=16, batches=(32, 64, 128),
                          contexts=(1024, 4096, 8192))
+        ragged_cfg = dict(N=32, K=8, H=128, page_size=16, mixes=RAGGED_MIXES["full"])
     dev = jax.devices()[0]
     peak = peak_bandwidth(dev.device_kind, args.peak_bw)
     emit = printer(args.json, peak)
@@ -301,6 +454,15 @@ def main():
             print(f"{'B':>5} {'context':>7} {'ms':>10} {'GB/s':>9} {'frac':>6} "
                   f"{'maxdiff/ref':>11}  note")
         bench_paged(args, c, interpret, peak, emit)
+    if args.only in (None, "ragged"):
+        c = ragged_cfg
+        if not args.json:
+            print(f"\nragged paged attention (one flat step), bf16, N={c['N']} K={c['K']} "
+                  f"H={c['H']}, page_size {c['page_size']}, shuffled pages; GB/s = (2*sum ctx*K*H"
+                  "*2 + 2*T*N*H*2) bytes / time; TFLOP/s = 4*N*H*(keys seen) / time")
+            print(f"{'mix':>12} {'impl':>12} {'T':>5} {'ms':>9} {'GB/s':>8} {'frac':>6} "
+                  f"{'TFLOP/s':>7} {'maxdiff/ref':>11}  note")
+        bench_ragged(args, c, interpret, peak, emit)
     if not args.json:
         print(f"\ndone in {time.perf_counter() - t0:.1f} s" +
               (f". {CPU_NOTE}" if interpret else ""))

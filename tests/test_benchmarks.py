@@ -77,3 +77,28 @@ def test_quantization_benchmark_memory_figures(tmp_path):
     assert int8["llm_bytes"] - int8["param_bytes"] == state
     assert none["llm_bytes_ratio"] == 1.0
     assert int8["llm_bytes_ratio"] == int8["llm_bytes"] / none["llm_bytes"]
+
+
+def test_kernels_benchmark_ragged_smoke():
+    """benchmarks/kernels.py's ragged section on CPU (interpret mode, tiny mixes): every
+    implementation is timed and the kernel and the split pair agree with the reference at bf16
+    rounding; its byte and FLOP counts follow from the mix it reports."""
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "kernels.py"),
+                          "--only", "ragged", "--json", "--ragged_variants", "bq8"],
+                         check=True, capture_output=True, text=True, timeout=300)
+    rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    ragged = [r for r in rows if r["bench"] == "ragged_paged_attention"]
+    assert {(r["mix"], r["impl"]) for r in ragged} == {
+        (m, i) for m in ("mixed", "decode") for i in ("ragged", "ragged:bq8", "split",
+                                                      "reference")}
+    for r in ragged:
+        assert r["ms"] > 0 and "note" not in r, r
+        if r["impl"] != "reference":
+            assert r["max_abs_diff_vs_ref"] < 2e-2, r     # bf16 outputs of O(1) values
+    mixed = next(r for r in ragged if r["mix"] == "mixed")
+    # Smoke mix: chunks (16 queries, context 48) and (16, 24), 4 decode rows at context 40.
+    K, N, H = mixed["K"], mixed["N"], mixed["H"]
+    assert mixed["T"] == 36 and mixed["rows"] == 6
+    assert mixed["bytes"] == 2 * (48 + 24 + 4 * 40) * K * H * 2 + 2 * 36 * N * H * 2
+    seen = sum(range(33, 49)) + sum(range(9, 25)) + 4 * 40
+    assert mixed["flops"] == 4 * N * H * seen

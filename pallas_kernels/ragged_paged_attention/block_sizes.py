@@ -20,15 +20,21 @@ class BlockSizes:
     min_q_rows: int                # a floor on block_q * group_rows, also for an explicit block_q
     num_warps: int | None = None
     num_stages: int | None = None
+    max_kv_block_bytes: int | None = None  # caps the target: keys per step * H * itemsize
 
 
 # The GPU body lowers through Triton: its dots need every dimension >= 16 (query rows, keys per
 # step) and every loaded block must have a power-of-two size. Interpret mode on CPU has neither
 # constraint; small blocks there keep the masked tails (a decode row's single query, the last
 # keys of a step) cheap.
+# GPU figures, H200, bf16, N=32 K=8 H=128, page 16 (benchmarks/kernels.py --only ragged, docs/gpu.md):
+# 128 keys per step beat 64 on every mix (decode rows at context 4096: 0.43 against 0.58 ms) and
+# 256 lost (0.51 ms); 512 overflows shared memory. A step's key block is capped at 64 KiB
+# (128 keys of H=128 in float32; float32 H=256 gets 64 keys) so that the two pipelined K and V
+# blocks fit the 227 KiB of shared memory. 16-token query blocks beat 8 and 32.
 BLOCK_SIZES = {
-    "gpu": BlockSizes(kv_tokens_per_block=64, min_kv_tokens_per_block=16, q_rows_per_block=64,
-                      min_q_rows=16, num_warps=4, num_stages=2),
+    "gpu": BlockSizes(kv_tokens_per_block=128, min_kv_tokens_per_block=16, q_rows_per_block=64,
+                      min_q_rows=16, num_warps=4, num_stages=2, max_kv_block_bytes=64 * 1024),
     "cpu": BlockSizes(kv_tokens_per_block=32, min_kv_tokens_per_block=1, q_rows_per_block=16,
                       min_q_rows=1),
 }
@@ -43,13 +49,18 @@ def block_sizes_for(backend: str) -> BlockSizes:
 
 
 def pages_per_block_for(backend: str, page_size: int, max_pages: int,
-                        requested: int | None = None) -> int:
+                        requested: int | None = None, key_bytes: int | None = None) -> int:
     """Pages per loop step: `requested`, or the table's target as a power of two at most the
-    (rounded-up) block-table width; either raised to the backend's floor of keys per step."""
+    (rounded-up) block-table width; either raised to the backend's floor of keys per step.
+    key_bytes (H * the compute dtype's itemsize) lowers the target to the table's cap on a key
+    block's bytes."""
     sizes = block_sizes_for(backend)
     page_size = max(page_size, 1)
     if requested is None:
-        target = max(1, sizes.kv_tokens_per_block // page_size)
+        tokens = sizes.kv_tokens_per_block
+        if sizes.max_kv_block_bytes and key_bytes:
+            tokens = min(tokens, max(1, sizes.max_kv_block_bytes // key_bytes))
+        target = max(1, tokens // page_size)
         requested = min(1 << (target.bit_length() - 1), next_power_of_2(max_pages))
     return max(requested, next_power_of_2(-(-sizes.min_kv_tokens_per_block // page_size)))
 

@@ -236,8 +236,10 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lengths, block_tables, query_
         raise ValueError(f"block_q is {block_q}; it must be >= 1")
     group_rows = block_sizes.group_rows_for(q.shape[1] // k_pages.shape[2])
     backend = jax.default_backend()
-    pages_per_block = block_sizes.pages_per_block_for(backend, k_pages.shape[1],
-                                                      block_tables.shape[1], pages_per_block)
+    compute = q.dtype if k_scale is not None else jnp.promote_types(q.dtype, k_pages.dtype)
+    pages_per_block = block_sizes.pages_per_block_for(
+        backend, k_pages.shape[1], block_tables.shape[1], pages_per_block,
+        key_bytes=q.shape[2] * jnp.dtype(compute).itemsize)
     tokens_per_row = -(-q.shape[0] // max(block_tables.shape[0], 1))
     block_q = block_sizes.block_q_for(backend, group_rows, tokens_per_row, block_q)
     return _ragged_paged_attention(

@@ -667,3 +667,25 @@ def test_valid_edge_inputs_do_not_raise():
         out = ragged_paged_attention(**{**args, **edge}, interpret=True)
         assert out.shape == (args | edge)["q"].shape
         np.testing.assert_array_equal(np.asarray(out), 0.0)
+
+
+def test_gpu_key_block_fits_shared_memory():
+    """The GPU table's target of keys per loop step (docs/gpu.md: 128, the fastest measured on an
+    H200) is lowered so that a key block holds at most 64 KiB: float32 with head dim 256 (128 KiB
+    at 128 keys overflowed shared memory there) takes 64 keys. An explicit pages_per_block is
+    kept; the CPU table has no cap."""
+    from pallas_kernels.ragged_paged_attention import block_sizes as bs
+
+    def keys(backend, page, key_bytes, requested=None):
+        return page * bs.pages_per_block_for(backend, page, 1000, requested, key_bytes=key_bytes)
+
+    gpu = bs.BLOCK_SIZES["gpu"]
+    for H, itemsize, expected in ((128, 2, 128), (128, 4, 128), (256, 2, 128), (256, 4, 64),
+                                  (64, 4, 128)):
+        got = keys("gpu", 16, H * itemsize)
+        assert got == expected, (H, itemsize, got)
+        assert got * H * itemsize <= gpu.max_kv_block_bytes
+    assert keys("gpu", 16, 256 * 4, requested=8) == 128           # asked for: not capped
+    assert keys("gpu", 4, 256 * 4) == 64
+    assert keys("cpu", 16, 256 * 4) == bs.BLOCK_SIZES["cpu"].kv_tokens_per_block
+    assert bs.pages_per_block_for("gpu", 16, 3, key_bytes=256) == 4   # at most the table width
