@@ -83,6 +83,36 @@ def _sorted_filter(scaled: jax.Array, sp: SamplingArrays) -> jax.Array:
 
 
 DRAW_BLOCK = 256  # vocabulary entries per block of the two-level inverse CDF
+ARGMAX_BLOCK = 1024  # vocabulary entries per block of `argmax`
+
+
+def argmax(x: jax.Array, block: int = ARGMAX_BLOCK) -> jax.Array:
+    """jnp.argmax over the last axis, as int32, in two levels: each block's maximum (a plain max
+    reduction, which XLA:CPU vectorises), the first block holding the largest, then the first
+    index of its maximum within that block. The result equals jnp.argmax's on every input:
+    the first index of the maximum, the first NaN where there is one (jnp.argmax takes NaN as
+    the maximum), index 0 for a row of -inf. XLA:CPU
+    lowers jnp.argmax to a (value, index) reduction that it does not vectorise: over 16 rows of
+    Gemma 3's 262,144 entries it took 9.4 ms against 0.5 ms this way (SmolLM2's 49,152: 2.0
+    against 0.15 ms), more than the rest of a greedy sampler."""
+    V = x.shape[-1]
+    if V <= block or not jnp.issubdtype(x.dtype, jnp.floating):
+        return jnp.argmax(x, axis=-1).astype(jnp.int32)
+    C = -(-V // block)
+    xp = x
+    if C * block != V:                   # -inf padding never beats a real entry at index < V
+        xp = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, C * block - V)],
+                     constant_values=-jnp.inf)
+    xb = xp.reshape(x.shape[:-1] + (C, block))
+    m = jnp.max(xb, axis=-1)                                              # [..., C]
+    c = jnp.argmax(m, axis=-1)                                            # [...]: the block
+    within = jnp.take_along_axis(xb, c[..., None, None], axis=-2)[..., 0, :]
+    fast = (c * block + jnp.argmax(within, axis=-1)).astype(jnp.int32)
+    # XLA:CPU's vectorised max need not propagate NaN; a sum does. With a NaN (or +inf) among
+    # the logits, a broken model's, the plain argmax decides.
+    special = jnp.any(jnp.isnan(jnp.sum(xb, axis=-1)) | (m == jnp.inf))
+    return jax.lax.cond(special, lambda: jnp.argmax(x, axis=-1).astype(jnp.int32),
+                        lambda: fast)
 
 
 def draw(weights: jax.Array, u: jax.Array, block: int = DRAW_BLOCK) -> jax.Array:
@@ -135,7 +165,7 @@ def sample(logits: jax.Array, sp: SamplingArrays, seen: jax.Array,
     """Draws one token per row. logits [B, V]; seen [B, V] bool; token_index [B] int32 (index of
     the token being drawn within its request's output). Returns [B] int32."""
     logits = apply_repetition_penalty(logits.astype(jnp.float32), seen, sp.repetition_penalty)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = argmax(logits)
 
     def stochastic(logits):
         drawn = draw(filtered_weights(logits, sp), uniforms(sp.seed, token_index))
@@ -151,7 +181,7 @@ def sampling_probs(logits: jax.Array, sp: SamplingArrays, seen: jax.Array) -> ja
     rows, else the softmax of the filtered logits (repetition penalty first, as in sample)."""
     logits = apply_repetition_penalty(logits.astype(jnp.float32), seen, sp.repetition_penalty)
     V = logits.shape[-1]
-    greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), V, dtype=jnp.float32)
+    greedy = jax.nn.one_hot(argmax(logits), V, dtype=jnp.float32)
 
     def stochastic(logits):
         w = filtered_weights(logits, sp)

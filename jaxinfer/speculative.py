@@ -28,8 +28,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.sampling import (SamplingArrays, apply_repetition_penalty, draw, mark_seen, sample,
-                               sampling_probs, uniforms)
+from jaxinfer.sampling import (SamplingArrays, apply_repetition_penalty, argmax, draw, mark_seen,
+                               sample, sampling_probs, uniforms)
 
 _METHODS = ("ngram", "draft")
 
@@ -99,7 +99,7 @@ def draw_draft(logits: jax.Array, sp: SamplingArrays, seen: jax.Array, token_ind
     argmax for greedy rows). Its noise comes from fold_in(key(seed, index), 2), apart from the
     verification's."""
     q = sampling_probs(logits, sp, seen)
-    greedy = jnp.argmax(q, axis=-1).astype(jnp.int32)
+    greedy = argmax(q)
 
     def stochastic(q):
         drawn = draw(q, uniforms(sp.seed, token_index, stream=2))
@@ -148,8 +148,8 @@ def verify(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array, sp: Samp
         return a, jnp.take_along_axis(target, a[:, None], axis=1)[:, 0]
 
     def greedy(_):
-        target = jnp.argmax(apply_repetition_penalty(flat, seen_s, sp_rep.repetition_penalty),
-                            axis=-1).astype(jnp.int32).reshape(B, S)
+        target = argmax(apply_repetition_penalty(flat, seen_s,
+                                                 sp_rep.repetition_penalty)).reshape(B, S)
         a = leading(drafts == target[:, :k])
         return a, jnp.take_along_axis(target, a[:, None], axis=1)[:, 0]
 

@@ -296,6 +296,35 @@ def _reference_draw(probs, seed, index):
     return int(np.argmax(cum > u))
 
 
+@pytest.mark.parametrize("V,block", [(1000, 64), (4096, 1024), (1030, 256), (50, 1024)])
+def test_blocked_argmax_equals_numpy(V, block):
+    """sampling.argmax against numpy's argmax (first index of the maximum; NaN counts as the
+    maximum, its first occurrence wins) on random rows, ties inside a block and across blocks,
+    rows of -inf, rows with NaN, a V that is not a multiple of the block (padded), leading axes,
+    and bf16 input."""
+    from jaxinfer.sampling import argmax
+    rng = np.random.default_rng(V)
+    x = rng.standard_normal((12, V)).astype(np.float32)
+    x[1, [3, 7]] = 9.0                              # a tie inside one block
+    x[2, [5, V - 1]] = 9.0                          # a tie across blocks, the last entry
+    x[3] = -np.inf                                  # nothing beats -inf: index 0
+    x[4, [V // 2, V - 2]] = np.nan                  # NaN wins, the first one
+    x[5, V - 1] = 50.0                              # the maximum in the (padded) last block
+    x[6] = 1.0                                      # all equal
+    x[7, :] = -np.inf
+    x[7, V - 1] = -1e30                             # the only finite entry is the last
+    x[8, [10, V - 3]] = [np.inf, np.nan]            # +inf before a NaN: the NaN wins
+    x[9, [V - 4, 2]] = np.inf                       # two +inf: the first
+    f = jax.jit(lambda a: argmax(a, block))
+    np.testing.assert_array_equal(np.asarray(f(jnp.asarray(x))), np.argmax(x, axis=-1))
+    x3 = x.reshape(3, 4, V)
+    np.testing.assert_array_equal(np.asarray(f(jnp.asarray(x3))), np.argmax(x3, axis=-1))
+    xb = jnp.asarray(x, jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(f(xb)),
+                                  np.argmax(np.asarray(xb.astype(jnp.float32)), axis=-1))
+    assert f(jnp.asarray(x)).dtype == jnp.int32
+
+
 def test_draw_against_reference_and_zero_weights():
     """sampling.draw on rows whose weights are unnormalised, sparse (zeros must never be
     drawn, even at u near 0 or 1) and span several blocks, against a float64 inverse CDF."""
