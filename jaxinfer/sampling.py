@@ -18,6 +18,8 @@ row cost more than the rest of the sampler.
 
 from __future__ import annotations
 
+import functools
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -40,13 +42,27 @@ def apply_repetition_penalty(logits: jax.Array, seen: jax.Array, penalty: jax.Ar
     return jnp.where(seen, penalized, logits)
 
 
-def filtered_logits(logits: jax.Array, sp: SamplingArrays) -> jax.Array:
-    """Temperature-scaled logits [B, V] with tokens outside top-k / top-p / min-p at -inf."""
+# Candidate counts tried, smallest first, before top-k / top-p sort a whole vocabulary. Over
+# 16 rows, lax.top_k of 256 took 2.8 ms on SmolLM2's 49,152 logits and 8.1 ms on Gemma 3's
+# 262,144, where the full argsort took 172 ms and 1,083 ms (XLA:CPU, 2 cores).
+SORT_CANDIDATES = (256, 4096)
+
+
+def filtered_logits(logits: jax.Array, sp: SamplingArrays,
+                    candidates: tuple[int, ...] = SORT_CANDIDATES) -> jax.Array:
+    """Temperature-scaled logits [B, V] with tokens outside top-k / top-p / min-p at -inf.
+
+    Rows with top-k or top-p are filtered over their `candidates[0]` most likely tokens
+    (lax.top_k) when every such row's survivors are certain to lie among them: top_k at most
+    that many, or (top-k off) the candidates' probability mass reaching top_p. Otherwise the
+    next candidate count is tried, and last the whole vocabulary is sorted; each gives the
+    survivors the full sort gives."""
     temp = jnp.where(sp.temperature > 0, sp.temperature, 1.0)
     scaled = logits / temp[:, None]
-    # Only top-k and top-p need the vocabulary sorted; min-p is relative to the maximum.
+    # Only top-k and top-p need the vocabulary ordered; min-p is relative to the maximum.
     needs_sort = jnp.any((sp.top_k > 0) | (sp.top_p < 1.0))
-    return jax.lax.cond(needs_sort, _sorted_filter, _min_p_filter, scaled, sp)
+    return jax.lax.cond(needs_sort, functools.partial(_candidate_filter, candidates=candidates),
+                        _min_p_filter, scaled, sp)
 
 
 def filtered_weights(logits: jax.Array, sp: SamplingArrays) -> jax.Array:
@@ -62,24 +78,59 @@ def _min_p_filter(scaled: jax.Array, sp: SamplingArrays) -> jax.Array:
     return jnp.where(rel >= sp.min_p[:, None], scaled, -jnp.inf)
 
 
-def _sorted_filter(scaled: jax.Array, sp: SamplingArrays) -> jax.Array:
-    B, V = scaled.shape
-    order = jnp.argsort(-scaled, axis=-1)                                # [B, V] descending
-    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-    rank = jnp.arange(V, dtype=jnp.int32)[None, :]
+def _keep_sorted(sorted_logits: jax.Array, sp: SamplingArrays, V: int,
+                 log_total: jax.Array | None = None):
+    """Which of each row's tokens, given in descending order ([B, C], the first C of V), survive
+    top-k, top-p and min-p, and their probabilities over the top-k set ([B, C] each). For rows
+    whose top-k set is larger than C, log_total [B, 1] is the log of that set's total weight."""
+    B, C = sorted_logits.shape
+    rank = jnp.arange(C, dtype=jnp.int32)[None, :]
     k = jnp.where(sp.top_k > 0, jnp.minimum(sp.top_k, V), V)[:, None]
     keep = rank < k
-    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+    in_k = jax.nn.logsumexp(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1, keepdims=True)
+    lse = in_k if log_total is None else jnp.where(k <= C, in_k, log_total)
+    probs = jnp.where(keep, jnp.exp(sorted_logits - lse), 0.0)
     # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it is
     # still below top_p (so the most likely token always stays).
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     # top_p == 1 is "off": float32 cumsum reaches 1.0 before the tail, which must not be cut.
     keep &= (mass_before < sp.top_p[:, None]) | (sp.top_p[:, None] >= 1.0)
     keep &= probs >= sp.min_p[:, None] * probs[:, :1]
-    sorted_filtered = jnp.where(keep, sorted_logits, -jnp.inf)
-    # Scatter back to vocabulary order.
-    inv = jnp.argsort(order, axis=-1)
-    return jnp.take_along_axis(sorted_filtered, inv, axis=-1)
+    return keep, probs
+
+
+def _candidate_filter(scaled: jax.Array, sp: SamplingArrays, candidates: tuple[int, ...]):
+    """filtered_logits of a batch with top-k or top-p rows: over the first candidate count below
+    V whose candidates hold every such row's survivors, else the next, else the full sort."""
+    B, V = scaled.shape
+    caps = tuple(c for c in candidates if c < V)
+    if not caps:
+        return _sorted_filter(scaled, sp)
+    C = caps[0]
+    vals, idx = jax.lax.top_k(scaled, C)          # descending; equal values: lower index first
+    keep, probs = _keep_sorted(vals, sp, V, jax.nn.logsumexp(scaled, axis=-1, keepdims=True))
+    k = jnp.where(sp.top_k > 0, jnp.minimum(sp.top_k, V), V)
+    # Every token past the candidates is cut: top-k stops within them, or (top-k off) the
+    # mass before the first token past them already reaches top_p.
+    uses_sort = (sp.top_k > 0) | (sp.top_p < 1.0)
+    covered = ~uses_sort | (k <= C) | ((k >= V) & (jnp.sum(probs, axis=-1) >= sp.top_p))
+    rows = jnp.arange(B)[:, None]
+    sorted_rows = jnp.full((B, V), -jnp.inf, scaled.dtype).at[rows, idx].set(
+        jnp.where(keep, vals, -jnp.inf))
+    filtered = jnp.where(uses_sort[:, None], sorted_rows, _min_p_filter(scaled, sp))
+    return jax.lax.cond(jnp.all(covered), lambda s, p: filtered,
+                        functools.partial(_candidate_filter, candidates=caps[1:]), scaled, sp)
+
+
+def _sorted_filter(scaled: jax.Array, sp: SamplingArrays) -> jax.Array:
+    """filtered_logits by sorting each row's whole vocabulary."""
+    B, V = scaled.shape
+    order = jnp.argsort(-scaled, axis=-1)                                # [B, V] descending
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    keep, _ = _keep_sorted(sorted_logits, sp, V)
+    # Back to vocabulary order.
+    return jnp.zeros_like(scaled).at[jnp.arange(B)[:, None], order].set(
+        jnp.where(keep, sorted_logits, -jnp.inf))
 
 
 DRAW_BLOCK = 256  # vocabulary entries per block of the two-level inverse CDF

@@ -113,6 +113,47 @@ def test_filtered_logits_matches_reference_per_row():
     assert len(sizes) > 20
 
 
+def test_candidate_filter_matches_reference_on_every_tier():
+    """Top-k / top-p over the most likely candidates (lax.top_k) rather than the sorted
+    vocabulary: with candidate counts (4, 16) on V = 50, each row alone goes to the first tier
+    that surely holds its survivors (top_k <= 4, or top-k off and the 4 candidates' mass
+    reaching top_p), else 16, else the full sort; a batch goes where its least covered row
+    must. The survivors equal the numpy reference wherever it is certain, on every tier, and
+    each tier is taken by some row."""
+    temps, top_ks, top_ps, min_ps = (0.3, 1.0, 1.8), (0, 1, 3, 4, 5, 16, 20, 64), \
+        (1.0, 0.95, 0.6, 0.2), (0.0, 0.2)
+    grid = [(t, k, p, m) for t in temps for k in top_ks for p in top_ps for m in min_ps]
+    V, caps = 50, (4, 16)
+    logits = _distinct_logits(np.random.default_rng(3), len(grid), V)
+    f = jax.jit(lambda x, sp: filtered_logits(x, sp, candidates=caps))
+
+    def tier(row, t, k, p):
+        if k == 0 and p >= 1.0:
+            return "min_p"
+        s = np.sort(logits[row].astype(np.float64) / t)[::-1]
+        q = np.exp(s - s.max()) / np.exp(s - s.max()).sum()
+        for c in caps:
+            if (0 < k <= c) or (k == 0 and q[:c].sum() >= p + 1e-4):
+                return c
+        return "sort"
+
+    tiers = {}
+    for b, (tb, kb, pb, mb) in enumerate(grid):
+        got = np.asarray(f(jnp.asarray(logits[b:b + 1]), _arrays(tb, kb, pb, mb)))[0]
+        keep, unsure, _ = _reference_filter(logits[b], tb, kb, pb, mb)
+        kept = np.isfinite(got)
+        np.testing.assert_array_equal(kept[~unsure], keep[~unsure],
+                                      err_msg=f"row {b}: T={tb} top_k={kb} top_p={pb} min_p={mb}")
+        np.testing.assert_allclose(got[kept], logits[b][kept] / np.float32(tb), rtol=1e-6)
+        tiers[tier(b, tb, kb, pb)] = tiers.get(tier(b, tb, kb, pb), 0) + 1
+    assert all(tiers.get(t, 0) >= 6 for t in (4, 16, "sort", "min_p")), tiers
+    # The whole grid as one batch: some row needs the full sort, so every row gets it.
+    t, k, p, m = (np.array(c) for c in zip(*grid))
+    batch = np.asarray(f(jnp.asarray(logits), _arrays(t, k, p, m)))
+    full = np.asarray(_filtered(jnp.asarray(logits), _arrays(t, k, p, m)))
+    np.testing.assert_array_equal(batch, full)
+
+
 def test_filtered_logits_top_p_uses_top_k_renormalised_mass():
     # Probabilities (T=1) [0.47, 0.26, 0.13, 0.07, ...]. Over the top 3 renormalised:
     # [0.55, 0.30, 0.15]; mass before the third is 0.85 >= 0.8, so top_p=0.8 keeps 2. Without
