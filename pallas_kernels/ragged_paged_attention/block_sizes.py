@@ -27,7 +27,8 @@ class BlockSizes:
 # step) and every loaded block must have a power-of-two size. Interpret mode on CPU has neither
 # constraint; small blocks there keep the masked tails (a decode row's single query, the last
 # keys of a step) cheap.
-# GPU figures, H200, bf16, N=32 K=8 H=128, page 16 (benchmarks/kernels.py --only ragged, docs/gpu.md):
+# GPU figures, H200, bf16, N=32 K=8 H=128, page 16 (benchmarks/kernels.py --only ragged,
+# docs/gpu.md):
 # 128 keys per step beat 64 on every mix (decode rows at context 4096: 0.43 against 0.58 ms) and
 # 256 lost (0.51 ms); 512 overflows shared memory. A step's key block is capped at 64 KiB
 # (128 keys of H=128 in float32; float32 H=256 gets 64 keys) so that the two pipelined K and V

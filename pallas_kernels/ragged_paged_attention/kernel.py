@@ -204,6 +204,12 @@ def ragged_paged_attention_kernel(work_ref, block_table_ref, q_ref, k_pages_ref,
         _store_rows(o_ref, start, out.astype(o_ref.dtype), token < num_valid)
 
 
+def _compute_dtype(q, k_pages, k_scale):
+    """The dtype the kernel computes in: q's for quantized pages (dequantized to it), else the
+    promotion of q's and the pages'."""
+    return q.dtype if k_scale is not None else jnp.promote_types(q.dtype, k_pages.dtype)
+
+
 def ragged_paged_attention(q, k_pages, v_pages, kv_lengths, block_tables, query_start,
                            num_queries, *, sliding_window=None, softcap=None, sm_scale=None,
                            k_scale=None, v_scale=None, interpret=False, pages_per_block=None,
@@ -236,10 +242,9 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lengths, block_tables, query_
         raise ValueError(f"block_q is {block_q}; it must be >= 1")
     group_rows = block_sizes.group_rows_for(q.shape[1] // k_pages.shape[2])
     backend = jax.default_backend()
-    compute = q.dtype if k_scale is not None else jnp.promote_types(q.dtype, k_pages.dtype)
     pages_per_block = block_sizes.pages_per_block_for(
         backend, k_pages.shape[1], block_tables.shape[1], pages_per_block,
-        key_bytes=q.shape[2] * jnp.dtype(compute).itemsize)
+        key_bytes=q.shape[2] * jnp.dtype(_compute_dtype(q, k_pages, k_scale)).itemsize)
     tokens_per_row = -(-q.shape[0] // max(block_tables.shape[0], 1))
     block_q = block_sizes.block_q_for(backend, group_rows, tokens_per_row, block_q)
     return _ragged_paged_attention(
@@ -269,8 +274,7 @@ def _ragged_paged_attention(q, k_pages, v_pages, kv_lengths, block_tables, query
     W = work.shape[0]
     tables = block_tables[rows]                                                  # [W, M]
 
-    # Quantized pages are dequantized to the query dtype inside the kernel.
-    compute_dtype = q.dtype if k_scale is not None else jnp.promote_types(q.dtype, k_pages.dtype)
+    compute_dtype = _compute_dtype(q, k_pages, k_scale)
     qg = jnp.pad(q.astype(compute_dtype).reshape(T, K, G, H),
                  ((0, T_pad - T), (0, 0), (0, Gp - G), (0, 0)))
     qg = qg.transpose(1, 0, 2, 3).reshape(K, T_pad * Gp, H)                      # token-major
