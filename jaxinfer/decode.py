@@ -133,11 +133,10 @@ def fork_rows(state: DecodeState, src_rows: jax.Array, dst_rows: jax.Array,
     """Rows dst_rows [C] forked from src_rows [C] (B: padding), after admit_rows started them:
     each takes its source's seen-token mask (the prompt so far, for the repetition penalty).
     A paged cache copies pages src_pages [C'] into dst_pages [C'] (-1: none), the partly
-    filled page each fork may not share; a ring cache (and a draft model's ring) copies the
-    source rows' whole rings."""
+    filled page each fork may not share; a ring cache (a hybrid cache's ring of local layers,
+    and a draft model's ring) copies the source rows' whole rings."""
     seen = state.seen.at[dst_rows].set(_take(state.seen, src_rows), mode="drop")
-    cache = state.cache.copy_rows(src_rows, dst_rows) if state.cache.wraps \
-        else state.cache.copy_pages(src_pages, dst_pages)
+    cache = state.cache.fork(src_rows, dst_rows, src_pages, dst_pages)
     draft = state.draft_cache
     if draft is not None:
         draft = draft.copy_rows(src_rows, dst_rows)

@@ -29,6 +29,8 @@ reshape the leading axes only, through jax.tree.map, so they serve both forms al
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -124,6 +126,14 @@ class PagedKVCache:
     page_size: int = flax.struct.field(pytree_node=False, default=16)
     # A ring (identity tables, positions may wrap onto a row's oldest pages); static.
     wraps: bool = flax.struct.field(pytree_node=False, default=False)
+    # A hybrid cache (models with sliding-window and global layers): the sliding-window
+    # ("local") layers keep their keys in a ring of local_pages pages per row, [L_local,
+    # B * local_pages * Z, K, H], with the pool's page size, and k / v hold the global layers
+    # only. Row b owns ring pages b * local_pages .. + local_pages - 1 (identity tables, which
+    # local_tables makes). local_pages 0: no ring, every layer is in k / v.
+    local_k: Any = None
+    local_v: Any = None
+    local_pages: int = flax.struct.field(pytree_node=False, default=0)
 
     @classmethod
     def create(cls, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
@@ -166,10 +176,22 @@ class PagedKVCache:
     def logical_axes(self) -> "PagedKVCache":
         """Each array's logical axes (jaxinfer.sharding), in the cache's own structure."""
         kv = self.KV_AXES
-        return PagedKVCache(k=None if self.k is None else kv_axes(self.k, kv),
-                            v=None if self.v is None else kv_axes(self.v, kv),
+        axes = lambda buf: None if buf is None else kv_axes(buf, kv)  # noqa: E731
+        return PagedKVCache(k=axes(self.k), v=axes(self.v),
                             block_tables=("batch", "table"), lengths=("batch",),
-                            page_size=self.page_size, wraps=self.wraps)
+                            page_size=self.page_size, wraps=self.wraps,
+                            local_k=axes(self.local_k), local_v=axes(self.local_v),
+                            local_pages=self.local_pages)
+
+    def local_tables(self) -> jax.Array:
+        """The local layers' ring tables [B, local_pages] (identity: row b owns its pages)."""
+        return jnp.asarray(ring_tables(self.batch, self.local_pages))
+
+    def ring_part(self) -> "PagedKVCache":
+        """The local layers' ring as a cache of its own (wrapping identity tables), sharing
+        this cache's lengths."""
+        return PagedKVCache(k=self.local_k, v=self.local_v, block_tables=self.local_tables(),
+                            lengths=self.lengths, page_size=self.page_size, wraps=True)
 
     def write_slots(self, rows: jax.Array, positions: jax.Array) -> jax.Array:
         """Flat pool slots [T] of tokens at positions [T] of cache rows [T]; a row index of B
@@ -196,9 +218,12 @@ class PagedKVCache:
             new = jnp.concatenate([new, jnp.zeros_like(new)])
         return _set(buf, (layer, slots), new)
 
-    def advance(self, k_all, v_all, num_new: jax.Array) -> "PagedKVCache":
-        """num_new [B]: tokens written per row by this call."""
-        return self.replace(k=k_all, v=v_all, lengths=self.lengths + num_new)
+    def advance(self, k_all, v_all, num_new: jax.Array, local_k=None,
+                local_v=None) -> "PagedKVCache":
+        """num_new [B]: tokens written per row by this call; local_k, local_v: a hybrid
+        cache's ring as written."""
+        return self.replace(k=k_all, v=v_all, lengths=self.lengths + num_new,
+                            local_k=local_k, local_v=local_v)
 
     def rollback(self, lengths: jax.Array) -> "PagedKVCache":
         """Forgets every position at or past lengths [B] (rejected speculative tokens): visible
@@ -230,6 +255,32 @@ class PagedKVCache:
         dst = jnp.where(dst_rows[:, None] < B, self.block_tables[jnp.minimum(dst_rows, B - 1)],
                         -1).reshape(-1)
         return self.copy_pages(src, dst)
+
+    def fork(self, src_rows: jax.Array, dst_rows: jax.Array, src_pages: jax.Array,
+             dst_pages: jax.Array) -> "PagedKVCache":
+        """Rows dst_rows [C] forked from src_rows [C]: a ring copies the rows whole, a paged
+        pool the pages src_pages [C'] into dst_pages [C'] (the partly filled page each fork may
+        not share: engine/pages.py), and a hybrid cache's ring its rows whole as well."""
+        if self.wraps:
+            cache = self.copy_rows(src_rows, dst_rows)
+        else:
+            cache = self.copy_pages(src_pages, dst_pages)
+        if self.local_pages:
+            ring = self.ring_part().copy_rows(src_rows, dst_rows)
+            cache = cache.replace(local_k=ring.k, local_v=ring.v)
+        return cache
+
+
+def ring_capacity(window: int, tokens_per_step: int) -> int:
+    """Slots per row a ring needs for a sliding window: a step writing n of a row's tokens
+    (positions s .. s + n - 1) overwrites the slots of positions up to s + n - 1 - capacity,
+    while its first query still sees back to s - window + 1; so capacity >= window + n - 1.
+    Attention reads by logical position (any logical page that aliases a visible one then holds
+    only keys no query sees), so no more is needed."""
+    if window < 1 or tokens_per_step < 1:
+        raise ValueError(f"need window >= 1 and tokens_per_step >= 1, got {window} and "
+                         f"{tokens_per_step}")
+    return window + tokens_per_step - 1
 
 
 

@@ -23,7 +23,7 @@ from jaxinfer.engine.engine import Engine, Request
 from jaxinfer.engine.paged import PagedSlots
 from jaxinfer.engine.request import RequestMetrics, RequestOutput, SamplingParams
 from jaxinfer.engine.textstream import TextStream
-from jaxinfer.kv_cache import KV_DTYPES
+from jaxinfer.kv_cache import KV_DTYPES, ring_capacity
 from jaxinfer.models import get_model
 from jaxinfer.sampling import MAX_LOGPROBS
 from jaxinfer.speculative import SpeculativeConfig
@@ -74,7 +74,7 @@ class LLM:
                  kv_cache_dtype: Optional[str] = None, speculative=None,
                  mesh: Optional[MeshConfig] = None, attention: str = "auto",
                  prefill_chunk: int = 128, decode_steps: int = 8,
-                 max_num_batched_tokens: int = 512):
+                 max_num_batched_tokens: int = 512, hybrid_kv_cache: bool = True):
         if quantization is not None and quantization not in _QUANTIZATIONS:
             raise ValueError(f"quantization must be None or one of {_QUANTIZATIONS}, got "
                              f"{quantization!r}")
@@ -105,6 +105,8 @@ class LLM:
                              min(16, prefill_chunk if isinstance(prefill_chunk, int) else 16))):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+        if not isinstance(hybrid_kv_cache, bool):
+            raise ValueError(f"hybrid_kv_cache must be a bool, got {hybrid_kv_cache!r}")
         if max_seq_len is not None and (isinstance(max_seq_len, bool)
                                         or not isinstance(max_seq_len, int) or max_seq_len < 2):
             raise ValueError(f"max_seq_len must be an int >= 2, got {max_seq_len!r}")
@@ -154,11 +156,14 @@ class LLM:
                                  f"this model's is {cfg.head_dim}")
             attn_impl = "reference"
         # A sliding-window model keeps only the window in its ring; full attention keeps it all.
-        # Speculation writes up to num_draft_tokens past what it keeps, and a rejected token's
-        # slot must not have held a key still inside the window.
+        # A ring holds the window plus the most tokens a row writes in one step (a prefill
+        # chunk, or a verification's num_draft_tokens + 1): kv_cache.ring_capacity.
         extra = speculative.num_draft_tokens if speculative is not None else 0
+        per_step = max(min(prefill_chunk, max_num_batched_tokens), extra + 1)
         capacity = max_seq_len if cfg.sliding_window is None else min(
-            max_seq_len, cfg.sliding_window + extra)
+            max_seq_len, ring_capacity(cfg.sliding_window, per_step))
+        ring = memory.local_ring_capacity(cfg, max_seq_len, per_step, page_size,
+                                          attn_impl) if hybrid_kv_cache else 0
         # Full attention runs on the paged cache; a sliding-window model keeps its ring.
         paged, memory_left = None, None
         # The page pool is split over the data and sequence axes.
@@ -185,8 +190,11 @@ class LLM:
                                  f"= {pool_split}, the devices the page pool is split over")
             # A draft model's cache is not paged: its rows must be prefilled from the start, so
             # prompts are not served from the prefix cache.
+            # Nor with a ring of local layers: a cached prefix's keys are in the pool's
+            # global layers only.
             paged = PagedSlots(num_pages, page_size, max_seq_len,
-                               enable_prefix_caching=draft is None, num_partitions=data)
+                               enable_prefix_caching=draft is None and not ring,
+                               num_partitions=data)
         elif num_pages is not None:
             raise NotImplementedError("num_pages: sliding-window models run on the ring-buffer "
                                       "cache; the paged cache serves full attention only")
@@ -198,7 +206,8 @@ class LLM:
         self._engine = Engine(cfg, params, loaded.tokenizer, self.engine_config,
                               capacity=capacity, dtype=act_dtype, paged=paged,
                               num_pages=num_pages or 0, draft=draft, partitioner=partitioner,
-                              kv_dtype=KV_DTYPES.get(kv_cache_dtype, _DTYPES[dtype]))
+                              kv_dtype=KV_DTYPES.get(kv_cache_dtype, _DTYPES[dtype]),
+                              ring_capacity=ring)
         if memory_left:
             self._engine.set_num_pages(self._pages_from_memory(memory_left, page_size))
         self._data_degree = data
@@ -214,8 +223,15 @@ class LLM:
         # Per device: each holds 1/(data*sequence) of the pool's pages, 1/tensor of kv heads.
         partitioner = self._engine.partitioner
         mesh = partitioner.mesh_config if partitioner is not None else MeshConfig()
-        page = memory.kv_page_bytes(self.model_config, page_size, self._engine.kv_dtype) // (
-            mesh.data * mesh.sequence * mesh.tensor)
+        cfg, kv_dtype, split = self.model_config, self._engine.kv_dtype, \
+            mesh.data * mesh.sequence * mesh.tensor
+        ring = self._engine.runner.ring_capacity
+        global_layers = cfg.num_layers - sum(cfg.window(i) is not None
+                                             for i in range(cfg.num_layers)) if ring else None
+        page = memory.kv_page_bytes(cfg, page_size, kv_dtype, global_layers) // split
+        # A hybrid cache's ring of local layers is a fixed size: it comes off the top.
+        if ring:
+            step += memory.ring_bytes(cfg, self.max_num_seqs, ring, page_size, kv_dtype) // split
         pages = memory.pages_for_memory(limit, in_use, step, page)
         pages -= pages % (mesh.data * mesh.sequence)
         need = (-(-self.max_seq_len // page_size) + 1) * mesh.data  # one request per replica

@@ -116,7 +116,8 @@ class Engine:
     def __init__(self, cfg: ModelConfig, params, tokenizer, engine_cfg: EngineConfig,
                  capacity: int, dtype, paged: Optional[PagedSlots] = None,
                  num_pages: int = 0, draft: Optional[tuple] = None,
-                 partitioner: Optional[Partitioner] = None, kv_dtype=None):
+                 partitioner: Optional[Partitioner] = None, kv_dtype=None,
+                 ring_capacity: int = 0):
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.ecfg = engine_cfg
@@ -136,7 +137,8 @@ class Engine:
                              dtype=dtype, kv_dtype=self.kv_dtype,
                              page_size=paged.page_size if paged is not None else 16,
                              num_pages=num_pages, paged=paged is not None, draft=draft,
-                             partitioner=partitioner, eos_ids=self.eos_ids)
+                             partitioner=partitioner, eos_ids=self.eos_ids,
+                             ring_capacity=ring_capacity)
         self.scheduler = Scheduler(B, engine_cfg.max_num_batched_tokens,
                                    engine_cfg.prefill_chunk, paged, data,
                                    fill_buckets=self.runner.fill_buckets)

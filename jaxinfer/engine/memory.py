@@ -14,17 +14,21 @@ import jax
 import numpy as np
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.kv_cache import ring_capacity
 
 UTILIZATION = 0.9  # fraction of device memory the engine may use, as vLLM's default
 
 
-def kv_page_bytes(cfg: ModelConfig, page_size: int, dtype) -> int:
-    """Bytes of one page: keys and values of page_size tokens in every layer (int8 / float8
-    codes with a float32 scale per token and kv head: see kv_cache.QuantizedKV)."""
+def kv_page_bytes(cfg: ModelConfig, page_size: int, dtype,
+                  num_layers: Optional[int] = None) -> int:
+    """Bytes of one page: keys and values of page_size tokens in every layer, or in num_layers
+    of them (a hybrid cache's pool holds the global layers only) (int8 / float8 codes with a
+    float32 scale per token and kv head: see kv_cache.QuantizedKV)."""
     per_token = cfg.kv_dim * np.dtype(dtype).itemsize
     if np.dtype(dtype).itemsize == 1:
         per_token += cfg.num_kv_heads * 4
-    return 2 * cfg.num_layers * page_size * per_token
+    layers = cfg.num_layers if num_layers is None else num_layers
+    return 2 * layers * page_size * per_token
 
 
 def free_device_memory(device: Optional[jax.Device] = None) -> Optional[tuple[int, int]]:
@@ -43,3 +47,26 @@ def pages_for_memory(limit: int, in_use: int, step_bytes: int, page_bytes: int,
     left = int(limit * utilization) - in_use - step_bytes
     return max(left // page_bytes, 0)
 
+
+
+def local_ring_capacity(cfg: ModelConfig, max_seq_len: int, tokens_per_step: int,
+                        page_size: int, attn_impl: str) -> int:
+    """Slots per row of the ring that keeps the sliding-window layers' keys of a model whose
+    layers mix sliding-window and global attention (a hybrid cache: the pool then holds the
+    global layers only), or 0: every layer stays in the pool. 0 as well when the ring would not
+    be smaller than a row's pages, and with the Pallas kernel, which does not read a wrapping
+    ring (those layers would fall back to the jnp path)."""
+    windows = cfg.windows
+    local = [w for w in windows if w is not None]
+    if not local or None not in windows or attn_impl != "reference":
+        return 0
+    slots = ring_capacity(max(local), tokens_per_step)
+    return slots if -(-slots // page_size) < -(-max_seq_len // page_size) else 0
+
+
+def ring_bytes(cfg: ModelConfig, num_slots: int, slots: int, page_size: int, dtype) -> int:
+    """Bytes of a hybrid cache's ring: slots per row (rounded up to pages) of num_slots rows in
+    every sliding-window layer."""
+    local = sum(cfg.window(i) is not None for i in range(cfg.num_layers))
+    pages = -(-slots // page_size) * num_slots
+    return kv_page_bytes(cfg, page_size, dtype, num_layers=local) * pages

@@ -40,7 +40,8 @@ class Runner:
     def __init__(self, cfg: ModelConfig, params, engine_cfg: EngineConfig, *, num_slots: int,
                  capacity: int, dtype, kv_dtype, page_size: int, num_pages: int,
                  paged: bool, draft: Optional[tuple] = None,
-                 partitioner: Optional[Partitioner] = None, eos_ids: tuple = ()):
+                 partitioner: Optional[Partitioner] = None, eos_ids: tuple = (),
+                 ring_capacity: int = 0):
         self.cfg, self.ecfg = cfg, engine_cfg
         self.partitioner = partitioner
         # Weights and state are committed to the device (or to their shardings on the mesh):
@@ -52,6 +53,9 @@ class Runner:
         self.num_slots, self.capacity = num_slots, capacity
         self.dtype, self.kv_dtype = dtype, kv_dtype
         self.page_size, self.num_pages, self.paged = page_size, num_pages, paged
+        # > 0: the sliding-window layers keep a ring of this many slots per row (a hybrid
+        # cache, kv_cache.PagedKVCache.local_k); 0: every layer is in the pool.
+        self.ring_capacity = ring_capacity
         self.eos_ids = eos_ids
         self.spec = engine_cfg.speculative
         tune = tuning.for_backend()
@@ -96,7 +100,8 @@ class Runner:
             sh, dt, tuple(axes)[:len(sh)]), bits16=bits16)
 
     def new_state(self) -> decode.DecodeState:
-        """The device state: the page pool (or one ring per slot) and empty rows."""
+        """The device state: the page pool (or one ring per slot), the sliding-window layers'
+        ring of a hybrid cache, and empty rows."""
         B, L = self.num_slots, self.cfg.num_layers
         K, H = self.cfg.num_kv_heads, self.cfg.head_dim
         if self.paged:
@@ -106,9 +111,16 @@ class Runner:
             Z = min(self.page_size, self.capacity)
             M = -(-self.capacity // Z)
             tables, P, wraps = ring_tables(B, M), B * M, True
+        ring = {}
+        if self.ring_capacity:
+            local = sum(self.cfg.window(i) is not None for i in range(L))
+            R = -(-self.ring_capacity // Z)
+            L -= local
+            ring = dict(local_k=self._zeros((local, B * R * Z, K, H)),
+                        local_v=self._zeros((local, B * R * Z, K, H)), local_pages=R)
         shape = (L, P * Z, K, H)
         cache = PagedKVCache(k=self._zeros(shape), v=self._zeros(shape), block_tables=tables,
-                             lengths=np.zeros(B, np.int32), page_size=Z, wraps=wraps)
+                             lengths=np.zeros(B, np.int32), page_size=Z, wraps=wraps, **ring)
         history = self.ecfg.max_seq_len if self.spec is not None and \
             self.spec.method == "ngram" else 0
         return self._place_state(decode.DecodeState.create(

@@ -56,7 +56,8 @@ class ModelParams:
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["cache", "k_all", "v_all", "slots", "metas", "rope", "layer"],
+                   data_fields=["cache", "k_all", "v_all", "slots", "local_k_all",
+                                "local_v_all", "local_slots", "metas", "rope", "layer"],
                    meta_fields=["attn_impl"])
 @dataclasses.dataclass(frozen=True)
 class Context:
@@ -68,9 +69,14 @@ class Context:
     k_all: Any                      # [L, P * Z, K, H] pools as written so far
     v_all: Any
     slots: jax.Array                # [T] pool slot of each token
+    # A hybrid cache's ring of sliding-window layers as written so far, and each token's slot
+    # in it (None without a ring: every layer is in k_all / v_all).
+    local_k_all: Any
+    local_v_all: Any
+    local_slots: Optional[jax.Array]
     metas: tuple                    # one RaggedMeta per window of cfg.windows, in its order
     rope: dict                      # RoPE base -> (cos, sin) [1, T, H/2]
-    layer: Any                      # the running layer's index in the pools: int or int32 []
+    layer: Any                      # the running layer's index in its pool: int or int32 []
     attn_impl: str
 
     def angles(self, cfg: ModelConfig, i: int) -> tuple[jax.Array, jax.Array]:
@@ -84,6 +90,20 @@ class Context:
     def replace(self, **kw) -> "Context":
         return dataclasses.replace(self, **kw)
 
+    def in_ring(self, cfg: ModelConfig, i: int) -> bool:
+        """Whether layer i keeps its keys in the ring (a sliding-window layer of a hybrid
+        cache) rather than in k_all / v_all."""
+        return self.local_k_all is not None and cfg.window(i) is not None
+
+
+def pool_index(cfg: ModelConfig, i: int, ring: bool) -> int:
+    """Layer i's index in the pool that holds its keys: with a ring (a hybrid cache), its rank
+    among the layers of its kind (sliding-window or global); without one, i."""
+    if not ring:
+        return i
+    local = cfg.window(i) is not None
+    return sum((cfg.window(j) is not None) == local for j in range(i))
+
 
 def rows(x: jax.Array) -> jax.Array:
     """Sequence parallelism: the step's tokens split over `sequence` through every matmul."""
@@ -96,13 +116,21 @@ def attend(ctx: Context, cfg: ModelConfig, i: int, q: jax.Array, k: jax.Array,
     pools (ctx.layer), then attends the queries q [T, N, H] over it with layer i's window and
     score scale (i: a layer of the same kind, whose static properties these are). Returns
     [T, N, H] and the context holding the written pools."""
-    k_all = ctx.cache.write_layer(ctx.k_all, ctx.layer, k, ctx.slots)
-    v_all = ctx.cache.write_layer(ctx.v_all, ctx.layer, v, ctx.slots)
-    window = cfg.window(i)
-    o = ragged_attention(q, k_all, v_all, ctx.layer, ctx.cache.block_tables, ctx.meta(cfg, window),
-                         page_size=ctx.cache.page_size, sliding_window=window,
+    window, cache = cfg.window(i), ctx.cache
+    ring = ctx.in_ring(cfg, i)
+    if ring:
+        pools, slots, tables = (ctx.local_k_all, ctx.local_v_all), ctx.local_slots, \
+            cache.local_tables()
+    else:
+        pools, slots, tables = (ctx.k_all, ctx.v_all), ctx.slots, cache.block_tables
+    k_all, v_all = (cache.write_layer(pool, ctx.layer, new, slots)
+                    for pool, new in zip(pools, (k, v)))
+    o = ragged_attention(q, k_all, v_all, ctx.layer, tables, ctx.meta(cfg, window),
+                         page_size=cache.page_size, sliding_window=window,
                          sm_scale=cfg.query_scale, implementation=ctx.attn_impl,
-                         wraps=ctx.cache.wraps)
+                         wraps=ring or cache.wraps)
+    if ring:
+        return o, ctx.replace(local_k_all=k_all, local_v_all=v_all)
     return o, ctx.replace(k_all=k_all, v_all=v_all)
 
 
@@ -266,9 +294,14 @@ class Family:
         thetas = dict.fromkeys(cfg.layer_rope_theta(i) for i in range(cfg.num_layers))
         rope = {t: rope_angles(positions[None], rope_inv_freq(
             cfg.head_dim, t, cfg.rope_scaling, cfg.rope_freq_factors)) for t in thetas}
-        return Context(cache=cache.replace(k=None, v=None), k_all=cache.k, v_all=cache.v,
-                       slots=cache.write_slots(batch.rows, positions), metas=metas, rope=rope,
-                       layer=0, attn_impl=attn_impl)
+        ring = cache.ring_part() if cache.local_pages else None
+        return Context(cache=cache.replace(k=None, v=None, local_k=None, local_v=None),
+                       k_all=cache.k, v_all=cache.v,
+                       slots=cache.write_slots(batch.rows, positions),
+                       local_k_all=cache.local_k, local_v_all=cache.local_v,
+                       local_slots=None if ring is None else ring.write_slots(batch.rows,
+                                                                              positions),
+                       metas=metas, rope=rope, layer=0, attn_impl=attn_impl)
 
     def forward_tokens(self, params: ModelParams, cfg: ModelConfig, batch: TokenBatch,
                        cache: PagedKVCache, *, attn_impl: str = "reference",
@@ -299,9 +332,11 @@ class Family:
             if kind not in kinds:  # jitted per forward: its trace cache lives as long as this
                 # layer i's static properties serve its whole kind; ctx.layer says which runs
                 kinds[kind] = jax.jit(lambda lp, h, ctx, i=i: self.layer(lp, cfg, i, h, ctx))
+            index = pool_index(cfg, i, bool(cache.local_pages))
             with jax.named_scope(f"layer_{i}"):
-                h, ctx = kinds[kind](lp, h, ctx.replace(layer=np.int32(i)))
-        cache = cache.advance(ctx.k_all, ctx.v_all, batch.num_queries)
+                h, ctx = kinds[kind](lp, h, ctx.replace(layer=np.int32(index)))
+        cache = cache.advance(ctx.k_all, ctx.v_all, batch.num_queries, ctx.local_k_all,
+                              ctx.local_v_all)
         return self.final_norm(params, cfg, h), cache
 
     def forward(self, params: ModelParams, cfg: ModelConfig, tokens: jax.Array,

@@ -1,0 +1,104 @@
+"""A hybrid KV cache: a model that interleaves sliding-window and global layers (Gemma 3) keeps
+its sliding-window layers' keys in a ring of window + (most tokens a row writes in a step)
+slots per row, and only its global layers' keys in the page pool (docs/kv_cache.md).
+
+The tiny Gemma 3 checkpoint has window 8 and layers (local, local, global). At max_seq_len 64,
+prefill chunks of 16 and pages of 16, its ring is 8 + 16 - 1 = 23 slots, two pages (32 slots)
+a row, so every request below wraps the ring at least once, in its prefill chunks and in its
+decode steps. The reference is the scoring forward over the whole sequence (sequence_logits:
+no ring, no pages, every key kept and masked by the window)."""
+
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxinfer as ji
+from jaxinfer.engine import memory
+from jaxinfer.models.base import sequence_logits
+
+TINY = os.path.join(os.path.dirname(__file__), "..", "data", "tiny_models", "gemma3")
+SEQ = 64
+
+
+def _llm(**kw):
+    kw = dict(max_seq_len=SEQ, max_num_seqs=2, prefill_chunk=16, decode_steps=4,
+              page_size=16) | kw
+    return ji.LLM(TINY, **kw)
+
+
+def _prompts():
+    rng = np.random.default_rng(0)
+    return [rng.integers(3, 256, size=n).tolist() for n in (20, 41)]
+
+
+def test_layout():
+    """Two local layers in a ring of two pages a row, the global one in the pool; the pool's
+    page bytes count the global layer only, and no prefix caching (a cached prefix's keys would
+    be in the pool's layers alone)."""
+    llm = _llm()
+    engine = llm._engine
+    assert engine.runner.ring_capacity == 8 + 16 - 1
+    engine.runner.ensure_state()
+    cache = engine.state.cache
+    assert cache.local_pages == 2 and cache.local_k.shape[:2] == (2, 2 * 2 * 16)
+    assert cache.k.shape[0] == 1
+    assert not engine.paged.allocator.enable_prefix_caching
+    cfg = llm.model_config
+    assert memory.kv_page_bytes(cfg, 16, np.float32, 1) * 3 == memory.kv_page_bytes(
+        cfg, 16, np.float32)
+    # Where a ring would not be smaller than a row's pages, every layer stays in the pool.
+    assert _llm(max_seq_len=32)._engine.runner.ring_capacity == 0
+    assert memory.local_ring_capacity(cfg, SEQ, 16, 16, "pallas") == 0
+    with pytest.raises(ValueError, match="hybrid_kv_cache must be a bool, got 1"):
+        _llm(hybrid_kv_cache=1)
+
+
+def _dense_greedy(llm, prompt, n):
+    """n greedy tokens by rescoring the whole sequence each step (one compiled [1, SEQ] forward:
+    padding after the sequence changes no earlier position's logits)."""
+    params, cfg = llm.params, llm.model_config
+    ids = list(prompt)
+    for _ in range(n):
+        tokens = np.zeros((1, SEQ), np.int32)
+        tokens[0, :len(ids)] = ids
+        logits = sequence_logits(params, cfg, jnp.asarray(tokens))
+        ids.append(int(np.argmax(np.asarray(logits[0, len(ids) - 1]))))
+    return ids[len(prompt):]
+
+
+def test_greedy_matches_the_dense_forward():
+    """Both prompts side by side (chunked prefill and decode steps in one batch), to the end of
+    max_seq_len: the ring wraps in every row."""
+    llm = _llm()
+    prompts = _prompts()
+    outs = llm.generate(prompts, ji.SamplingParams(max_tokens=20, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == _dense_greedy(llm, prompt, 20)
+
+
+@pytest.mark.parametrize("case", ["n2", "ngram", "preempt"])
+def test_same_tokens_as_every_layer_in_the_pool(case):
+    """Seeded sampling with n = 2 (the forks copy the ring rows), n-gram speculation (rejected
+    drafts roll back over the ring) and preemption (a pool of 6 pages for two rows of up to 4:
+    a preempted request recomputes its ring) give the tokens of the same engine with every
+    layer in the pool."""
+    kw, params = {}, ji.SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.8, seed=3)
+    if case == "n2":
+        params = ji.SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.8, seed=3, n=2)
+    elif case == "ngram":
+        kw = dict(speculative=ji.SpeculativeConfig("ngram", num_draft_tokens=3))
+        params = ji.SamplingParams(max_tokens=20, ignore_eos=True)
+    else:
+        kw = dict(num_pages=6)
+    prompts = _prompts()
+    hybrid = _llm(**kw)
+    assert hybrid._engine.runner.ring_capacity > 0
+    got = [[o.token_ids for o in out.outputs] for out in hybrid.generate(prompts, params)]
+    if case == "preempt":
+        assert hybrid.stats()["preemptions"] > 0
+    pooled = _llm(hybrid_kv_cache=False, **kw)
+    assert pooled._engine.runner.ring_capacity == 0
+    want = [[o.token_ids for o in out.outputs] for out in pooled.generate(prompts, params)]
+    assert got == want
