@@ -102,3 +102,16 @@ def test_same_tokens_as_every_layer_in_the_pool(case):
     assert pooled._engine.runner.ring_capacity == 0
     want = [[o.token_ids for o in out.outputs] for out in pooled.generate(prompts, params)]
     assert got == want
+
+
+def test_sliding_window_ring_holds_a_whole_prefill_chunk():
+    """A model whose every layer has the window (tiny Mistral, window 8) runs on a ring alone,
+    sized by the same rule: 8 + 16 - 1 slots, so a 16-token prefill chunk does not overwrite
+    keys its first queries still see (a ring of window + num_draft_tokens slots did)."""
+    llm = ji.LLM(TINY.replace("gemma3", "mistral_sw"), max_seq_len=SEQ, max_num_seqs=2,
+                 prefill_chunk=16, decode_steps=4)
+    assert llm._engine.runner.capacity == 8 + 16 - 1
+    prompts = _prompts()
+    outs = llm.generate(prompts, ji.SamplingParams(max_tokens=12, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == _dense_greedy(llm, prompt, 12)
