@@ -291,13 +291,13 @@ def ragged_attention(q: jax.Array, k_all, v_all, layer, block_tables: jax.Array,
     window). Returns [T, N, H] in q.dtype; tokens of no row get zeros.
 
     implementation "reference": the jnp path (paged_loop_attention); "pallas": the ragged paged
-    attention kernel (interpret mode on CPU), unless the cache is a ring that wraps (wraps:
-    positions map to table entries modulo the table width, which the kernel does not do).
+    attention kernel (interpret mode on CPU). wraps: a ring, whose positions map to table entries
+    modulo the table width (both paths read it so).
     """
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"unknown attention implementation {implementation!r}; "
                          f"available: {IMPLEMENTATIONS}")
-    if implementation == "reference" or wraps:
+    if implementation == "reference":
         return paged_loop_attention(q, k_all, v_all, layer, block_tables, meta,
                                     page_size=page_size, sliding_window=sliding_window,
                                     softcap=softcap, sm_scale=sm_scale)
@@ -307,7 +307,7 @@ def ragged_attention(q: jax.Array, k_all, v_all, layer, block_tables: jax.Array,
     pages = lambda a: a[layer].reshape((P, page_size) + a.shape[2:])  # noqa: E731
     k_pages, v_pages = jax.tree.map(pages, k_all), jax.tree.map(pages, v_all)
     kernel = functools.partial(ragged_paged_attention, sliding_window=sliding_window,
-                               softcap=softcap, sm_scale=sm_scale,
+                               softcap=softcap, sm_scale=sm_scale, wraps=wraps,
                                interpret=jax.default_backend() == "cpu")
     heads = "q_heads" if heads_split_evenly(q.shape[-2], jax.tree.leaves(k_all)[0].shape[-2]) \
         else None

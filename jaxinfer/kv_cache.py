@@ -4,14 +4,21 @@ Shape legend: L layers, B batch rows (slots), P pages, Z page size, M block-tabl
 K kv heads, H head dim, T tokens of a step.
 
 Row b's position p lives in page block_tables[b, (p // Z) % M] at offset p % Z, i.e. at flat
-pool slot block_tables[b, (p // Z) % M] * Z + p % Z. Two layouts share this one rule:
+pool slot block_tables[b, (p // Z) % M] * Z + p % Z. Three layouts share this one rule:
   * a paged cache (continuous batching): pages handed out by the host (jaxinfer.engine.pages),
     M = ceil(max_seq_len / Z) so the modulo never wraps; page 0 is the null page that unused
     table entries point to;
   * a ring buffer (PagedKVCache.ring): each row owns M consecutive pages (identity tables), and
     positions past M * Z wrap onto the row's oldest pages. A sliding-window layer keeps only
-    window + (most tokens one step writes) slots: every key a query of the step still sees was
-    written less than M * Z positions before the step's last token, so none was overwritten.
+    the slots its window needs: every key a query of the step still sees was written less
+    than M * Z positions before the step's last token, so none was overwritten;
+  * a hybrid cache (models that interleave sliding-window and global layers, e.g. Gemma 3):
+    the global layers' keys in a paged pool (k, v), the sliding-window layers' in a ring of
+    local_pages pages per row (local_k, local_v) with the pool's page size. Both share the
+    rows' lengths; a layer's index in its part is its rank among the layers of its kind
+    (models.base.pool_index).
+A ring holds window + n - 1 slots per row (ring_capacity), n the most tokens a row writes in
+one step (a prefill chunk, or a verification's drafts + 1).
 Which position a slot holds follows from the row's length (every position below it was
 written, in order), so no per-slot position array is kept: attention reads keys by logical
 position and masks them against the queries' positions (jaxinfer.attention).

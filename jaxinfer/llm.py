@@ -162,8 +162,8 @@ class LLM:
         per_step = max(min(prefill_chunk, max_num_batched_tokens), extra + 1)
         capacity = max_seq_len if cfg.sliding_window is None else min(
             max_seq_len, ring_capacity(cfg.sliding_window, per_step))
-        ring = memory.local_ring_capacity(cfg, max_seq_len, per_step, page_size,
-                                          attn_impl) if hybrid_kv_cache else 0
+        ring = memory.local_ring_capacity(cfg, max_seq_len, per_step, page_size) \
+            if hybrid_kv_cache else 0
         # Full attention runs on the paged cache; a sliding-window model keeps its ring.
         paged, memory_left = None, None
         # The page pool is split over the data and sequence axes.

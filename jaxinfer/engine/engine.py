@@ -369,6 +369,7 @@ class Engine:
             "parameter_bytes": tree_bytes(self.params),
             "state_bytes": tree_bytes(self.state) if self.state is not None else 0,
             "model_programs": self.num_programs(),
+            "ring_slots": self.runner.ring_capacity,
             **({"spec_steps": c["spec_steps"], "draft_tokens": c["draft_tokens"],
                 "accepted_tokens": c["accepted_tokens"],
                 "acceptance_rate": c["accepted_tokens"] / max(c["draft_tokens"], 1),

@@ -50,15 +50,14 @@ def pages_for_memory(limit: int, in_use: int, step_bytes: int, page_bytes: int,
 
 
 def local_ring_capacity(cfg: ModelConfig, max_seq_len: int, tokens_per_step: int,
-                        page_size: int, attn_impl: str) -> int:
+                        page_size: int) -> int:
     """Slots per row of the ring that keeps the sliding-window layers' keys of a model whose
     layers mix sliding-window and global attention (a hybrid cache: the pool then holds the
     global layers only), or 0: every layer stays in the pool. 0 as well when the ring would not
-    be smaller than a row's pages, and with the Pallas kernel, which does not read a wrapping
-    ring (those layers would fall back to the jnp path)."""
+    be smaller than a row's pages."""
     windows = cfg.windows
     local = [w for w in windows if w is not None]
-    if not local or None not in windows or attn_impl != "reference":
+    if not local or None not in windows:
         return 0
     slots = ring_capacity(max(local), tokens_per_step)
     return slots if -(-slots // page_size) < -(-max_seq_len // page_size) else 0

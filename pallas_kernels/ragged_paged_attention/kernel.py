@@ -20,6 +20,12 @@ Contract (the same as reference.py's):
   (never dereferenced) and unused pages may hold NaN (never leaks into the output).
 - Returns [T, N, H] in q.dtype. ValueError only for wrong ranks, dtypes, shapes, N % K != 0, an
   unsupported H, a sliding window < 1 or a softcap <= 0 (static arguments).
+- wraps=True (a ring buffer, beyond reference.py's contract): position p is in page
+  block_tables[r, (p // Z) % M], so a row's positions past M * Z reuse its oldest pages. The
+  caller keeps every key a query sees in place: with a sliding window w and n = num_queries[r],
+  M * Z >= w + n - 1 suffices (the step writes positions kv_lengths[r] - n .. kv_lengths[r] - 1
+  over slots whose keys are at least M * Z positions older, outside every query's window).
+  Logical pages that alias a visible one hold only keys no query sees.
 
 Work list. A grid over (row, query block) would need a static bound on each row's blocks
 (cdiv(T, bq) for a row that might own every token) and so R * cdiv(T, bq) programs, nearly all
@@ -122,7 +128,7 @@ def _store_rows(o_ref, start, value, mask):
 
 def ragged_paged_attention_kernel(work_ref, block_table_ref, q_ref, k_pages_ref, v_pages_ref,
                                   *refs, page_size, pages_per_block, block_q, group_rows,
-                                  sm_scale, softcap, sliding_window):
+                                  sm_scale, softcap, sliding_window, wraps=False):
     # work_ref [4] int32 (this work item: kv length, first token, first position, valid queries)
     # block_table_ref [M] int32 (this item's row); q_ref [T_pad * Gp, H] (this kv head)
     # k_pages_ref, v_pages_ref [P, Z, H] (this kv head); o_ref [T_pad * Gp, H] (this kv head)
@@ -148,7 +154,9 @@ def ragged_paged_attention_kernel(work_ref, block_table_ref, q_ref, k_pages_ref,
         q_pos = first_position + token                                           # [rows]
 
         end_key = jnp.clip(first_position + num_valid, 0, length)
-        end_page = jnp.minimum(lax.div(end_key + page_size - 1, jnp.int32(page_size)), max_pages)
+        end_page = lax.div(end_key + page_size - 1, jnp.int32(page_size))
+        if not wraps:
+            end_page = jnp.minimum(end_page, max_pages)
         if sliding_window is None:
             first_page = jnp.int32(0)
         else:
@@ -161,7 +169,10 @@ def ragged_paged_attention_kernel(work_ref, block_table_ref, q_ref, k_pages_ref,
             m_prev, l_prev, acc_prev = carry                  # [rows], [rows], [rows, H] float32
             slot0 = first_page + i * pages_per_block
             slots = slot0 + lax.broadcasted_iota(jnp.int32, (pages_per_block,), 0)
-            pages = block_table_ref[jnp.minimum(slots, end_page - 1)]   # [pages_per_block]
+            slots = jnp.minimum(slots, end_page - 1)
+            if wraps:  # logical page j of a ring is table entry j % M
+                slots = lax.rem(slots, jnp.int32(max_pages))
+            pages = block_table_ref[slots]                                # [pages_per_block]
             k = k_pages_ref[pages].reshape(block_k, H)                    # [block_k, H]
             v = v_pages_ref[pages].reshape(block_k, H)
             if k_scale_ref is not None:
@@ -213,7 +224,7 @@ def _compute_dtype(q, k_pages, k_scale):
 def ragged_paged_attention(q, k_pages, v_pages, kv_lengths, block_tables, query_start,
                            num_queries, *, sliding_window=None, softcap=None, sm_scale=None,
                            k_scale=None, v_scale=None, interpret=False, pages_per_block=None,
-                           block_q=None):
+                           block_q=None, wraps=False):
     """Causal attention of a flat, ragged batch of query tokens (prefill chunks and decode tokens
     side by side) over paged K/V. q [T, N, H] -> [T, N, H] in q.dtype.
 
@@ -230,6 +241,9 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lengths, block_tables, query_
     Quantized pages: k_pages, v_pages may hold int8 (value = code * scale) or float8_e4m3fn
     (value = float(code) * scale) codes when k_scale, v_scale [P, Z, K] (floating, one scale per
     slot and kv head) are given; the kernel dequantizes each gathered block after its load.
+    wraps (a ring buffer): position p is in page block_tables[r, (p // Z) % M], so positions
+    past M * Z reuse a row's oldest pages; every key a query sees must still be in place
+    (M * Z >= sliding window + the row's num_queries - 1; the module docstring has the rule).
     Raises ValueError for wrong ranks, dtypes, N % K != 0 or an unsupported H.
     """
     if check_inputs(q, k_pages, v_pages, kv_lengths, block_tables, query_start, num_queries,
@@ -251,15 +265,15 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lengths, block_tables, query_
         q, k_pages, v_pages, kv_lengths, block_tables, query_start, num_queries, k_scale,
         v_scale, sliding_window=sliding_window, softcap=softcap, sm_scale=sm_scale,
         interpret=interpret, pages_per_block=pages_per_block, block_q=block_q,
-        group_rows=group_rows, backend=backend)
+        group_rows=group_rows, backend=backend, wraps=bool(wraps))
 
 
 @functools.partial(jax.jit, static_argnames=("sliding_window", "softcap", "sm_scale", "interpret",
                                              "pages_per_block", "block_q", "group_rows",
-                                             "backend"))
+                                             "backend", "wraps"))
 def _ragged_paged_attention(q, k_pages, v_pages, kv_lengths, block_tables, query_start,
                             num_queries, k_scale, v_scale, *, sliding_window, softcap, sm_scale,
-                            interpret, pages_per_block, block_q, group_rows, backend):
+                            interpret, pages_per_block, block_q, group_rows, backend, wraps):
     T, N, H = q.shape
     P, page_size, K, _ = k_pages.shape
     R, max_pages = block_tables.shape
@@ -283,7 +297,7 @@ def _ragged_paged_attention(q, k_pages, v_pages, kv_lengths, block_tables, query
         ragged_paged_attention_kernel, page_size=page_size, pages_per_block=pages_per_block,
         block_q=block_q, group_rows=Gp,
         sm_scale=sm_scale if sm_scale is not None else H ** -0.5, softcap=softcap,
-        sliding_window=sliding_window)
+        sliding_window=sliding_window, wraps=wraps)
     sizes = block_sizes.block_sizes_for(backend)
     pages_spec = pl.BlockSpec((P, page_size, None, H), lambda w, h: (0, 0, h, 0))
     tokens_spec = pl.BlockSpec((None, T_pad * Gp, H), lambda w, h: (h, 0, 0))

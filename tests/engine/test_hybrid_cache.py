@@ -39,7 +39,7 @@ def test_layout():
     be in the pool's layers alone)."""
     llm = _llm()
     engine = llm._engine
-    assert engine.runner.ring_capacity == 8 + 16 - 1
+    assert engine.runner.ring_capacity == 8 + 16 - 1 == llm.stats()["ring_slots"]
     engine.runner.ensure_state()
     cache = engine.state.cache
     assert cache.local_pages == 2 and cache.local_k.shape[:2] == (2, 2 * 2 * 16)
@@ -50,7 +50,8 @@ def test_layout():
         cfg, 16, np.float32)
     # Where a ring would not be smaller than a row's pages, every layer stays in the pool.
     assert _llm(max_seq_len=32)._engine.runner.ring_capacity == 0
-    assert memory.local_ring_capacity(cfg, SEQ, 16, 16, "pallas") == 0
+    assert memory.local_ring_capacity(cfg, 16 + 16, 16, 16) == 0
+    assert memory.local_ring_capacity(cfg, 16 + 17, 16, 16) == 23
     with pytest.raises(ValueError, match="hybrid_kv_cache must be a bool, got 1"):
         _llm(hybrid_kv_cache=1)
 
@@ -115,3 +116,42 @@ def test_sliding_window_ring_holds_a_whole_prefill_chunk():
     outs = llm.generate(prompts, ji.SamplingParams(max_tokens=12, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == _dense_greedy(llm, prompt, 12)
+
+
+@pytest.mark.parametrize("attn_impl", ["reference", "pallas"])
+def test_forward_over_a_hybrid_cache(attn_impl):
+    """The model's forward over a hybrid cache, both attention paths (the Pallas kernel in
+    interpret mode reads the ring with wraps=True): two rows fed in chunks of 8 and then one
+    token a step, the local layers' ring 8 + 8 - 1 slots (two pages of 8) wrapping several
+    times, equal the dense scoring forward's logits (float32, 1e-4: the same math in another
+    order). The tiny Gemma 3 config with head dim 32 (a kernel head dim), random weights."""
+    from jaxinfer.kv_cache import PagedKVCache, ring_capacity, ring_tables
+    from jaxinfer.loading import load_model
+    from jaxinfer.models import get_model
+
+    import jax
+
+    cfg = load_model(TINY).config.replace(head_dim=32)
+    model = get_model(cfg.architecture)
+    params = model.init_params(cfg, jax.random.key(0))
+    B, Z, S, K, H = 2, 8, 48, cfg.num_kv_heads, cfg.head_dim
+    R = -(-ring_capacity(8, 8) // Z)
+    local = sum(cfg.window(i) is not None for i in range(cfg.num_layers))
+    zeros = lambda L, P: jnp.zeros((L, P * Z, K, H), jnp.float32)  # noqa: E731
+    M = S // Z
+    cache = PagedKVCache(k=zeros(cfg.num_layers - local, B * M),
+                         v=zeros(cfg.num_layers - local, B * M),
+                         block_tables=jnp.asarray(ring_tables(B, M)),
+                         lengths=jnp.zeros(B, jnp.int32), page_size=Z,
+                         local_k=zeros(local, B * R), local_v=zeros(local, B * R), local_pages=R)
+    tokens = np.random.default_rng(1).integers(3, cfg.vocab_size, (B, S)).astype(np.int32)
+    forward = jax.jit(model.forward, static_argnums=(1,), static_argnames=("attn_impl",))
+    got, pos = [], 0
+    for width in [8] * 4 + [1] * (S - 32):
+        h, cache = forward(params, cfg, jnp.asarray(tokens[:, pos:pos + width]), cache,
+                           jnp.full((B,), width, jnp.int32), attn_impl=attn_impl)
+        got.append(np.asarray(model.head(params, h)))
+        pos += width
+    want = np.asarray(sequence_logits(params, cfg, jnp.asarray(tokens)))
+    np.testing.assert_allclose(np.concatenate(got, axis=1), want, atol=1e-4, rtol=0)
+    assert int(cache.lengths[0]) == S > 2 * R * Z

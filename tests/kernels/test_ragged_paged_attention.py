@@ -307,6 +307,47 @@ class RaggedPagedAttentionSweep:
                      "kernel vs numpy")
 
 
+    @pytest.mark.parametrize("window,pages_per_block,block_q", [(3, 1, 4), (9, 2, 8)])
+    def test_ring_buffer_wraps(self, window, pages_per_block, block_q):
+        """wraps=True over a ring of window + (most queries of a row) - 1 slots per row, whose
+        longer rows have gone round it: the output equals numpy over the same keys laid out
+        without wrapping."""
+        Z = 4
+        rows = mixed_rows(Z, 12) + [(40, 1), (37, 6)]
+        inputs = make_batch(11, rows, N=6, K=2, H=32, page_size=Z, max_pages=12,
+                            dtype=jnp.float32)
+        ring_pages = -(-(window + max(n for _, n in rows) - 1) // Z)
+        ring = ring_batch(inputs, ring_pages, seed=12)
+        assert max(length for length, _ in rows) > ring_pages * Z + Z
+        out = ragged_paged_attention(*ring, sliding_window=window, wraps=True,
+                                     interpret=self.interpret, pages_per_block=pages_per_block,
+                                     block_q=block_q)
+        assert_close(out, naive_ragged_attention(*inputs, sliding_window=window), jnp.float32,
+                     "ring kernel vs numpy without wrapping")
+
+
+def ring_batch(inputs, ring_pages, seed):
+    """The batch `inputs` (make_batch's) with each row's keys in a ring of ring_pages pages
+    (position p in page tables[r, (p // Z) % ring_pages], written in position order, so later
+    positions overwrite earlier ones), the rows' pages shuffled in a pool whose other slots hold
+    NaN."""
+    q, k, v, lengths, tables, query_start, num_queries = inputs
+    k, v, tables, lengths = (np.asarray(x) for x in (k, v, tables, lengths))
+    Z, R = k.shape[1], len(lengths)
+    rng = np.random.default_rng(seed)
+    P = R * ring_pages + 2
+    ring_tables = rng.permutation(P)[:R * ring_pages].reshape(R, ring_pages)
+    ring_k = np.full((P,) + k.shape[1:], np.nan, np.float32)
+    ring_v = np.full((P,) + v.shape[1:], np.nan, np.float32)
+    for r, length in enumerate(lengths):
+        for p in range(int(length)):
+            src = tables[r, p // Z], p % Z
+            dst = ring_tables[r, (p // Z) % ring_pages], p % Z
+            ring_k[dst], ring_v[dst] = k[src], v[src]
+    return (q, jnp.asarray(ring_k), jnp.asarray(ring_v), jnp.asarray(lengths),
+            jnp.asarray(ring_tables.astype(np.int32)), query_start, num_queries)
+
+
 class TestRaggedPagedAttentionInterpret(RaggedPagedAttentionSweep):
     interpret = True
 
@@ -410,11 +451,13 @@ def test_new_lengths_tables_and_query_ranges_compile_nothing(compile_recorder):
 @pytest.mark.parametrize("dtype,N,K,H,page_size,pages_per_block,block_q,options", [
     (jnp.bfloat16, 9, 3, 64, 16, 8, 4, {}),
     (jnp.float32, 8, 8, 128, 4, 4, 16, {"sliding_window": 5, "softcap": 2.0}),
+    (jnp.bfloat16, 4, 1, 256, 16, 4, 8, {"sliding_window": 5, "wraps": True}),
     (jnp.bfloat16, 8, 2, 128, 16, 4, 4, {"pages_dtype": jnp.int8}),
     (jnp.float32, 2, 1, 256, 16, 1, 16, {"pages_dtype": jnp.float8_e4m3fn,
                                          "sliding_window": 5}),
     (jnp.float16, 16, 2, 32, 16, None, None, {}),
-], ids=["bf16-gqa3", "f32-window-softcap", "bf16-int8-pages", "f32-fp8-pages-window-h256",
+], ids=["bf16-gqa3", "f32-window-softcap", "bf16-ring-window-h256", "bf16-int8-pages",
+        "f32-fp8-pages-window-h256",
         "f16-default-blocks"])
 def test_body_lowers_through_triton(dtype, N, K, H, page_size, pages_per_block, block_q,
                                     options):

@@ -78,3 +78,25 @@ def test_last_position_logits(llm, golden):
         assert int(np.argmax(logits)) == top["ids"][0], case["name"]
     print(f"max |logit diff| {worst:.2e}")
     assert worst < LOGIT_ATOL, worst
+
+
+def test_hybrid_cache_past_the_ring():
+    """A prompt longer than the local layers' ring (639 slots at prefill chunks of 128), so the
+    ring wraps in prefill and in decode: the 24 greedy tokens equal the all-pool engine's, and
+    each is the argmax of the dense scoring forward over the prompt and the tokens before it
+    (one forward, no ring and no pages)."""
+    text = " ".join(f"Item {i}: the {['red', 'green', 'blue', 'white'][i % 4]} box holds "
+                    f"{i * 7 % 13} stones." for i in range(60))
+    kw = dict(max_seq_len=1024, max_num_seqs=2, dtype="float32")
+    hybrid = ji.LLM("gemma3-270m", **kw)
+    assert hybrid.stats()["ring_slots"] == 512 + 128 - 1
+    prompt = hybrid.tokenizer.encode(text)
+    assert len(prompt) > 700
+    params = ji.SamplingParams(max_tokens=24, ignore_eos=True)
+    got = hybrid.generate([prompt], params)[0].token_ids
+    seq = np.asarray([prompt + got[:-1]], np.int32)
+    logits = np.asarray(sequence_logits(hybrid.params, hybrid.model_config, jnp.asarray(seq)))
+    assert np.argmax(logits[0, len(prompt) - 1:], axis=-1).tolist() == got
+    pool = ji.LLM("gemma3-270m", hybrid_kv_cache=False, **kw)
+    assert pool.stats()["ring_slots"] == 0
+    assert pool.generate([prompt], params)[0].token_ids == got
