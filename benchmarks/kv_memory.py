@@ -12,7 +12,8 @@ same settings (the CPU default dtype unless --dtype), and for each reports:
   * generation on prompts longer than the window (--num_requests prompts of --prompt_len
     tokens, --output_len greedy tokens each, EOS ignored): tokens per second over the whole
     request (prefill included), best of --runs timed runs after one untimed warm-up run, the
-    two engines alternating; and whether both produced the same tokens.
+    two engines alternating, new prompts each run (the hybrid engine has no prefix cache, the
+    all-pool one does); and whether both produced the same tokens.
 Only models that interleave sliding-window and global layers have a ring (Gemma 3); for others
 both rows are the same engine.
 """
@@ -25,13 +26,16 @@ import time
 import numpy as np
 
 
-def _prompts(tokenizer, n: int, length: int, vocab: int) -> list[list[int]]:
-    """n prompts of `length` token ids: varied English text, cut to length."""
+def _prompts(tokenizer, n: int, length: int, vocab: int, run: int) -> list[list[int]]:
+    """n prompts of `length` token ids for timed run `run`: varied English text, cut to
+    length, each run's prompts differing from their first tokens (so that the all-pool
+    engine's prefix cache, which the hybrid one does not have, finds nothing)."""
     colours = ["red", "green", "blue", "white", "black"]
     out = []
-    for r in range(n):
-        text = " ".join(f"Entry {i} of list {r}: the {colours[(i + r) % 5]} box holds "
-                        f"{(i * 7 + r) % 13} stones." for i in range(length))
+    for r in range(run * n, run * n + n):
+        text = f"List {r}. " + " ".join(
+            f"Entry {i} of list {r}: the {colours[(i + r) % 5]} box holds "
+            f"{(i * 7 + r) % 13} stones." for i in range(length))
         ids = tokenizer.encode(text) if tokenizer is not None else \
             np.random.default_rng(r).integers(3, vocab, size=length).tolist()
         out.append(ids[:length])
@@ -56,17 +60,17 @@ def main() -> None:
                          max_num_seqs=args.max_num_seqs, hybrid_kv_cache=hybrid)
             for name, hybrid in (("hybrid", True), ("pool", False))}
     first = llms["hybrid"]
-    prompts = _prompts(first.tokenizer, args.num_requests, args.prompt_len,
-                       first.model_config.vocab_size)
     params = ji.SamplingParams(max_tokens=args.output_len, ignore_eos=True)
     best = {name: float("inf") for name in llms}
-    tokens = {}
+    tokens = {name: [] for name in llms}
     for run in range(args.runs + 1):
+        prompts = _prompts(first.tokenizer, args.num_requests, args.prompt_len,
+                           first.model_config.vocab_size, run)
         for name, llm in llms.items():
             t = time.perf_counter()
             outs = llm.generate(prompts, params)
             elapsed = time.perf_counter() - t
-            tokens[name] = [o.token_ids for o in outs]
+            tokens[name] += [o.token_ids for o in outs]
             if run:  # the first run compiles
                 best[name] = min(best[name], elapsed)
     total = args.num_requests * (args.prompt_len + args.output_len)
@@ -81,7 +85,9 @@ def main() -> None:
         print(f"{name:8} {s['ring_slots']:>10} {s.get('num_pages', 0):>10} "
               f"{s['state_bytes'] / 2**20:>10.1f} {s['state_bytes'] / pool_bytes:>8.3f} "
               f"{total / best[name]:>8.1f}")
-    print("same tokens:", tokens["hybrid"] == tokens["pool"])
+    print("same tokens:", tokens["hybrid"] == tokens["pool"],
+          "| prefix-cache hits of the pool engine:",
+          llms["pool"].stats().get("prefix_cache_hit_tokens", 0))
 
 
 if __name__ == "__main__":

@@ -102,6 +102,11 @@ class ModelConfig:
         """The distinct sliding windows of the layers (None: global), in layer order."""
         return tuple(dict.fromkeys(self.window(i) for i in range(self.num_layers)))
 
+    @property
+    def num_local_layers(self) -> int:
+        """Layers with a sliding window (a hybrid KV cache keeps them in its ring)."""
+        return sum(self.window(i) is not None for i in range(self.num_layers))
+
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:

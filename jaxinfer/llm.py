@@ -226,8 +226,7 @@ class LLM:
         cfg, kv_dtype, split = self.model_config, self._engine.kv_dtype, \
             mesh.data * mesh.sequence * mesh.tensor
         ring = self._engine.runner.ring_capacity
-        global_layers = cfg.num_layers - sum(cfg.window(i) is not None
-                                             for i in range(cfg.num_layers)) if ring else None
+        global_layers = cfg.num_layers - cfg.num_local_layers if ring else None
         page = memory.kv_page_bytes(cfg, page_size, kv_dtype, global_layers) // split
         # A hybrid cache's ring of local layers is a fixed size: it comes off the top.
         if ring:

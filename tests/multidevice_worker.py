@@ -306,8 +306,35 @@ def big() -> dict:
     return out
 
 
+def hybrid() -> dict:
+    """The tiny Gemma 3 (window 8; two sliding-window layers in a ring of 23 slots, the global
+    one in the pool) on one device and on meshes, prompts long enough to wrap the ring: greedy
+    tokens, their logprobs and the ring's shardings."""
+    import jaxinfer as ji
+
+    path = os.path.join(ROOT, "tests", "data", "tiny_models", "gemma3")
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 256, n).tolist() for n in (20, 41, 9, 30)]
+    params = ji.SamplingParams(max_tokens=16, logprobs=1, ignore_eos=True)
+    out = {}
+    for name, mesh in (("single", None), ("data2_tensor2", ji.MeshConfig(data=2, tensor=2)),
+                       ("data2_seq2", ji.MeshConfig(data=2, sequence=2))):
+        llm = ji.LLM(path, max_seq_len=64, max_num_seqs=4, prefill_chunk=16, decode_steps=4,
+                     mesh=mesh)
+        outs = llm.generate(prompts, params)
+        cache = llm._engine.state.cache
+        out[name] = {"tokens": [o.token_ids for o in outs],
+                     "logprobs": [[lp[t] for lp, t in zip(o.logprobs, o.token_ids)]
+                                  for o in outs],
+                     "ring_slots": llm.stats()["ring_slots"],
+                     "ring_spec": str(getattr(cache.local_k.sharding, "spec", None))}
+        del llm
+        jax.clear_caches()
+    return out
+
+
 if __name__ == "__main__":
     sys.path.insert(0, ROOT)
     result = {"meshes": meshes, "kvrep": kvrep, "kernels": kernels, "big": big,
-              "context": context}[sys.argv[1]]()
+              "context": context, "hybrid": hybrid}[sys.argv[1]]()
     print(json.dumps(result))

@@ -27,6 +27,20 @@ TINY = ModelConfig("llama", vocab_size=97, d_model=32, num_layers=2, num_heads=8
                    head_dim=8, ffn_dim=48, max_position_embeddings=64)
 
 
+@pytest.mark.slow
+def test_hybrid_cache_on_meshes():
+    """A hybrid KV cache (tiny Gemma 3, the ring wrapping) on (data 2, tensor 2) and (data 2,
+    sequence 2) meshes: one device's greedy tokens and logprobs (1e-5), the ring's slots split
+    over data and sequence like the pool's pages."""
+    got = run_worker("hybrid")
+    one = got["single"]
+    assert one["ring_slots"] == 23
+    for name in ("data2_tensor2", "data2_seq2"):
+        assert got[name]["tokens"] == one["tokens"], name
+        np.testing.assert_allclose(got[name]["logprobs"], one["logprobs"], atol=1e-5, rtol=0)
+    assert _spec(got["data2_seq2"]["ring_spec"]) == (None, ("data", "sequence"))
+
+
 def _spec(text: str) -> tuple:
     """A printed PartitionSpec as a tuple without trailing Nones: jit outputs print their
     specs trimmed (P(None, 'data')), placed arrays in full (P(None, 'data', None))."""

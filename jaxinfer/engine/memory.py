@@ -66,6 +66,5 @@ def local_ring_capacity(cfg: ModelConfig, max_seq_len: int, tokens_per_step: int
 def ring_bytes(cfg: ModelConfig, num_slots: int, slots: int, page_size: int, dtype) -> int:
     """Bytes of a hybrid cache's ring: slots per row (rounded up to pages) of num_slots rows in
     every sliding-window layer."""
-    local = sum(cfg.window(i) is not None for i in range(cfg.num_layers))
     pages = -(-slots // page_size) * num_slots
-    return kv_page_bytes(cfg, page_size, dtype, num_layers=local) * pages
+    return kv_page_bytes(cfg, page_size, dtype, num_layers=cfg.num_local_layers) * pages

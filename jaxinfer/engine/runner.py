@@ -113,7 +113,7 @@ class Runner:
             tables, P, wraps = ring_tables(B, M), B * M, True
         ring = {}
         if self.ring_capacity:
-            local = sum(self.cfg.window(i) is not None for i in range(L))
+            local = self.cfg.num_local_layers
             R = -(-self.ring_capacity // Z)
             L -= local
             ring = dict(local_k=self._zeros((local, B * R * Z, K, H)),

@@ -136,7 +136,7 @@ def test_forward_over_a_hybrid_cache(attn_impl):
     params = model.init_params(cfg, jax.random.key(0))
     B, Z, S, K, H = 2, 8, 48, cfg.num_kv_heads, cfg.head_dim
     R = -(-ring_capacity(8, 8) // Z)
-    local = sum(cfg.window(i) is not None for i in range(cfg.num_layers))
+    local = cfg.num_local_layers
     zeros = lambda L, P: jnp.zeros((L, P * Z, K, H), jnp.float32)  # noqa: E731
     M = S // Z
     cache = PagedKVCache(k=zeros(cfg.num_layers - local, B * M),

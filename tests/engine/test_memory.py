@@ -59,3 +59,27 @@ def test_too_little_memory_names_the_numbers(monkeypatch):
                                          r".*needs 17"):
         _llm(monkeypatch, 2_000_000, 1_500_000)
 
+
+
+def test_num_pages_from_device_memory_with_a_hybrid_cache(monkeypatch):
+    """A hybrid cache (tiny Gemma 3: two sliding-window layers in a ring, one global layer in
+    the pool): the ring's bytes come off the top and each page holds the global layer only, so
+    weights, step scratch, ring and pool fit in 90% of the device, and one page more would not."""
+    import jax
+
+    limit, in_use = 16 << 20, 1 << 20
+    monkeypatch.setattr(memory, "free_device_memory", lambda device=None: (limit, in_use))
+    llm = ji.LLM(TINY.replace("llama", "gemma3"), max_seq_len=128, max_num_seqs=4,
+                 prefill_chunk=16, decode_steps=4, page_size=8)
+    engine = llm._engine
+    assert llm.stats()["ring_slots"] == 8 + 16 - 1
+    llm.generate([[1, 2, 3]], ji.SamplingParams(max_tokens=5, ignore_eos=True))
+    cache = engine.state.cache
+    pool = sum(int(x.nbytes) for x in jax.tree.leaves((cache.k, cache.v)))
+    ring = sum(int(x.nbytes) for x in jax.tree.leaves((cache.local_k, cache.local_v)))
+    page = pool // engine.num_pages
+    assert page * engine.num_pages == pool and cache.k.shape[0] == 1
+    assert ring == memory.ring_bytes(llm.model_config, 4, 23, 8, np.float32) == 2 * page * 3 * 4
+    budget = limit * memory.UTILIZATION
+    step = engine.step_scratch_bytes()
+    assert in_use + step + ring + pool <= budget < in_use + step + ring + pool + page
