@@ -162,7 +162,9 @@ class BeamSearch:
     # ---- the search --------------------------------------------------------------------------
 
     def prefill(self, prompts: list[list[int]]) -> list[_Beam]:
-        """Every prompt's root beam, its prompt in the cache (chunks within the token budget)."""
+        """Every prompt's root beam, its prompt in the cache (chunks of at most prefill_chunk
+        tokens within the token budget, as the scheduler cuts them: a ring holds a window plus
+        one chunk)."""
         roots = []
         for k, ids in enumerate(prompts):
             req = self._new_request(ids, [])
@@ -178,12 +180,12 @@ class BeamSearch:
             self.scheduler.slots[slot] = req
             self._admit.append((req, cached))
             roots.append(_Beam(req, 0.0))
-        budget = self.engine.ecfg.max_num_batched_tokens
+        budget, chunk = self.engine.ecfg.max_num_batched_tokens, self.engine.ecfg.prefill_chunk
         while any(b.req.prefilled < len(b.req.prefill_ids) for b in roots):
             segments, done, left = [], [], budget
             for b in roots:
                 r = b.req
-                n = min(len(r.prefill_ids) - r.prefilled, left)
+                n = min(len(r.prefill_ids) - r.prefilled, left, chunk)
                 if n <= 0:
                     continue
                 segments.append((r.slot, r.prefill_ids[r.prefilled:r.prefilled + n]))

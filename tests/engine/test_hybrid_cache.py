@@ -24,7 +24,7 @@ SEQ = 64
 
 def _llm(**kw):
     kw = dict(max_seq_len=SEQ, max_num_seqs=2, prefill_chunk=16, decode_steps=4,
-              page_size=16) | kw
+              page_size=16, dtype="float32") | kw
     return ji.LLM(TINY, **kw)
 
 
@@ -79,30 +79,45 @@ def test_greedy_matches_the_dense_forward():
         assert out.token_ids == _dense_greedy(llm, prompt, 20)
 
 
-@pytest.mark.parametrize("case", ["n2", "ngram", "preempt"])
+@pytest.mark.parametrize("case", ["n2", "ngram", "draft", "preempt", "beam"])
 def test_same_tokens_as_every_layer_in_the_pool(case):
-    """Seeded sampling with n = 2 (the forks copy the ring rows), n-gram speculation (rejected
-    drafts roll back over the ring) and preemption (a pool of 6 pages for two rows of up to 4:
-    a preempted request recomputes its ring) give the tokens of the same engine with every
-    layer in the pool."""
+    """Seeded sampling with n = 2 (the forks copy the ring rows), n-gram speculation and a draft
+    model (the tiny model drafting for itself; rejected drafts roll back over the ring),
+    preemption (a pool of 6 pages for two rows of up to 4: a preempted request recomputes its
+    ring) and beam search (width 4: every fork copies ring rows) give the tokens of the same
+    engine with every layer in the pool."""
     kw, params = {}, ji.SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.8, seed=3)
     if case == "n2":
         params = ji.SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.8, seed=3, n=2)
     elif case == "ngram":
         kw = dict(speculative=ji.SpeculativeConfig("ngram", num_draft_tokens=3))
         params = ji.SamplingParams(max_tokens=20, ignore_eos=True)
-    else:
+    elif case == "draft":
+        kw = dict(speculative=ji.SpeculativeConfig("draft", num_draft_tokens=3,
+                                                   draft_model=TINY))
+    elif case == "preempt":
         kw = dict(num_pages=6)
+    elif case == "beam":
+        kw = dict(max_num_seqs=4)
     prompts = _prompts()
+
+    def run(llm):
+        if case == "beam":
+            from jaxinfer.beam_search import BeamSearchParams
+
+            outs = llm.beam_search(prompts, BeamSearchParams(beam_width=4, max_tokens=16,
+                                                             ignore_eos=True))
+            return [[s.token_ids for s in o.sequences] for o in outs]
+        return [[o.token_ids for o in out.outputs] for out in llm.generate(prompts, params)]
+
     hybrid = _llm(**kw)
     assert hybrid._engine.runner.ring_capacity > 0
-    got = [[o.token_ids for o in out.outputs] for out in hybrid.generate(prompts, params)]
+    got = run(hybrid)
     if case == "preempt":
         assert hybrid.stats()["preemptions"] > 0
     pooled = _llm(hybrid_kv_cache=False, **kw)
     assert pooled._engine.runner.ring_capacity == 0
-    want = [[o.token_ids for o in out.outputs] for out in pooled.generate(prompts, params)]
-    assert got == want
+    assert got == run(pooled)
 
 
 def test_sliding_window_ring_holds_a_whole_prefill_chunk():
