@@ -196,8 +196,9 @@ class LLM:
                                enable_prefix_caching=draft is None and not ring,
                                num_partitions=data)
         elif num_pages is not None:
-            raise NotImplementedError("num_pages: sliding-window models run on the ring-buffer "
-                                      "cache; the paged cache serves full attention only")
+            raise NotImplementedError("num_pages: a model whose every layer has a sliding "
+                                      "window runs on the ring-buffer cache; the paged cache "
+                                      "serves layers with full attention only")
         self.engine_config = EngineConfig(max_seq_len=max_seq_len, max_num_seqs=max_num_seqs,
                                           prefill_chunk=prefill_chunk, decode_steps=decode_steps,
                                           max_num_batched_tokens=max_num_batched_tokens,

@@ -127,6 +127,8 @@ def test_sliding_window_ring_holds_a_whole_prefill_chunk():
     llm = ji.LLM(TINY.replace("gemma3", "mistral_sw"), max_seq_len=SEQ, max_num_seqs=2,
                  prefill_chunk=16, decode_steps=4)
     assert llm._engine.runner.capacity == 8 + 16 - 1
+    with pytest.raises(NotImplementedError, match="every layer has a sliding window"):
+        ji.LLM(TINY.replace("gemma3", "mistral_sw"), max_seq_len=SEQ, num_pages=64)
     prompts = _prompts()
     outs = llm.generate(prompts, ji.SamplingParams(max_tokens=12, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
