@@ -172,3 +172,15 @@ def test_forward_over_a_hybrid_cache(attn_impl):
     want = np.asarray(sequence_logits(params, cfg, jnp.asarray(tokens)))
     np.testing.assert_allclose(np.concatenate(got, axis=1), want, atol=1e-4, rtol=0)
     assert int(cache.lengths[0]) == S > 2 * R * Z
+
+
+def test_no_compilation_after_warmup(compile_recorder):
+    """warmup() compiles every program a hybrid engine runs: prompts in chunks and decode steps
+    with the ring wrapping, then a fork (n = 2), compile nothing more."""
+    llm = _llm()
+    llm.warmup()
+    prompts = _prompts()
+    with compile_recorder() as rec:
+        llm.generate(prompts, ji.SamplingParams(max_tokens=12, ignore_eos=True))
+        llm.generate(prompts[:1], ji.SamplingParams(max_tokens=8, temperature=0.7, seed=1, n=2))
+    assert not rec.logs and not rec.events, rec.logs
