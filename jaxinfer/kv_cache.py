@@ -290,7 +290,6 @@ def ring_capacity(window: int, tokens_per_step: int) -> int:
     return window + tokens_per_step - 1
 
 
-
 def ring_tables(batch: int, pages_per_row: int) -> np.ndarray:
     """Block tables of a ring buffer: row b owns pages b * M .. b * M + M - 1 (host numbers)."""
     return np.arange(batch * pages_per_row, dtype=np.int32).reshape(batch, pages_per_row)

@@ -48,7 +48,6 @@ def pages_for_memory(limit: int, in_use: int, step_bytes: int, page_bytes: int,
     return max(left // page_bytes, 0)
 
 
-
 def local_ring_capacity(cfg: ModelConfig, max_seq_len: int, tokens_per_step: int,
                         page_size: int) -> int:
     """Slots per row of the ring that keeps the sliding-window layers' keys of a model whose

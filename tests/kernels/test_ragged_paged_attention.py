@@ -306,7 +306,6 @@ class RaggedPagedAttentionSweep:
         assert_close(out, naive_ragged_attention(*inputs, sliding_window=19), jnp.float32,
                      "kernel vs numpy")
 
-
     @pytest.mark.parametrize("window,pages_per_block,block_q", [(3, 1, 4), (9, 2, 8)])
     def test_ring_buffer_wraps(self, window, pages_per_block, block_q):
         """wraps=True over a ring of window + (most queries of a row) - 1 slots per row, whose
