@@ -1,6 +1,7 @@
 """Compile budget: programs compiled by LLM.warmup(), its time, and the memory maps it leaves.
 
     python benchmarks/warmup.py [--model smollm2-135m] [--configs plain,ngram] [--json]
+                                [--compile_threads 1,2]
 
 Each configuration runs in its own fresh process with the persistent compilation cache off
 (JAXINFER_COMPILATION_CACHE=0), so every program is compiled from scratch:
@@ -14,6 +15,8 @@ It reports
   after_warmup     XLA compilations while serving a varied workload afterwards (prompts of 1 to
                    700 tokens, 1 to 40 output tokens, greedy and sampled rows, logprobs and
                    prompt logprobs, a stop string, preemption-free): must be 0
+--compile_threads 1,2 runs each configuration twice, compiling one program at a time and two
+at a time (JAXINFER_COMPILE_THREADS), one right after the other.
 Compilations are counted from JAX's backend-compile events (jax.monitoring), one per XLA
 program; `jax_log_compiles` names any after warmup. Targets (SmolLM2 defaults, this CPU): at
 most 16 programs plain and 24 with speculation, warmup <= 60 s, maps <= 25% of the limit.
@@ -91,29 +94,38 @@ def main():
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--configs", default="plain,ngram")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--compile_threads", default="",
+                    help="comma-separated JAXINFER_COMPILE_THREADS values: each config runs with "
+                         "each, one after the other (default: the engine's own, 2)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         print(MARK + json.dumps(worker(args.model, args.worker)), flush=True)
         return
     results = []
+    threads = args.compile_threads.split(",") if args.compile_threads else [""]
     for config in args.configs.split(","):
-        env = dict(os.environ, JAXINFER_COMPILATION_CACHE="0")
-        r = subprocess.run([sys.executable, __file__, "--model", args.model, "--worker", config],
-                           env=env, capture_output=True, text=True)
-        lines = [ln for ln in r.stdout.splitlines() if ln.startswith(MARK)]
-        if r.returncode != 0 or not lines:
-            sys.exit(f"worker {config} failed:\n{r.stderr[-3000:]}")
-        results.append(json.loads(lines[0][len(MARK):]))
-        compiled_after = [ln for ln in r.stderr.splitlines() if "Compiling" in ln]
-        results[-1]["compiled_after_warmup"] = compiled_after[:10]
+        for n in threads:
+            env = dict(os.environ, JAXINFER_COMPILATION_CACHE="0")
+            if n:
+                env["JAXINFER_COMPILE_THREADS"] = n
+            r = subprocess.run([sys.executable, __file__, "--model", args.model, "--worker",
+                                config], env=env, capture_output=True, text=True)
+            lines = [ln for ln in r.stdout.splitlines() if ln.startswith(MARK)]
+            if r.returncode != 0 or not lines:
+                sys.exit(f"worker {config} failed:\n{r.stderr[-3000:]}")
+            results.append(json.loads(lines[0][len(MARK):]))
+            results[-1]["compile_threads"] = n or "default"
+            compiled_after = [ln for ln in r.stderr.splitlines() if "Compiling" in ln]
+            results[-1]["compiled_after_warmup"] = compiled_after[:10]
     if args.json:
         print(json.dumps(results))
         return
-    print(f"{'config':8} {'load':>5} {'warmup progs':>12} {'target':>6} {'warmup s':>9} "
-          f"{'maps':>7} {'of limit':>8} {'after warmup':>12}")
+    print(f"{'config':8} {'threads':>7} {'load':>5} {'warmup progs':>12} {'target':>6} "
+          f"{'warmup s':>9} {'maps':>7} {'of limit':>8} {'after warmup':>12}")
     for r in results:
-        print(f"{r['config']:8} {r['load_programs']:5d} {r['warmup_programs']:12d} "
+        print(f"{r['config']:8} {r['compile_threads']:>7} {r['load_programs']:5d} "
+              f"{r['warmup_programs']:12d} "
               f"{TARGETS['programs'].get(r['config'], 0):6d} {r['warmup_s']:9.1f} "
               f"{r['maps']:7d} {r['maps_fraction']:8.1%} {r['after_warmup']:12d}")
         for line in r["compiled_after_warmup"]:

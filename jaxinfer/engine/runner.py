@@ -10,8 +10,10 @@ dynamic trip count).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
+import os
 from typing import Optional
 
 import jax
@@ -25,6 +27,9 @@ from jaxinfer.sharding import Partitioner, fetch
 from jaxinfer.token_batch import host_batch
 
 MAX_STOP_IDS = 8
+# Programs warmup compiles at once (at most the CPUs the process may use);
+# $JAXINFER_COMPILE_THREADS overrides it (1: one after the other).
+COMPILE_THREADS = 2
 
 
 @dataclasses.dataclass
@@ -205,10 +210,15 @@ class Runner:
                           {s: tuple(x[i] for x in lp) for i, s in listed},
                           prompt_logprobs=prompt_lp)
 
+    def _step_call(self, state, batch, sample_rows, next_tokens) -> tuple:
+        """The flat step's program and arguments: (jitted, args, kwargs)."""
+        return decode.step_jit, (self.params, state, batch, sample_rows, next_tokens), dict(
+            cfg=self.cfg, attn_impl=self.ecfg.attention, query_tile=self.query_tile,
+            **self.draft_kw)
+
     def _step(self, batch, sample_rows, next_tokens):
-        return decode.step_jit(self.params, self.state, batch, sample_rows, next_tokens,
-                               cfg=self.cfg, attn_impl=self.ecfg.attention,
-                               query_tile=self.query_tile, **self.draft_kw)
+        fn, args, kw = self._step_call(self.state, batch, sample_rows, next_tokens)
+        return fn(*args, **kw)
 
     # ---- multi-step decode ------------------------------------------------------------------
 
@@ -222,26 +232,25 @@ class Runner:
         """One decode dispatch for the listed slots. Returns (out [B, W], num_out [B],
         done [B], logprobs or None (fetched when asked), counts or None)."""
         rows = self.rows_array(slots)
+        fn, args, kw = self._loop_call(self.state, rows, draft_on, exit_on_stop)
         if self.spec is not None:
-            self.state, out, num_out, done, lp, counts = self._speculative_loop(
-                rows, draft_on, exit_on_stop)
+            self.state, out, num_out, done, lp, counts = fn(*args, **kw)
             counts = fetch(counts)
         else:
-            self.state, out, num_out, done, lp = self._decode_loop(rows, exit_on_stop)
+            self.state, out, num_out, done, lp = fn(*args, **kw)
             counts = None
         return fetch((out, num_out, done)) + (lp, counts)
 
-    def _decode_loop(self, rows, exit_on_stop: bool):
-        return decode.decode_loop(self.params, self.state, rows, cfg=self.cfg,
-                                  num_steps=self.ecfg.decode_steps, attn_impl=self.ecfg.attention,
-                                  exit_on_stop=np.bool_(exit_on_stop), **self.draft_kw)
-
-    def _speculative_loop(self, rows, draft_on, exit_on_stop: bool):
-        return speculative_loop.speculative_loop(
-            self.params, self.state, rows, draft_on, cfg=self.cfg,
-            num_steps=self.ecfg.decode_steps, num_draft=self.spec.num_draft_tokens,
-            ngram_max=self.spec.ngram_max, ngram_min=self.spec.ngram_min,
-            attn_impl=self.ecfg.attention, exit_on_stop=np.bool_(exit_on_stop), **self.draft_kw)
+    def _loop_call(self, state, rows, draft_on, exit_on_stop: bool) -> tuple:
+        """The multi-step decode program and arguments, (jitted, args, kwargs): the decode loop,
+        or with speculation the speculative loop (draft_on [B]: rows that may draft)."""
+        kw = dict(cfg=self.cfg, num_steps=self.ecfg.decode_steps, attn_impl=self.ecfg.attention,
+                  exit_on_stop=np.bool_(exit_on_stop), **self.draft_kw)
+        if self.spec is None:
+            return decode.decode_loop, (self.params, state, rows), kw
+        return speculative_loop.speculative_loop, (self.params, state, rows, draft_on), dict(
+            kw, num_draft=self.spec.num_draft_tokens, ngram_max=self.spec.ngram_max,
+            ngram_min=self.spec.ngram_min)
 
     # ---- compilation -------------------------------------------------------------------------
 
@@ -259,37 +268,53 @@ class Runner:
         self.admit([], tables)
         self.set_tables(tables)
         self.fork([], [])
+        self._compile_all(self._model_calls(self.state)[::-1])  # the largest first
         for T in self.token_buckets:
-            out, self.state = self._step(host_batch(T, B, []),
-                                         np.full(min(B, T), B, np.int32), np.full(T, -1, np.int32))
+            out, self.state = self._step(*self._idle_step_inputs(T))
         for R in self.row_buckets:
-            rows = np.full(R, B, np.int32)
-            if self.spec is not None:
-                self.state, *_ = self._speculative_loop(rows, np.zeros(B, bool), False)
-            else:
-                self.state, *_ = self._decode_loop(rows, False)
+            fn, args, kw = self._loop_call(self.state, np.full(R, B, np.int32),
+                                           np.zeros(B, bool), False)
+            self.state, *_ = fn(*args, **kw)
         jax.block_until_ready(self.state)
+
+    def _idle_step_inputs(self, T: int) -> tuple:
+        """A flat step of T tokens that no row owns (batch, sample_rows, next_tokens)."""
+        B = self.num_slots
+        return host_batch(T, B, []), np.full(min(B, T), B, np.int32), np.full(T, -1, np.int32)
+
+    def _model_calls(self, state) -> list:
+        """Every model program warmup compiles, as (jitted, args, kwargs) over `state`: the
+        flat step per token bucket, then the decode (or speculative) loop per row bucket, each
+        in increasing size."""
+        B = self.num_slots
+        return ([self._step_call(state, *self._idle_step_inputs(T)) for T in self.token_buckets]
+                + [self._loop_call(state, np.full(R, B, np.int32), np.zeros(B, bool), False)
+                   for R in self.row_buckets])
+
+    def _compile_all(self, calls: list) -> None:
+        """Compiles the calls' programs on up to COMPILE_THREADS threads at once; jit then reuses
+        each compiled program for the same arguments. XLA keeps about 1.45 of this CPU's two
+        cores busy compiling one program of the real model, and the GIL is released while it
+        compiles, so two at a time fill the gaps (docs/architecture.md, Compilation)."""
+        def compile_one(call):
+            fn, args, kw = call
+            with self.on_mesh():  # the mesh context is per thread
+                fn.lower(*args, **kw).compile()
+
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+            (os.cpu_count() or 1)
+        wanted = int(os.environ.get("JAXINFER_COMPILE_THREADS") or COMPILE_THREADS)
+        threads = min(len(calls), wanted, cpus)
+        if threads < 2:
+            return  # the calls themselves compile
+        with concurrent.futures.ThreadPoolExecutor(max_workers=threads) as pool:
+            list(pool.map(compile_one, calls))
 
     def step_scratch_bytes(self) -> int:
         """Scratch (temporary) bytes of the largest programs (the biggest token bucket and row
         bucket), from XLA's memory analysis. Compiles them with abstract inputs."""
-        B = self.num_slots
-        state = jax.eval_shape(self.new_state)
-        T, R = self.token_buckets[-1], self.row_buckets[-1]
-        common = dict(cfg=self.cfg, attn_impl=self.ecfg.attention, **self.draft_kw)
-        programs = [decode.step_jit.lower(self.params, state, host_batch(T, B, []),
-                                          np.full(min(B, T), B, np.int32),
-                                          np.full(T, -1, np.int32), query_tile=self.query_tile,
-                                          **common)]
-        rows = np.full(R, B, np.int32)
-        if self.spec is None:
-            programs.append(decode.decode_loop.lower(
-                self.params, state, rows, num_steps=self.ecfg.decode_steps,
-                exit_on_stop=np.bool_(False), **common))
-        else:
-            programs.append(speculative_loop.speculative_loop.lower(
-                self.params, state, rows, np.zeros(B, bool), num_steps=self.ecfg.decode_steps,
-                num_draft=self.spec.num_draft_tokens, ngram_max=self.spec.ngram_max,
-                ngram_min=self.spec.ngram_min, exit_on_stop=np.bool_(False), **common))
-        return max(p.compile().memory_analysis().temp_size_in_bytes for p in programs)
+        calls = self._model_calls(jax.eval_shape(self.new_state))
+        biggest = [calls[len(self.token_buckets) - 1], calls[-1]]
+        return max(fn.lower(*args, **kw).compile().memory_analysis().temp_size_in_bytes
+                   for fn, args, kw in biggest)
 
