@@ -295,7 +295,7 @@ class Runner:
         """Compiles the calls' programs on up to COMPILE_THREADS threads at once; jit then reuses
         each compiled program for the same arguments. XLA keeps about 1.45 of this CPU's two
         cores busy compiling one program of the real model, and the GIL is released while it
-        compiles, so two at a time fill the gaps (docs/architecture.md, Compilation)."""
+        compiles, so two at a time fill the gaps (docs/architecture.md, Compiled shapes)."""
         def compile_one(call):
             fn, args, kw = call
             with self.on_mesh():  # the mesh context is per thread
@@ -303,7 +303,10 @@ class Runner:
 
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
             (os.cpu_count() or 1)
-        wanted = int(os.environ.get("JAXINFER_COMPILE_THREADS") or COMPILE_THREADS)
+        env = os.environ.get("JAXINFER_COMPILE_THREADS") or str(COMPILE_THREADS)
+        if not env.isdigit() or int(env) < 1:
+            raise ValueError(f"JAXINFER_COMPILE_THREADS must be a whole number >= 1, got {env!r}")
+        wanted = int(env)
         threads = min(len(calls), wanted, cpus)
         if threads < 2:
             return  # the calls themselves compile

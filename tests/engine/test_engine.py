@@ -261,3 +261,12 @@ def test_stats_sizes(llm):
     pool = 2 * 4 * cfg.num_layers * stats["num_pages"] * page_size * cfg.num_kv_heads * cfg.head_dim
     assert pool <= stats["state_bytes"] < pool * 1.5, (pool, stats["state_bytes"])
     assert stats["model_programs"] >= 2
+
+
+def test_compile_threads_must_be_a_count(monkeypatch):
+    """JAXINFER_COMPILE_THREADS (how many programs warmup compiles at once) names a bad value."""
+    monkeypatch.setenv("JAXINFER_COMPILE_THREADS", "two")
+    llm = ji.LLM(TINY, max_seq_len=128, max_num_seqs=4, prefill_chunk=32, decode_steps=4)
+    with pytest.raises(ValueError, match="JAXINFER_COMPILE_THREADS must be a whole number >= 1, "
+                                         "got 'two'"):
+        llm.warmup()
