@@ -1,6 +1,7 @@
 """A hybrid KV cache: a model that interleaves sliding-window and global layers (Gemma 3) keeps
-its sliding-window layers' keys in a ring of window + (most tokens a row writes in a step)
-slots per row, and only its global layers' keys in the page pool (docs/kv_cache.md).
+its sliding-window layers' keys in a ring of window + (most tokens a row writes in a step) - 1
+slots per row, and only its global layers' keys in the page pool (docs/architecture.md, KV
+cache).
 
 The tiny Gemma 3 checkpoint has window 8 and layers (local, local, global). At max_seq_len 64,
 prefill chunks of 16 and pages of 16, its ring is 8 + 16 - 1 = 23 slots, two pages (32 slots)
