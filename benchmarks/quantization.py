@@ -102,6 +102,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     if args.tile_elements:
         quant.compute.TILE_ELEMENTS = args.tile_elements
+        quant.compute.TILE_ELEMENTS_ONE_BUFFER = args.tile_elements
     configs = args.configs.split(",")
     params = ji.SamplingParams(max_tokens=args.tokens, ignore_eos=True)
     prompts = [[1, 2, 3, 4 + i] for i in range(args.batch)]

@@ -264,6 +264,7 @@ def test_matmul_equals_dense_product_of_the_dequantized_weight(monkeypatch, tile
     [in, out] grouped on axis 0, the tied head [V, D] on axis 1). float32: the tiles' dots
     sum in another order, so equal to a few ulps of the result's magnitude (rtol 1e-5)."""
     monkeypatch.setattr(quant.compute, "TILE_ELEMENTS", tile_elements)
+    monkeypatch.setattr(quant.compute, "TILE_ELEMENTS_ONE_BUFFER", tile_elements)
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
     w = weights((64, 192))

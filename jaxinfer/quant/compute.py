@@ -1,10 +1,14 @@
 """Products with quantized weights: `matmul` (every linear, the head) and `take_rows` (the
 embedding lookup), the one place that dispatches on a QuantizedWeight's kind.
 
-On CPU the weight is dequantized tile by tile inside the step (a scan over blocks of its output
-axis), each tile's dot reading it while it is still in cache: converting the whole matrix first
-writes and re-reads 4 bytes per weight through memory, which made int8 decode half as fast as
-float32 (XLA:CPU fuses no convert into a dot). Elsewhere, and on a mesh, the weight is
+On CPU the weight is dequantized inside the step, in tiles along its output axis (a scan over
+blocks) where the matrix is large, each tile's dot reading it while it is still in cache
+(XLA:CPU fuses no convert into a dot). How large a tile may be depends on XLA:CPU's scheduler
+(jaxinfer.tuning): with the memory-minimizing one that importing jaxinfer selects, every
+linear's dequantized copy reuses one scratch buffer, so a linear is dequantized whole and only
+the head is tiled (TILE_ELEMENTS_ONE_BUFFER); with XLA's default every copy has a buffer of
+its own, written and read through memory, and the tiles stay within a core's L2
+(TILE_ELEMENTS). Elsewhere, and on a mesh, the weight is
 dequantized whole inside the step and XLA fuses or partitions that as it does any elementwise
 op; fp8 weights on a GPU multiply fp8 activations.
 """
@@ -16,7 +20,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from jaxinfer import sharding
+from jaxinfer import sharding, tuning
 from jaxinfer.quant.formats import FP8_MAX, INT4_BLOCK, QuantizedWeight, dequantize
 
 # Elements of one dequantized tile in matmul on CPU: 896 KiB of float32, within a core's L2
@@ -24,13 +28,23 @@ from jaxinfer.quant.formats import FP8_MAX, INT4_BLOCK, QuantizedWeight, dequant
 # SmolLM2 batch-1 decode, int8 against float32 (docs/quantization.md): 2^16 0.62x, 2^17
 # 0.93-0.96x, 3 * 2^16 1.00-1.05x, 7 * 2^15 1.04x, 2^19 0.68x.
 TILE_ELEMENTS = 7 << 15
+# Elements of one tile where XLA:CPU reuses scratch buffers (tuning.cpu_keeps_one_scratch_buffer):
+# 8 MiB of float32, within the 32 MiB L3; SmolLM2's linears (at most 576 x 1536) are one tile
+# and its [49152, 576] head 16. Swept on SmolLM2 batch-1 decode, int8 against float32
+# (docs/quantization.md): 2^21 1.44x, 2^22 1.22-1.31x, 2^24 0.97x, 2^20 1.01x.
+TILE_ELEMENTS_ONE_BUFFER = 1 << 21
+
+
+def tile_elements() -> int:
+    """The most elements of one dequantized tile on CPU (the module docstring)."""
+    return TILE_ELEMENTS_ONE_BUFFER if tuning.cpu_keeps_one_scratch_buffer() else TILE_ELEMENTS
 
 
 def matmul(x: jax.Array, w: QuantizedWeight, spec: str) -> jax.Array:
     """einsum(spec, x, w) with w [2-D] quantized, accumulated in float32; the codes are what
     stays in memory, dequantized inside the jitted step (see the module docstring).
 
-    On one CPU device: tiles of at most TILE_ELEMENTS along the output axis. Elsewhere a
+    On one CPU device: tiles of at most tile_elements() along the output axis. Elsewhere a
     per-channel weight without offsets (int8, fp8) multiplies its codes converted to x's dtype
     and scales the result; a grouped one is dequantized first. fp8 weights on a GPU multiply
     fp8 activations (fp8_activations, _fp8_product)."""
@@ -87,12 +101,13 @@ def _fp8_product(x: jax.Array, w: QuantizedWeight, spec: str) -> jax.Array:
 
 
 def _tile(shape: tuple[int, int], out_axis: int) -> Optional[int]:
-    """The largest divisor of the output axis whose tile holds at most TILE_ELEMENTS, or None
-    when the whole matrix is one tile."""
+    """The largest divisor of the output axis whose tile holds at most tile_elements(), or
+    None when the whole matrix is one tile."""
     n_out, n_in = shape[out_axis], shape[1 - out_axis]
-    if n_out * n_in <= TILE_ELEMENTS:
+    limit = tile_elements()
+    if n_out * n_in <= limit:
         return None
-    tile = max(TILE_ELEMENTS // n_in, 1)
+    tile = max(limit // n_in, 1)
     while n_out % tile:
         tile -= 1
     return tile

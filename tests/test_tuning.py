@@ -1,0 +1,100 @@
+"""The process-wide XLA flags jaxinfer sets on CPU (jaxinfer.tuning.set_cpu_xla_flags): when
+they are added, and what the scheduler flag does to a compiled program's scratch memory."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxinfer import tuning
+
+FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler"
+
+# An unrolled chain of 6 products with int8 weights dequantized inside the program (as
+# quant.matmul does for a linear that is one tile); prints the compiled program's scratch bytes.
+_CHAIN = """
+import os, sys
+import jaxinfer
+import jax, jax.numpy as jnp, numpy as np
+from jaxinfer import quant
+ws = [jax.tree.map(jnp.asarray, quant.quantize_int8(
+          np.random.default_rng(i).standard_normal((256, 1024)).astype(np.float32), 0, 32))
+      for i in range(6)]
+def chain(x, ws):
+    for w in ws:
+        x = x + jnp.einsum("nd,df->nf", x, quant.dequantize(w))[:, :256]
+    return x
+x = jnp.zeros((1, 256), jnp.float32)
+print(os.environ.get("XLA_FLAGS", ""))
+print(jax.jit(chain).lower(x, ws).compile().memory_analysis().temp_size_in_bytes)
+"""
+
+
+def _chain(xla_flags):
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    if xla_flags is not None:
+        env["XLA_FLAGS"] = xla_flags
+    out = subprocess.run([sys.executable, "-c", _CHAIN], env=env, capture_output=True,
+                         text=True, timeout=300, check=True).stdout.splitlines()
+    return out[-2], int(out[-1])
+
+
+def test_scheduler_flag_reuses_one_scratch_buffer():
+    """Imported first, jaxinfer selects XLA:CPU's memory-minimizing scheduler, and the six
+    dequantized [256, 1024] float32 copies (1 MiB each) share one scratch buffer; with the flag
+    set back to XLA's default by the user (which jaxinfer leaves alone) each has its own."""
+    one_mib = 256 * 1024 * 4
+    flags, temp = _chain(None)
+    assert flags == f"{FLAG}=false"
+    assert one_mib <= temp < 2 * one_mib
+    flags, temp = _chain(f"{FLAG}=true")
+    assert flags == f"{FLAG}=true"
+    assert temp >= 6 * one_mib
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """set_cpu_xla_flags as on a fresh process: no backend started, no XLA_FLAGS."""
+    from jax._src import xla_bridge
+
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
+    monkeypatch.setattr(tuning, "_accelerator_plugin_installed", lambda: False)
+    monkeypatch.setattr(tuning, "CPU_XLA_FLAGS_JAXLIB", (tuning._jaxlib_version(),))
+    return monkeypatch
+
+
+def test_flags_added_once_and_recognised(clean_env):
+    clean_env.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+    assert tuning.set_cpu_xla_flags() == [f"{FLAG}=false"]
+    assert os.environ["XLA_FLAGS"] == f"--xla_force_host_platform_device_count=4 {FLAG}=false"
+    assert tuning.cpu_keeps_one_scratch_buffer()
+    assert tuning.set_cpu_xla_flags() == []   # named already: not added twice
+    clean_env.setenv("XLA_FLAGS", f"{FLAG}=true")
+    assert tuning.set_cpu_xla_flags() == [] and not tuning.cpu_keeps_one_scratch_buffer()
+    clean_env.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+    assert not tuning.cpu_keeps_one_scratch_buffer()
+
+
+@pytest.mark.parametrize("case", ["backend started", "gpu platform", "plugin", "jaxlib"])
+def test_flags_left_out_where_not_measured(clean_env, case):
+    from jax._src import xla_bridge
+
+    if case == "backend started":   # XLA has read XLA_FLAGS already
+        clean_env.setattr(xla_bridge, "backends_are_initialized", lambda: True)
+    elif case == "gpu platform":
+        clean_env.setenv("JAX_PLATFORMS", "cuda")
+    elif case == "plugin":         # a GPU jaxlib might not know the flag, and XLA stops at it
+        clean_env.setattr(tuning, "_accelerator_plugin_installed", lambda: True)
+    else:
+        clean_env.setattr(tuning, "CPU_XLA_FLAGS_JAXLIB", ((0, 1),))
+    assert tuning.set_cpu_xla_flags() == []
+    assert "XLA_FLAGS" not in os.environ
+
+
+def test_flags_added_for_cpu_platform_even_with_a_plugin(clean_env):
+    clean_env.setenv("JAX_PLATFORMS", "cpu")
+    clean_env.setattr(tuning, "_accelerator_plugin_installed", lambda: True)
+    assert tuning.set_cpu_xla_flags() == [f"{FLAG}=false"]
