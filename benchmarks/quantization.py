@@ -95,7 +95,7 @@ def main(argv=None) -> dict:
                     "cache's unless /KV quantizes it)")
     ap.add_argument("--tile_elements", type=int, default=None,
                     help="elements per dequantized tile on CPU (jaxinfer.quant.compute."
-                    "TILE_ELEMENTS); compare sizes across processes, not within one")
+                    "tile_elements()); compare sizes across processes, not within one")
     ap.add_argument("--golden", default=None, help="greedy goldens (tests/data/smollm2_greedy.json)")
     ap.add_argument("--golden_tokens", type=int, default=16)
     ap.add_argument("--json", default=None)
