@@ -8,6 +8,11 @@ and computes their logits; times are medians of interleaved runs. The MoE step i
 each grouped matmul ("tiles", "ragged_dot") and with a dense all-experts product for reference.
 
   python benchmarks/moe_step.py [--experts 8 --top_k 2 --ffn 512 --d_model 512 --layers 4]
+                                [--dtype float32|bfloat16]
+
+--dtype bfloat16 stores both models' matrices (experts, router, attention, embedding) in
+bfloat16 and keeps activations and the cache in float32, as LLM(dtype="bfloat16") does on CPU
+(the CPU default dtype).
 """
 
 from __future__ import annotations
@@ -62,6 +67,7 @@ def main(argv=None):
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     args = ap.parse_args(argv)
     common = dict(vocab_size=8192, d_model=args.d_model, num_layers=args.layers, num_heads=8,
                   num_kv_heads=2, head_dim=64, max_position_embeddings=4096)
@@ -77,6 +83,9 @@ def main(argv=None):
     for name, (cfg, grouped) in variants.items():
         model, step = step_fn(cfg)
         params = model.init_params(cfg, jax.random.key(0))
+        if args.dtype == "bfloat16":
+            params = model.with_float32_activations(jax.tree.map(
+                lambda a: a.astype(jnp.bfloat16) if a.ndim >= 2 else a, params))
         cache = PagedKVCache.ring(cfg.num_layers, args.rows, args.context, cfg.num_kv_heads,
                                   cfg.head_dim, jnp.float32)
         cache = cache.replace(lengths=jnp.full((args.rows,), args.context // 2, jnp.int32))
