@@ -22,7 +22,6 @@ import numpy as np
 from jaxinfer import decode, sharding, speculative_loop, tuning
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine import buckets
-from jaxinfer.engine.programs import ProgramCache
 from jaxinfer.kv_cache import PagedKVCache, kv_buffer, ring_tables
 from jaxinfer.sharding import Partitioner, fetch
 from jaxinfer.token_batch import host_batch
@@ -74,13 +73,6 @@ class Runner:
         # sizes each prefilling step to a bucket exactly.
         self.fill_buckets = self.token_buckets if tune.fill_token_buckets else None
         self.state: Optional[decode.DecodeState] = None
-        # The flat steps and decode loops, loaded from (and written to) the programs cache
-        # beside the XLA cache on one device (jaxinfer.engine.programs); None: jit dispatches
-        # (also with JAXINFER_PROGRAM_CACHE=0).
-        xla_cache = jax.config.jax_compilation_cache_dir
-        on = os.environ.get("JAXINFER_PROGRAM_CACHE", "1") != "0"
-        self.programs = ProgramCache(os.path.join(xla_cache, "programs")) \
-            if on and xla_cache and partitioner is None and jax.process_count() == 1 else None
 
     # ---- placement -----------------------------------------------------------------------
 
@@ -225,16 +217,8 @@ class Runner:
             **self.draft_kw)
 
     def _step(self, batch, sample_rows, next_tokens):
-        call = self._step_call(self.state, batch, sample_rows, next_tokens)
-        return self._dispatch(("step", batch.tokens.shape[0]), call)
-
-    def _dispatch(self, name: tuple, call: tuple):
-        """Runs call = (jitted, args, kwargs): through the programs cache under `name`, which
-        fixes every argument's shape (("step", T), ("loop", R)), or by jit."""
-        fn, args, kw = call
-        if self.programs is None:
-            return fn(*args, **kw)
-        return self.programs.get(name, call)(args, kw)
+        fn, args, kw = self._step_call(self.state, batch, sample_rows, next_tokens)
+        return fn(*args, **kw)
 
     # ---- multi-step decode ------------------------------------------------------------------
 
@@ -248,12 +232,12 @@ class Runner:
         """One decode dispatch for the listed slots. Returns (out [B, W], num_out [B],
         done [B], logprobs or None (fetched when asked), counts or None)."""
         rows = self.rows_array(slots)
-        call = self._loop_call(self.state, rows, draft_on, exit_on_stop)
+        fn, args, kw = self._loop_call(self.state, rows, draft_on, exit_on_stop)
         if self.spec is not None:
-            self.state, out, num_out, done, lp, counts = self._dispatch(("loop", len(rows)), call)
+            self.state, out, num_out, done, lp, counts = fn(*args, **kw)
             counts = fetch(counts)
         else:
-            self.state, out, num_out, done, lp = self._dispatch(("loop", len(rows)), call)
+            self.state, out, num_out, done, lp = fn(*args, **kw)
             counts = None
         return fetch((out, num_out, done)) + (lp, counts)
 
@@ -284,12 +268,13 @@ class Runner:
         self.admit([], tables)
         self.set_tables(tables)
         self.fork([], [])
-        self._compile_all(list(zip(self._model_names(), self._model_calls(self.state)))[::-1])
-        for T in self.token_buckets:   # the largest first, above
+        self._compile_all(self._model_calls(self.state)[::-1])  # the largest first
+        for T in self.token_buckets:
             out, self.state = self._step(*self._idle_step_inputs(T))
         for R in self.row_buckets:
-            call = self._loop_call(self.state, np.full(R, B, np.int32), np.zeros(B, bool), False)
-            self.state, *_ = self._dispatch(("loop", R), call)
+            fn, args, kw = self._loop_call(self.state, np.full(R, B, np.int32),
+                                           np.zeros(B, bool), False)
+            self.state, *_ = fn(*args, **kw)
         jax.block_until_ready(self.state)
 
     def _idle_step_inputs(self, T: int) -> tuple:
@@ -306,24 +291,15 @@ class Runner:
                 + [self._loop_call(state, np.full(R, B, np.int32), np.zeros(B, bool), False)
                    for R in self.row_buckets])
 
-    def _model_names(self) -> list:
-        """The _dispatch names of _model_calls' programs, in the same order."""
-        return [("step", T) for T in self.token_buckets] + [("loop", R) for R in self.row_buckets]
-
-    def _compile_all(self, named_calls: list) -> None:
-        """Compiles the programs of named_calls [(name, call)] on up to COMPILE_THREADS threads
-        at once (or loads them from the programs cache); jit, or _dispatch, then reuses each
-        for the same arguments. XLA keeps about 1.45 of this CPU's two cores busy compiling one
-        program of the real model, and the GIL is released while it compiles, so two at a time
-        fill the gaps (docs/architecture.md, Compiled shapes)."""
-        def compile_one(named_call):
-            name, (fn, args, kw) = named_call
-            if self.programs is not None:
-                self.programs.get(name, (fn, args, kw))
-                return
+    def _compile_all(self, calls: list) -> None:
+        """Compiles the calls' programs on up to COMPILE_THREADS threads at once; jit then reuses
+        each compiled program for the same arguments. XLA keeps about 1.45 of this CPU's two
+        cores busy compiling one program of the real model, and the GIL is released while it
+        compiles, so two at a time fill the gaps (docs/architecture.md, Compiled shapes)."""
+        def compile_one(call):
+            fn, args, kw = call
             with self.on_mesh():  # the mesh context is per thread
                 fn.lower(*args, **kw).compile()
-        calls = named_calls
 
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
             (os.cpu_count() or 1)
