@@ -23,9 +23,11 @@ import jax.numpy as jnp
 from jaxinfer import sharding, tuning
 from jaxinfer.quant.formats import FP8_MAX, INT4_BLOCK, QuantizedWeight, dequantize
 
-# Elements of one dequantized tile in matmul on CPU: 896 KiB of float32, within a core's L2
-# (1 MiB here), so the converted tile is still in cache when its dot reads it. Swept on
-# SmolLM2 batch-1 decode, int8 against float32 (docs/quantization.md): 2^16 0.62x, 2^17
+# Elements of one dequantized tile on CPU under XLA's default scheduler: 896 KiB of float32,
+# within a core's L2 (1 MiB here), so the converted tile is still in cache when its dot reads
+# it. Swept under that scheduler on SmolLM2 batch-1 decode, per-channel int8 against float32
+# (python benchmarks/quantization.py --configs none,int8@0 --tile_elements N --runs 5 with
+# XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=true): 2^16 0.62x, 2^17
 # 0.93-0.96x, 3 * 2^16 1.00-1.05x, 7 * 2^15 1.04x, 2^19 0.68x.
 TILE_ELEMENTS = 7 << 15
 # Elements of one tile where XLA:CPU reuses scratch buffers (tuning.cpu_keeps_one_scratch_buffer):
