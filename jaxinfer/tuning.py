@@ -127,8 +127,9 @@ class loop_jit:
         return self._jitted().lower(*args, **kwargs)
 
 
+_SCHEDULER_FLAG = "xla_cpu_enable_concurrency_optimized_scheduler"
 # Process-wide XLA flags for the CPU backend (see the module docstring), by flag name.
-CPU_XLA_FLAGS = {"xla_cpu_enable_concurrency_optimized_scheduler": "false"}
+CPU_XLA_FLAGS = {_SCHEDULER_FLAG: "false"}
 # jaxlib versions (major, minor) the flags were measured on, and so known to exist in.
 CPU_XLA_FLAGS_JAXLIB = ((0, 10),)
 
@@ -140,9 +141,9 @@ def set_cpu_xla_flags() -> list[str]:
     from jax._src import xla_bridge
 
     platforms = [p for p in os.environ.get("JAX_PLATFORMS", "").split(",") if p]
-    if platforms != ["cpu"] and (platforms or _accelerator_plugin_installed()):
-        return []
     if _jaxlib_version() not in CPU_XLA_FLAGS_JAXLIB or xla_bridge.backends_are_initialized():
+        return []
+    if platforms != ["cpu"] and (platforms or _accelerator_plugin_installed()):
         return []
     current = os.environ.get("XLA_FLAGS", "")
     added = [f"--{name}={value}" for name, value in CPU_XLA_FLAGS.items()
@@ -155,7 +156,7 @@ def set_cpu_xla_flags() -> list[str]:
 def cpu_keeps_one_scratch_buffer() -> bool:
     """Whether XLA:CPU's memory-minimizing scheduler is in effect (set_cpu_xla_flags, or the
     user's own XLA_FLAGS): scratch buffers are then reused across an unrolled program."""
-    flag = "--xla_cpu_enable_concurrency_optimized_scheduler="
+    flag = f"--{_SCHEDULER_FLAG}="
     flags = os.environ.get("XLA_FLAGS", "")
     if flag not in flags:
         return False
