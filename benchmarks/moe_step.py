@@ -6,6 +6,9 @@ the same attention, embedding and depth: per token both multiply the same number
 Each step feeds one token to each of 16 rows (a ring cache holding `context` tokens per row)
 and computes their logits; times are medians of interleaved runs. The MoE step is timed with
 each grouped matmul ("tiles", "ragged_dot") and with a dense all-experts product for reference.
+Every round (--repeats of them) times each variant once, one after the other; a variant's
+figure is the median over rounds of its time divided by the dense model's in the same round,
+with the quartiles of those ratios.
 
   python benchmarks/moe_step.py [--experts 8 --top_k 2 --ffn 512 --d_model 512 --layers 4]
                                 [--dtype float32|bfloat16]
@@ -103,10 +106,19 @@ def main(argv=None):
             t0 = time.perf_counter()
             step(params, cache, tokens)[0].block_until_ready()
             times[name].append(time.perf_counter() - t0)
-    dense = statistics.median(times["dense model"])
+    # Each round times every variant back to back, so a round's ratios share the machine's
+    # state of the moment: the medians of the per-round ratios are steadier than the ratio of
+    # the medians on a noisy machine.
+    dense = times["dense model"]
+    result = {}
     for name, t in times.items():
+        ratios = sorted(a / b for a, b in zip(t, dense))
+        q = lambda f: ratios[min(len(ratios) - 1, int(f * len(ratios)))]  # noqa: E731
+        result[name] = statistics.median(ratios)
         print(f"{name:18s} {1e3 * statistics.median(t):7.2f} ms   "
-              f"{statistics.median(t) / dense:.2f}x the dense model")
+              f"{statistics.median(ratios):.2f}x the dense model "
+              f"(per-round ratios, quartiles {q(0.25):.2f}-{q(0.75):.2f})")
+    return result
 
 
 if __name__ == "__main__":
