@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from jaxinfer import sharding, tuning
 from jaxinfer.config import EngineConfig, MeshConfig
-from jaxinfer.engine import memory
+from jaxinfer.engine import memory, programs
 from jaxinfer.engine.engine import Engine, Request
 from jaxinfer.engine.paged import PagedSlots
 from jaxinfer.engine.request import RequestMetrics, RequestOutput, SamplingParams
@@ -114,6 +114,16 @@ class LLM:
         from jaxinfer.loading import load_model
 
         enable_compilation_cache()
+        # The programs cache (jaxinfer.engine.programs): the step programs an LLM of these
+        # arguments ran first start loading now, beside the weights.
+        program_root = programs.directory() if partitioner is None else None
+        program_index = None
+        if program_root is not None:
+            program_index = programs.startup_key(
+                (model, dtype, max_seq_len, max_num_seqs, page_size, num_pages, quantization,
+                 kv_cache_dtype, speculative, attention, prefill_chunk, decode_steps,
+                 max_num_batched_tokens, hybrid_kv_cache))
+            programs.prefetch(program_root, program_index)
         loaded = load_model(model, dtype=_DTYPES[dtype], partitioner=partitioner,
                             quantization=quantization)
         cfg, params = loaded.config, loaded.params
@@ -208,7 +218,7 @@ class LLM:
                               capacity=capacity, dtype=act_dtype, paged=paged,
                               num_pages=num_pages or 0, draft=draft, partitioner=partitioner,
                               kv_dtype=KV_DTYPES.get(kv_cache_dtype, _DTYPES[dtype]),
-                              ring_capacity=ring)
+                              ring_capacity=ring, program_index=program_index)
         if memory_left:
             self._engine.set_num_pages(self._pages_from_memory(memory_left, page_size))
         self._data_degree = data

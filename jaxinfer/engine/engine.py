@@ -117,7 +117,7 @@ class Engine:
                  capacity: int, dtype, paged: Optional[PagedSlots] = None,
                  num_pages: int = 0, draft: Optional[tuple] = None,
                  partitioner: Optional[Partitioner] = None, kv_dtype=None,
-                 ring_capacity: int = 0):
+                 ring_capacity: int = 0, program_index: Optional[str] = None):
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.ecfg = engine_cfg
@@ -138,7 +138,7 @@ class Engine:
                              page_size=paged.page_size if paged is not None else 16,
                              num_pages=num_pages, paged=paged is not None, draft=draft,
                              partitioner=partitioner, eos_ids=self.eos_ids,
-                             ring_capacity=ring_capacity)
+                             ring_capacity=ring_capacity, program_index=program_index)
         self.scheduler = Scheduler(B, engine_cfg.max_num_batched_tokens,
                                    engine_cfg.prefill_chunk, paged, data,
                                    fill_buckets=self.runner.fill_buckets)

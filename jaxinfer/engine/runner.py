@@ -21,7 +21,8 @@ import numpy as np
 
 from jaxinfer import decode, sharding, speculative_loop, tuning
 from jaxinfer.config import EngineConfig, ModelConfig
-from jaxinfer.engine import buckets
+from jaxinfer.engine import buckets, programs
+from jaxinfer.engine.programs import ProgramCache
 from jaxinfer.kv_cache import PagedKVCache, kv_buffer, ring_tables
 from jaxinfer.sharding import Partitioner, fetch
 from jaxinfer.token_batch import host_batch
@@ -46,7 +47,7 @@ class Runner:
                  capacity: int, dtype, kv_dtype, page_size: int, num_pages: int,
                  paged: bool, draft: Optional[tuple] = None,
                  partitioner: Optional[Partitioner] = None, eos_ids: tuple = (),
-                 ring_capacity: int = 0):
+                 ring_capacity: int = 0, program_index: Optional[str] = None):
         self.cfg, self.ecfg = cfg, engine_cfg
         self.partitioner = partitioner
         # Weights and state are committed to the device (or to their shardings on the mesh):
@@ -73,6 +74,11 @@ class Runner:
         # sizes each prefilling step to a bucket exactly.
         self.fill_buckets = self.token_buckets if tune.fill_token_buckets else None
         self.state: Optional[decode.DecodeState] = None
+        # The flat steps and decode loops, loaded from (and written to) the programs cache
+        # beside the XLA cache on one device (jaxinfer.engine.programs), recorded under
+        # program_index for prefetch; None: jit dispatches (also with JAXINFER_PROGRAM_CACHE=0).
+        root = programs.directory() if partitioner is None else None
+        self.programs = ProgramCache(root, program_index) if root else None
 
     # ---- placement -----------------------------------------------------------------------
 
@@ -217,8 +223,16 @@ class Runner:
             **self.draft_kw)
 
     def _step(self, batch, sample_rows, next_tokens):
-        fn, args, kw = self._step_call(self.state, batch, sample_rows, next_tokens)
-        return fn(*args, **kw)
+        call = self._step_call(self.state, batch, sample_rows, next_tokens)
+        return self._dispatch(("step", batch.tokens.shape[0]), call)
+
+    def _dispatch(self, name: tuple, call: tuple):
+        """Runs call = (jitted, args, kwargs): through the programs cache under `name`, which
+        fixes every argument's shape (("step", T), ("loop", R)), or by jit."""
+        fn, args, kw = call
+        if self.programs is None:
+            return fn(*args, **kw)
+        return self.programs.get(name, call)(args, kw)
 
     # ---- multi-step decode ------------------------------------------------------------------
 
@@ -232,12 +246,12 @@ class Runner:
         """One decode dispatch for the listed slots. Returns (out [B, W], num_out [B],
         done [B], logprobs or None (fetched when asked), counts or None)."""
         rows = self.rows_array(slots)
-        fn, args, kw = self._loop_call(self.state, rows, draft_on, exit_on_stop)
+        call = self._loop_call(self.state, rows, draft_on, exit_on_stop)
         if self.spec is not None:
-            self.state, out, num_out, done, lp, counts = fn(*args, **kw)
+            self.state, out, num_out, done, lp, counts = self._dispatch(("loop", len(rows)), call)
             counts = fetch(counts)
         else:
-            self.state, out, num_out, done, lp = fn(*args, **kw)
+            self.state, out, num_out, done, lp = self._dispatch(("loop", len(rows)), call)
             counts = None
         return fetch((out, num_out, done)) + (lp, counts)
 
@@ -268,13 +282,12 @@ class Runner:
         self.admit([], tables)
         self.set_tables(tables)
         self.fork([], [])
-        self._compile_all(self._model_calls(self.state)[::-1])  # the largest first
-        for T in self.token_buckets:
+        self._compile_all(list(zip(self._model_names(), self._model_calls(self.state)))[::-1])
+        for T in self.token_buckets:   # the largest first, above
             out, self.state = self._step(*self._idle_step_inputs(T))
         for R in self.row_buckets:
-            fn, args, kw = self._loop_call(self.state, np.full(R, B, np.int32),
-                                           np.zeros(B, bool), False)
-            self.state, *_ = fn(*args, **kw)
+            call = self._loop_call(self.state, np.full(R, B, np.int32), np.zeros(B, bool), False)
+            self.state, *_ = self._dispatch(("loop", R), call)
         jax.block_until_ready(self.state)
 
     def _idle_step_inputs(self, T: int) -> tuple:
@@ -291,13 +304,21 @@ class Runner:
                 + [self._loop_call(state, np.full(R, B, np.int32), np.zeros(B, bool), False)
                    for R in self.row_buckets])
 
+    def _model_names(self) -> list:
+        """The _dispatch names of _model_calls' programs, in the same order."""
+        return [("step", T) for T in self.token_buckets] + [("loop", R) for R in self.row_buckets]
+
     def _compile_all(self, calls: list) -> None:
-        """Compiles the calls' programs on up to COMPILE_THREADS threads at once; jit then reuses
-        each compiled program for the same arguments. XLA keeps about 1.45 of this CPU's two
-        cores busy compiling one program of the real model, and the GIL is released while it
-        compiles, so two at a time fill the gaps (docs/architecture.md, Compiled shapes)."""
-        def compile_one(call):
-            fn, args, kw = call
+        """Compiles the programs of calls [(name, (jitted, args, kwargs))] on up to
+        COMPILE_THREADS threads at once (or loads them from the programs cache); jit, or
+        _dispatch, then reuses each for the same arguments. XLA keeps about 1.45 of this CPU's
+        two cores busy compiling one program of the real model, and the GIL is released while
+        it compiles, so two at a time fill the gaps (docs/architecture.md, Compiled shapes)."""
+        def compile_one(named_call):
+            name, (fn, args, kw) = named_call
+            if self.programs is not None:
+                self.programs.get(name, (fn, args, kw), run=False)
+                return
             with self.on_mesh():  # the mesh context is per thread
                 fn.lower(*args, **kw).compile()
 
@@ -320,4 +341,3 @@ class Runner:
         biggest = [calls[len(self.token_buckets) - 1], calls[-1]]
         return max(fn.lower(*args, **kw).compile().memory_analysis().temp_size_in_bytes
                    for fn, args, kw in biggest)
-

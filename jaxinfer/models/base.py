@@ -224,6 +224,11 @@ class Family:
                                 jax.tree.map(lambda x, a: place(x, a, None), arr,
                                              quant_logical_axes(arr, axes)))
                 continue
+            if place is None and isinstance(arr, np.ndarray) and arr.dtype != dtype:
+                # Rounded on the host (numpy's casts round to nearest even, as XLA's): half the
+                # bytes to copy for a 16-bit dtype, and no conversion program per shape (SmolLM2
+                # in bf16: LLM() 0.14 s faster on the development CPU).
+                arr = arr.astype(dtype)
             arrays[name] = (jnp.asarray(arr, dtype=dtype) if place is None
                             else place(arr, axes, dtype))
         return self.assemble(cfg, arrays)

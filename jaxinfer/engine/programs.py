@@ -1,0 +1,366 @@
+"""Compiled model programs kept on disk across processes, so that a warm start skips tracing
+and lowering as well as XLA compilation.
+
+JAX's persistent compilation cache (jaxinfer.llm.enable_compilation_cache) skips XLA's
+compilation, but its key is computed from the lowered program: every process still traces and
+lowers each step program before that cache can answer (about 0.6 s of tracing and 0.4 s of
+lowering for SmolLM2's flat step on the development CPU). This cache keys a compiled program by
+what decides it, without tracing anything:
+- the program (the jitted function's module and name) and the static arguments' repr (the
+  model config, attention implementation, step sizes);
+- the abstract dynamic arguments: their tree structure (static dataclass fields included) and
+  each leaf's shape, dtype, weak type and placement;
+- a fingerprint of the code that traces it (every .py file of jaxinfer and pallas_kernels), of
+  jax's and jaxlib's versions, XLA_FLAGS, the backend and its devices, jax's configuration
+  values and the backend's tuning table (jaxinfer.tuning).
+An entry holds the serialized executable (jax.experimental.serialize_executable), compressed,
+and the pickled input and output trees; a hit loads it and calls it with the dynamic
+arguments. Any change to the code or the environment misses, and a miss compiles through jit's
+lowering (JAX's cache still serves the XLA compilation) and writes the entry.
+
+Only a program XLA compiled in this process is written. An executable that JAX's cache loaded
+serializes without the code of some of its functions (XLA:CPU, jaxlib 0.10: written again and
+loaded in another process, it failed with "Function ... not found"), so when JAX's cache
+answered the compile (its cache-hit event fired on this thread), nothing is written and the
+next process traces as before. An entry that fails to load is removed and compiled anew.
+
+Module-level settings changed at run time (monkeypatching jaxinfer's functions or constants)
+are not in the key: such a process should set JAXINFER_PROGRAM_CACHE=0.
+
+Used by the Runner for its flat steps and decode loops on a single device when the XLA cache
+is on; entries live in <compilation cache>/programs. docs/architecture.md ("Compiled shapes")
+has the measured effect.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import pickle
+import tempfile
+import threading
+import zlib
+from typing import Callable, Optional
+
+import jax
+
+_FINGERPRINT: Optional[str] = None
+_LOCK = threading.Lock()
+# jax's configuration values that do not change a traced program (logging, caching, dumps):
+# left out of the key so that turning them on keeps the entries.
+_CONFIG_NOT_IN_KEY = ("jax_log_compiles", "jax_explain_cache_misses", "jax_logging_level",
+                      "jax_debug_log_modules", "jax_pprint_use_color",
+                      "jax_compiler_detailed_logging_min_ops", "jax_raise_persistent_cache_errors")
+_CONFIG_PREFIXES_NOT_IN_KEY = ("jax_compilation_cache", "jax_persistent_cache", "jax_dump_",
+                               "jax_transfer_guard")
+# jax.monitoring events: XLA compiled a program (the duration of its backend compile), and
+# JAX's cache answered a compile. Seen on the compiling thread.
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+_watch = threading.local()
+_listening = False
+
+
+def code_fingerprint() -> str:
+    """sha256 of every .py file under the jaxinfer and pallas_kernels packages (path and
+    bytes), with the versions, flags and devices a compiled program depends on."""
+    global _FINGERPRINT
+    if _FINGERPRINT is None:
+        h = hashlib.sha256()
+        for package in ("jaxinfer", "pallas_kernels"):
+            # Found without importing (importing pallas_kernels loads Pallas: 0.17 s).
+            root = importlib.util.find_spec(package).submodule_search_locations[0]
+            for dirpath, dirnames, filenames in os.walk(root):
+                dirnames.sort()
+                for name in sorted(filenames):
+                    if name.endswith(".py"):
+                        path = os.path.join(dirpath, name)
+                        h.update(os.path.relpath(path, root).encode() + b"\0")
+                        with open(path, "rb") as f:
+                            h.update(f.read() + b"\0")
+        devices = jax.devices()
+        for part in (jax.__version__, importlib.metadata.version("jaxlib"),
+                     os.environ.get("XLA_FLAGS", ""), jax.default_backend(),
+                     repr([(d.platform, d.device_kind, d.id) for d in devices])):
+            h.update(part.encode() + b"\0")
+        _FINGERPRINT = h.hexdigest()
+    return _FINGERPRINT
+
+
+def _settings() -> str:
+    """jax's configuration values (those that can change a traced program) and the backend's
+    tuning table, read at each key: both may change during a process."""
+    from jaxinfer import tuning
+
+    values = sorted((k, repr(v)) for k, v in jax.config.values.items()
+                    if k not in _CONFIG_NOT_IN_KEY
+                    and not k.startswith(_CONFIG_PREFIXES_NOT_IN_KEY))
+    return repr(values) + repr(tuning.for_backend())
+
+
+def _leaf_signature(x) -> str:
+    sharding = getattr(x, "sharding", None)
+    return f"{getattr(x, 'shape', ())}|{getattr(x, 'dtype', type(x).__name__)}|" \
+           f"{getattr(x, 'weak_type', False)}|{sharding}"
+
+
+def program_key(fn, args: tuple, kwargs: dict, static: tuple) -> str:
+    """The cache key of fn(*args, **kwargs) whose keyword arguments `static` are static."""
+    dynamic = (args, {k: v for k, v in kwargs.items() if k not in static})
+    leaves, tree = jax.tree.flatten(dynamic)
+    h = hashlib.sha256()
+    name = getattr(fn, "__wrapped__", fn)
+    for part in (code_fingerprint(), _settings(), f"{name.__module__}.{name.__qualname__}",
+                 repr(sorted((k, repr(kwargs[k])) for k in static)), str(tree),
+                 *map(_leaf_signature, leaves)):
+        h.update(part.encode() + b"\0")
+    return h.hexdigest()
+
+
+def _on_event(event: str, *_args, **_kwargs) -> None:
+    if getattr(_watch, "active", False):
+        if event == _CACHE_HIT_EVENT:
+            _watch.hit = True
+        elif event == _COMPILE_EVENT:
+            _watch.compiled = True
+
+
+def _compile_fresh_or_loaded(fn, args, kwargs):
+    """fn's program compiled through jit's lowering: (compiled, fresh). fresh: XLA compiled it
+    in this process, which only a compile event on this thread, and no cache-hit event, shows
+    (were jax to rename either event, nothing would count as fresh and nothing be written)."""
+    global _listening
+    with _LOCK:
+        if not _listening:
+            jax.monitoring.register_event_listener(_on_event)
+            jax.monitoring.register_event_duration_secs_listener(_on_event)
+            _listening = True
+    _watch.active, _watch.hit, _watch.compiled = True, False, False
+    try:
+        compiled = fn.lower(*args, **kwargs).compile()
+    finally:
+        _watch.active = False
+    return compiled, _watch.compiled and not _watch.hit
+
+
+def directory() -> Optional[str]:
+    """The programs cache's directory: <JAX's compilation cache>/programs, in a single-process
+    run with JAX's cache on; None (off) otherwise or with JAXINFER_PROGRAM_CACHE=0."""
+    cache = jax.config.jax_compilation_cache_dir
+    if os.environ.get("JAXINFER_PROGRAM_CACHE", "1") == "0" or not cache \
+            or jax.process_count() != 1:
+        return None
+    return os.path.join(cache, "programs")
+
+
+# Programs an LLM of the same arguments used first, loaded in the background while the
+# weights load (prefetch): program key -> Future of the loaded program (None: no entry).
+_PREFETCH: dict[str, concurrent.futures.Future] = {}
+# How many of an index's programs prefetch loads: the first step programs a new LLM runs.
+PREFETCH_PROGRAMS = 2
+# Program keys an index keeps, in order of first use.
+INDEX_LIMIT = 64
+
+
+def startup_key(parts) -> str:
+    """The key of an index of programs: the code fingerprint, the settings, and `parts` (an
+    LLM's arguments), which decide the programs its engine will run."""
+    h = hashlib.sha256()
+    for part in (code_fingerprint(), _settings(), repr(parts)):
+        h.update(part.encode() + b"\0")
+    return h.hexdigest()
+
+
+def _index_path(root: str, index_key: str) -> str:
+    return os.path.join(root, f"index-{index_key}.json")
+
+
+def _read_index(root: str, index_key: str) -> list:
+    try:
+        with open(_index_path(root, index_key)) as f:
+            keys = json.load(f)
+        return [k for k in keys if isinstance(k, str)] if isinstance(keys, list) else []
+    except (OSError, ValueError):
+        return []
+
+
+def prefetch(root: str, index_key: str, limit: int = PREFETCH_PROGRAMS) -> int:
+    """Starts loading, on a background thread, the first `limit` programs that an engine of
+    this index used (ProgramCache(index_key=...) records them): XLA releases the GIL while it
+    loads an executable, so this overlaps the weights' loading. The engine's ProgramCache
+    takes each one when it asks for that key. Returns how many loads started."""
+    started = 0
+    for key in _read_index(root, index_key)[:limit]:
+        with _LOCK:
+            if key in _PREFETCH:
+                continue
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            _PREFETCH[key] = future
+
+        def load(key=key, future=future):
+            try:
+                future.set_result(ProgramCache._read(_entry_path(root, key)))
+            except BaseException as e:  # noqa: BLE001  (handed to the taker)
+                future.set_exception(e)
+        threading.Thread(target=load, name="jaxinfer-prefetch", daemon=True).start()
+        started += 1
+    return started
+
+
+def _take_prefetched(key: str):
+    """The prefetched program of `key` (waiting for its load), or None."""
+    with _LOCK:
+        future = _PREFETCH.pop(key, None)
+    if future is None:
+        return None
+    try:
+        return future.result()
+    except Exception:  # noqa: BLE001  a failed load: read or compile it as without prefetch
+        return None
+
+
+def _entry_path(root: str, key: str) -> str:
+    return os.path.join(root, key + ".bin")
+
+
+class ProgramCache:
+    """Compiled programs by program_key: in this process (loaded once), and on disk under
+    `directory` (None: in this process only). index_key: the startup_key under which the
+    programs this cache serves are recorded, in order of first use, for prefetch."""
+
+    def __init__(self, directory: Optional[str], index_key: Optional[str] = None):
+        self.directory = directory
+        self.index_key = index_key if directory is not None else None
+        self.index = _read_index(directory, index_key) if self.index_key else []
+        self.loaded: dict = {}   # caller's name -> (callable(args, kwargs), key or None)
+        self.ran: set = set()    # names run (and so recorded in the index)
+        self.hits = self.misses = self.written = 0
+        self.writers: list[threading.Thread] = []
+
+    def _record(self, key: str) -> None:
+        """Adds key to this cache's index (once), rewriting the index file."""
+        if self.index_key is None:
+            return
+        with _LOCK:
+            if key in self.index or len(self.index) >= INDEX_LIMIT:
+                return
+            self.index.append(key)
+            data = json.dumps(self.index).encode()
+        _write(_index_path(self.directory, self.index_key), data)
+
+    def get(self, name, call: tuple, run: bool = True) -> Callable:
+        """The program of call = (jitted, args, kwargs) as a callable(args, kwargs), loaded or
+        compiled once under the caller's `name` (which must fix every argument's shape,
+        dtype and placement, and the static arguments). run: the caller runs it now, which
+        adds it to the index in the order programs are first run (warmup's compiles, largest
+        first, pass False)."""
+        entry = self.loaded.get(name)
+        if entry is None:
+            entry = self._load_or_compile(*call)
+            with _LOCK:
+                entry = self.loaded.setdefault(name, entry)
+        program, key = entry
+        if run and key is not None and name not in self.ran:
+            self.ran.add(name)
+            self._record(key)
+        return program
+
+    def _load_or_compile(self, fn, args, kwargs) -> tuple[Callable, Optional[str]]:
+        """(callable(args, kwargs), the program's key: None where it has no entry)."""
+        try:
+            static = tuple(k for k in kwargs if k in static_argnames(fn))
+        except (AttributeError, ValueError):  # a jit whose static arguments are not known here
+            return (lambda args, kw: fn(*args, **kw)), None
+        path = key = None
+        if self.directory is not None:
+            key = program_key(fn, args, kwargs, static)
+            path = _entry_path(self.directory, key)
+            compiled = _take_prefetched(key)
+            if compiled is None:
+                compiled = self._read(path)
+            if compiled is not None:
+                with _LOCK:
+                    self.hits += 1
+                return _calling(compiled, static), key
+        with _LOCK:
+            self.misses += 1
+        compiled, fresh = _compile_fresh_or_loaded(fn, args, kwargs)
+        if path is None or not fresh:
+            return _calling(compiled, static), None
+        # Written beside the first run (serializing, compressing and writing SmolLM2's flat
+        # step takes about 0.3 s); the interpreter waits for the thread at exit.
+        writer = threading.Thread(target=self._store, args=(compiled, path),
+                                  name="jaxinfer-program-writer")
+        with _LOCK:
+            self.writers.append(writer)
+        writer.start()
+        return _calling(compiled, static), key
+
+    def _store(self, compiled, path: str) -> None:
+        from jax.experimental import serialize_executable as se
+
+        try:
+            payload, in_tree, out_tree = se.serialize(compiled)
+        except (ValueError, NotImplementedError):  # not serializable: jit alone serves it
+            return
+        _write(path, zlib.compress(pickle.dumps((payload, in_tree, out_tree)), 1))
+        with _LOCK:
+            self.written += 1
+
+    def flush(self) -> None:
+        """Waits for the entries being written."""
+        with _LOCK:
+            writers, self.writers = self.writers, []
+        for w in writers:
+            w.join()
+
+    @staticmethod
+    def _read(path: str):
+        from jax.experimental import serialize_executable as se
+
+        try:
+            with open(path, "rb") as f:
+                payload, in_tree, out_tree = pickle.loads(zlib.decompress(f.read()))
+            return se.deserialize_and_load(payload, in_tree, out_tree)
+        except FileNotFoundError:
+            return None
+        except Exception:  # a partial or foreign entry: compile anew, and replace it
+            try:
+                os.remove(path)
+            except OSError:
+                pass
+            return None
+
+
+def static_argnames(fn) -> tuple:
+    """The static keyword arguments of a jax.jit function or a tuning.loop_jit."""
+    if hasattr(fn, "jit_kwargs"):
+        return tuple(fn.jit_kwargs.get("static_argnames", ()))
+    info = fn._jit_info  # jax's record of a jit's arguments (AttributeError where it is not)
+    if info.static_argnums:
+        raise ValueError("programs take their static arguments by name")
+    return tuple(info.static_argnames)
+
+
+def _calling(compiled, static: tuple) -> Callable:
+    def call(args, kwargs):
+        return compiled(*args, **{k: v for k, v in kwargs.items() if k not in static})
+    return call
+
+
+def _write(path: str, data: bytes) -> None:
+    """Writes atomically (a temporary file renamed), so a reader never sees half an entry."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
