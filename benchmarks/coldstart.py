@@ -8,7 +8,8 @@ generates one short prompt with max_tokens=1, reporting its timestamps as one JS
 
   * cold: JAXINFER_COMPILATION_CACHE points at a new, empty directory for every run, so the
     child compiles every program it needs;
-  * warm: the same command with one directory that a cold run has already filled.
+  * warm: the same command with one directory that a cold run has already filled (JAX's
+    cache and, inside it, jaxinfer's programs cache: docs/architecture.md, Programs cache).
 
 Cold and warm runs alternate so that machine noise hits both alike. Phases, from the parent's
 clock reading just before it spawns the child (CLOCK_MONOTONIC, shared by both processes):
@@ -16,6 +17,7 @@ clock reading just before it spawns the child (CLOCK_MONOTONIC, shared by both p
   import       `import jaxinfer` (includes importing jax)
   backend      first device query (XLA client creation); part of "load" in a plain program
   load         `LLM(...)`: model file read, dequantization, parameters to device, engine setup
+               (warm: with the step program loading from the programs cache beside it)
   first_token  `generate(max_tokens=1)`: tracing, compiling (or cache loading) and running
 Targets on CPU: cold <= 10 s, warm <= 3 s (medians of the totals). The model file itself is
 already in the model cache and likely in the OS page cache; only the compiled programs are

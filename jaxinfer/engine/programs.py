@@ -250,7 +250,10 @@ class ProgramCache:
                 return
             self.index.append(key)
             data = json.dumps(self.index).encode()
-        _write(_index_path(self.directory, self.index_key), data)
+        try:
+            _write(_index_path(self.directory, self.index_key), data)
+        except OSError:  # a read-only or full disk: the programs still run, unrecorded
+            pass
 
     def get(self, name, call: tuple, run: bool = True) -> Callable:
         """The program of call = (jitted, args, kwargs) as a callable(args, kwargs), loaded or
@@ -307,7 +310,10 @@ class ProgramCache:
             payload, in_tree, out_tree = se.serialize(compiled)
         except (ValueError, NotImplementedError):  # not serializable: jit alone serves it
             return
-        _write(path, zlib.compress(pickle.dumps((payload, in_tree, out_tree)), 1))
+        try:
+            _write(path, zlib.compress(pickle.dumps((payload, in_tree, out_tree)), 1))
+        except OSError:  # a read-only or full disk: this process has the program anyway
+            return
         with _LOCK:
             self.written += 1
 
