@@ -100,13 +100,13 @@ def tile_rows(num_rows: int, num_experts: int) -> int:
     return int(min(64, max(4, 1 << (share - 1).bit_length())))
 
 
-def _tiled_ffn(xs, sizes, w_gate, w_up, w_down):
+def _tiled_ffn(xs, sizes, w_gate, w_up, w_down, rows=None):
     """SwiGLU of the sorted rows xs [M, D] (group e: sizes[e] rows from sum(sizes[:e])), one
-    tile of m rows of one expert per loop step, over the occupied tiles only. Rows past
-    sum(sizes) give 0."""
+    tile of m rows of one expert per loop step, over the occupied tiles only, m sized for
+    `rows` rows (default M) over the E experts. Rows past sum(sizes) give 0."""
     M, D = xs.shape
     E = sizes.shape[0]
-    m = tile_rows(M, E)
+    m = tile_rows(M if rows is None else rows, E)
     tiles = (sizes + m - 1) // m                                          # [E]
     ends = jnp.cumsum(tiles)
     starts = jnp.cumsum(sizes) - sizes                                    # [E]
@@ -128,14 +128,15 @@ def _tiled_ffn(xs, sizes, w_gate, w_up, w_down):
     return jax.lax.fori_loop(0, ends[-1], body, jnp.zeros((M, D), jnp.float32))
 
 
-def _rounds_ffn(xs, sizes, w_gate, w_up, w_down):
+def _rounds_ffn(xs, sizes, w_gate, w_up, w_down, rows=None):
     """SwiGLU of the sorted rows xs [M, D] in rounds: round r takes rows r*m .. r*m + m - 1
     of every expert's group at once, one batched product over all E experts (each expert's
     weights read once a round), as many rounds as the largest group needs. m is twice the
-    mean share, so a balanced step takes one round. Rows past sum(sizes) give 0."""
+    mean share of `rows` rows (default M), so a balanced step takes one round. Rows past sum(sizes)
+    give 0."""
     M, D = xs.shape
     E = sizes.shape[0]
-    m = 2 * tile_rows(M, E)
+    m = 2 * tile_rows(M if rows is None else rows, E)
     starts = jnp.cumsum(sizes) - sizes                                    # [E]
     offsets = jnp.arange(m, dtype=jnp.int32)
 
@@ -153,18 +154,28 @@ def _rounds_ffn(xs, sizes, w_gate, w_up, w_down):
                              jnp.zeros((M, D), jnp.float32))
 
 
-def _cpu_ffn(xs, sizes, w_gate, w_up, w_down):
-    """XLA:CPU's grouped matmul: rounds over all experts where E * m rows stay within 4 M
-    (few experts: a decode step routes to most of them), else tiles over the occupied ones."""
+def _cpu_ffn(xs, sizes, w_gate, w_up, w_down, rows=None):
+    """XLA:CPU's grouped matmul: rounds over all experts where E * m rows stay within 4 rows
+    (few experts: a decode step routes to most of them), else tiles over the occupied ones.
+    rows: how many of xs's M rows the E experts get in a balanced step (default M; with
+    experts split over devices, this device's share)."""
     M, E = xs.shape[0], sizes.shape[0]
-    rounds = E * 2 * tile_rows(M, E) <= 4 * M
-    return (_rounds_ffn if rounds else _tiled_ffn)(xs, sizes, w_gate, w_up, w_down)
+    rows = M if rows is None else max(1, rows)
+    rounds = E * 2 * tile_rows(rows, E) <= 4 * rows
+    return (_rounds_ffn if rounds else _tiled_ffn)(xs, sizes, w_gate, w_up, w_down, rows)
 
 
-def _local_experts(x, weights, experts, w_gate, w_up, w_down, *, axes: tuple, k: int):
+def _local_experts(x, weights, experts, w_gate, w_up, w_down, *, axes: tuple, k: int,
+                   num_experts: int):
     """The contribution of this device's El experts to every token: x [T, D], weights and
     experts [T, k]; the expert weights hold experts e0 .. e0 + El - 1 (e0 from the device's
-    position along the expert mesh axes). Returns [T, D] in x's dtype, psummed over the axes."""
+    position along the expert mesh axes) of num_experts. Returns [T, D] in x's dtype, psummed
+    over the axes.
+
+    The grouped matmul sizes its tiles for this device's share of the T k assignments,
+    T k El / num_experts rows, not all of them: on 8 devices of one expert each, a 16-row
+    decode step gives each device about 4 rows, and tiles sized for 32 made every device
+    multiply 64 (benchmarks/moe_dispatch.py)."""
     T, D = x.shape
     El = w_gate.shape[0]
     e0 = jax.lax.axis_index(axes) * El if axes else 0
@@ -176,7 +187,8 @@ def _local_experts(x, weights, experts, w_gate, w_up, w_down, *, axes: tuple, k:
     token = order // k
     xs = x[token]                                                         # [M, D]
     grouped = _cpu_ffn if tuning.for_backend().grouped_matmul == "tiles" else _ragged_ffn
-    ys = grouped(xs, sizes, w_gate, w_up, w_down)
+    ys = grouped(xs, sizes, w_gate, w_up, w_down) if grouped is _ragged_ffn else \
+        grouped(xs, sizes, w_gate, w_up, w_down, rows=-(-xs.shape[0] * El // num_experts))
     w = jnp.where(mine, weights, 0.0).reshape(-1)[order]
     out = jnp.zeros((T, D), jnp.float32).at[token].add(ys * w[:, None]).astype(x.dtype)
     # In the activations' dtype, as the partitioner's all-reduces of a tensor-parallel MLP.
@@ -193,12 +205,14 @@ def expert_ffn(x: jax.Array, lp: MoELayerParams, cfg: ModelConfig) -> jax.Array:
     if mesh_shape is not None:
         split = sharding.spec_for(lp.w_gate.shape, ("experts", "embed", "ffn"), mesh_shape)[0]
     if not split:  # one device, or experts replicated (their ffn axis may split over tensor)
-        return _local_experts(x, weights, experts, lp.w_gate, lp.w_up, lp.w_down, axes=(), k=k)
+        return _local_experts(x, weights, experts, lp.w_gate, lp.w_up, lp.w_down, axes=(), k=k,
+                              num_experts=cfg.num_experts)
     axes = (split,) if isinstance(split, str) else tuple(split)
     x_spec = sharding.spec_for(x.shape, ("rows", "embed"), mesh_shape)
     t_spec = P(x_spec[0], None)
     w_spec = P(split, None, None)
-    fn = jax.shard_map(lambda *a: _local_experts(*a, axes=axes, k=k),
+    fn = jax.shard_map(lambda *a: _local_experts(*a, axes=axes, k=k,
+                                                 num_experts=cfg.num_experts),
                        in_specs=(x_spec, t_spec, t_spec, w_spec, w_spec, w_spec),
                        out_specs=x_spec, check_vma=False)
     return fn(x, weights, experts, lp.w_gate, lp.w_up, lp.w_down)

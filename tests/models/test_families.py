@@ -86,16 +86,18 @@ def test_routers():
     assert np.all(np.asarray(e1)[:, 0] == np.argmax(np.asarray(logits), -1))
 
 
+@pytest.mark.parametrize("rows", [None, 4])
 @pytest.mark.parametrize("fn", [moe._tiled_ffn, moe._rounds_ffn])
-def test_cpu_grouped_matmuls_skip_empty_experts(fn):
+def test_cpu_grouped_matmuls_skip_empty_experts(fn, rows):
     """The CPU grouped matmuls equal per-group products, with empty groups, a group larger
-    than a round and a ragged tail (rows past the groups come back 0)."""
+    than a round and a ragged tail (rows past the groups come back 0), with tiles sized for
+    all 23 rows (None) or for a device's share of 4 (several rounds or tiles per group)."""
     rng = np.random.default_rng(0)
     E, D, F, M = 5, 8, 6, 23
     sizes = np.array([2, 0, 19, 0, 1], np.int32)          # 22 of 23 rows; 19 > a round
     xs, wg, wu = (rng.normal(size=s).astype(np.float32) for s in ((M, D), (E, D, F), (E, D, F)))
     wd = rng.normal(size=(E, F, D)).astype(np.float32)
-    got = np.asarray(fn(*map(jnp.asarray, (xs, sizes, wg, wu, wd))))
+    got = np.asarray(fn(*map(jnp.asarray, (xs, sizes, wg, wu, wd)), rows=rows))
     want = np.zeros((M, D), np.float32)
     start = 0
     for e, n in enumerate(sizes):
