@@ -169,7 +169,8 @@ class Runner:
             if history is not None:
                 ids = req.prefill_ids[:history.shape[1]]
                 history[b, :len(ids)] = ids
-        self.state = decode.admit_rows(self.state, mask, start, generated, rows, history, tables)
+        self.state = self._dispatch(("admit", tables is None), (
+            decode.admit_rows, (self.state, mask, start, generated, rows, history, tables), {}))
 
     def fork(self, rows: list, copies: list) -> None:
         """Forked sequences (already admitted): rows [(source slot, slot)], page copies
@@ -181,11 +182,13 @@ class Runner:
             src[i], dst[i] = s, d
         for i, (s, d) in enumerate(copies):
             page_src[i], page_dst[i] = s, d
-        self.state = decode.fork_rows(self.state, src, dst, page_src, page_dst)
+        self.state = self._dispatch(("fork",), (
+            decode.fork_rows, (self.state, src, dst, page_src, page_dst), {}))
 
     def set_tables(self, tables) -> None:
         if tables is not None:
-            self.state = decode.set_block_tables(self.state, tables)
+            self.state = self._dispatch(("tables",), (decode.set_block_tables,
+                                                      (self.state, tables), {}))
 
     # ---- the flat step -----------------------------------------------------------------------
 
@@ -228,7 +231,10 @@ class Runner:
 
     def _dispatch(self, name: tuple, call: tuple):
         """Runs call = (jitted, args, kwargs): through the programs cache under `name`, which
-        fixes every argument's shape (("step", T), ("loop", R)), or by jit."""
+        fixes every argument's shape (("step", T), ("loop", R), and the admission, fork and
+        block-table updates, which JAX's cache leaves out: each compiles in under its 0.2 s
+        threshold, yet tracing and compiling them took 0.14 s of a warm first token), or by
+        jit."""
         fn, args, kw = call
         if self.programs is None:
             return fn(*args, **kw)
