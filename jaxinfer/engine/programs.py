@@ -223,6 +223,11 @@ def _take_prefetched(key: str):
         return None
 
 
+# Programs this process has loaded or compiled, by key: another engine of the same shapes (a
+# second LLM of one model) takes them from here, as jit's own in-memory cache would serve it.
+_IN_PROCESS: dict = {}
+
+
 def _entry_path(root: str, key: str) -> str:
     return os.path.join(root, key + ".bin")
 
@@ -282,16 +287,23 @@ class ProgramCache:
         if self.directory is not None:
             key = program_key(fn, args, kwargs, static)
             path = _entry_path(self.directory, key)
-            compiled = _take_prefetched(key)
+            with _LOCK:
+                compiled = _IN_PROCESS.get(key)
+            if compiled is None:
+                compiled = _take_prefetched(key)
             if compiled is None:
                 compiled = self._read(path)
             if compiled is not None:
                 with _LOCK:
                     self.hits += 1
+                    _IN_PROCESS[key] = compiled
                 return _calling(compiled, static), key
         with _LOCK:
             self.misses += 1
         compiled, fresh = _compile_fresh_or_loaded(fn, args, kwargs)
+        if key is not None:
+            with _LOCK:
+                _IN_PROCESS[key] = compiled
         if path is None or not fresh:
             return _calling(compiled, static), None
         # Written beside the first run (serializing, compressing and writing SmolLM2's flat

@@ -39,22 +39,32 @@ sampled = llm.generate(prompts[:1], ji.SamplingParams(max_tokens=10, temperature
 cache = llm._engine.runner.programs
 if cache is not None:
     cache.flush()
+second = {}
+if len(sys.argv) > 3:  # a second LLM of the same arguments, its entries gone from the disk
+    import os, shutil
+    shutil.rmtree(os.path.join(sys.argv[2], "programs"))
+    llm2 = ji.LLM(sys.argv[1], max_seq_len=64, max_num_seqs=2, decode_steps=4)
+    again = llm2.generate(prompts, ji.SamplingParams(max_tokens=10, temperature=0.0,
+                                                     ignore_eos=True))
+    c2 = llm2._engine.runner.programs
+    second = {"second_greedy": [o.token_ids for o in again], "second_hits": c2.hits,
+              "second_misses": c2.misses}
 print("RESULT " + json.dumps({
     "greedy": [o.token_ids for o in greedy], "sampled": sampled[0].token_ids,
     "cache_on": cache is not None,
     **({"hits": cache.hits, "misses": cache.misses, "written": cache.written}
        if cache is not None else {}),
-    "prefetched": prefetched,
+    "prefetched": prefetched, **second,
     "step_traces": sum(name in ("step", "decode_loop", "admit_rows", "fork_rows",
                                 "set_block_tables") for name in traced)}))
 """
 
 
-def _run(cache_dir: str, **env_extra) -> dict:
+def _run(cache_dir: str, *extra, **env_extra) -> dict:
     env = dict(os.environ, **env_extra)
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     env.pop("JAXINFER_COMPILATION_CACHE", None)
-    proc = subprocess.run([sys.executable, "-c", _WORKER, TINY, cache_dir], env=env,
+    proc = subprocess.run([sys.executable, "-c", _WORKER, TINY, cache_dir, *extra], env=env,
                           capture_output=True, text=True, timeout=600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
@@ -138,3 +148,13 @@ def test_off_with_the_environment_variable(first, tmp_path):
     out = _run(cache, JAXINFER_PROGRAM_CACHE="0")
     assert not out["cache_on"] and out["prefetched"] == 0 and out["step_traces"] >= 2
     assert (out["greedy"], out["sampled"]) == (first[1]["greedy"], first[1]["sampled"])
+
+
+def test_a_second_llm_takes_the_first_ones_programs(first, tmp_path):
+    """A second LLM of the same arguments in one process gets every program from memory (its
+    entries were deleted from the disk in between), as jit's own cache would serve it."""
+    cache = str(tmp_path / "xla")
+    shutil.copytree(first[0], cache)
+    out = _run(cache, "second")
+    assert out["second_greedy"] == first[1]["greedy"]
+    assert out["second_misses"] == 0 and out["second_hits"] >= 3
