@@ -20,16 +20,17 @@ lowering (JAX's cache still serves the XLA compilation) and writes the entry.
 
 Only a program XLA compiled in this process is written. An executable that JAX's cache loaded
 serializes without the code of some of its functions (XLA:CPU, jaxlib 0.10: written again and
-loaded in another process, it failed with "Function ... not found"), so when JAX's cache
-answered the compile (its cache-hit event fired on this thread), nothing is written and the
-next process traces as before. An entry that fails to load is removed and compiled anew.
+loaded in another process, it failed with "Function ... not found"), so unless jax reported a
+backend compile, and no cache hit, on the compiling thread, nothing is written and the next
+process traces as before. An entry that fails to load is removed and compiled anew. Programs
+loaded or compiled are also kept in memory by key, for another engine of the same shapes.
 
 Module-level settings changed at run time (monkeypatching jaxinfer's functions or constants)
 are not in the key: such a process should set JAXINFER_PROGRAM_CACHE=0.
 
-Used by the Runner for its flat steps and decode loops on a single device when the XLA cache
-is on; entries live in <compilation cache>/programs. docs/architecture.md ("Compiled shapes")
-has the measured effect.
+Used by the Runner for its flat steps, decode loops and state updates on a single device when
+the XLA cache is on; entries live in <compilation cache>/programs, beside the indexes that
+prefetch reads. docs/architecture.md ("Programs cache") has the rules and the measured effect.
 """
 
 from __future__ import annotations
@@ -196,7 +197,7 @@ def prefetch(root: str, index_key: str, limit: int = PREFETCH_PROGRAMS) -> int:
     started = 0
     for key in _read_index(root, index_key)[:limit]:
         with _LOCK:
-            if key in _PREFETCH:
+            if key in _PREFETCH or key in _IN_PROCESS:  # loading, or this process has it
                 continue
             future: concurrent.futures.Future = concurrent.futures.Future()
             _PREFETCH[key] = future
