@@ -155,6 +155,8 @@ def directory() -> Optional[str]:
     if os.environ.get("JAXINFER_PROGRAM_CACHE", "1") == "0" or not cache \
             or jax.process_count() != 1:
         return None
+    if not isinstance(getattr(jax.config, "values", None), dict):
+        return None  # a jax whose configuration values the key cannot read: off
     return os.path.join(cache, "programs")
 
 
