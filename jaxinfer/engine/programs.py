@@ -325,8 +325,13 @@ class ProgramCache:
             payload, in_tree, out_tree = se.serialize(compiled)
         except (ValueError, NotImplementedError):  # not serializable: jit alone serves it
             return
+        # The devices it runs on, by id: loaded onto every device of the process (the
+        # default), a one-device program on a process of 8 expected 8 shards of each input.
+        devices = sorted({d.id for s in jax.tree.leaves((compiled.input_shardings,
+                                                          compiled.output_shardings))
+                          for d in s.device_set})
         try:
-            _write(path, zlib.compress(pickle.dumps((payload, in_tree, out_tree)), 1))
+            _write(path, zlib.compress(pickle.dumps((payload, in_tree, out_tree, devices)), 1))
         except OSError:  # a read-only or full disk: this process has the program anyway
             return
         with _LOCK:
@@ -345,8 +350,10 @@ class ProgramCache:
 
         try:
             with open(path, "rb") as f:
-                payload, in_tree, out_tree = pickle.loads(zlib.decompress(f.read()))
-            return se.deserialize_and_load(payload, in_tree, out_tree)
+                payload, in_tree, out_tree, ids = pickle.loads(zlib.decompress(f.read()))
+            by_id = {d.id: d for d in jax.devices()}
+            return se.deserialize_and_load(payload, in_tree, out_tree,
+                                           execution_devices=[by_id[i] for i in ids])
         except FileNotFoundError:
             return None
         except Exception:  # a partial or foreign entry: compile anew, and replace it

@@ -158,3 +158,15 @@ def test_a_second_llm_takes_the_first_ones_programs(first, tmp_path):
     out = _run(cache, "second")
     assert out["second_greedy"] == first[1]["greedy"]
     assert out["second_misses"] == 0 and out["second_hits"] >= 3
+
+
+def test_loaded_onto_the_devices_it_was_compiled_for(tmp_path):
+    """In a process of two (simulated) devices, a one-device engine's programs load onto its
+    device: loaded onto all of the process's devices, the next process's first call failed
+    ("Expected args ... to have 2 shards")."""
+    cache = str(tmp_path / "xla")
+    flags = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    one = _run(cache, **flags)
+    two = _run(cache, **flags)
+    assert one["written"] >= 3 and two["hits"] == one["misses"] and two["misses"] == 0
+    assert (two["greedy"], two["sampled"]) == (one["greedy"], one["sampled"])
