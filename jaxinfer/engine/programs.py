@@ -44,6 +44,7 @@ import os
 import pickle
 import tempfile
 import threading
+import weakref
 import zlib
 from typing import Callable, Optional
 
@@ -226,9 +227,10 @@ def _take_prefetched(key: str):
         return None
 
 
-# Programs this process has loaded or compiled, by key: another engine of the same shapes (a
-# second LLM of one model) takes them from here, as jit's own in-memory cache would serve it.
-_IN_PROCESS: dict = {}
+# Programs this process has loaded or compiled, by key, while an engine holds them: another
+# engine of the same shapes (a second LLM of one model) takes them from here, as jit's own
+# in-memory cache would serve it. Weak: an engine's programs go with it.
+_IN_PROCESS: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 
 
 def _entry_path(root: str, key: str) -> str:
