@@ -74,9 +74,10 @@ class Runner:
         # sizes each prefilling step to a bucket exactly.
         self.fill_buckets = self.token_buckets if tune.fill_token_buckets else None
         self.state: Optional[decode.DecodeState] = None
-        # The flat steps and decode loops, loaded from (and written to) the programs cache
-        # beside the XLA cache on one device (jaxinfer.engine.programs), recorded under
-        # program_index for prefetch; None: jit dispatches (also with JAXINFER_PROGRAM_CACHE=0).
+        # The flat steps, decode loops and state updates, loaded from (and written to) the
+        # programs cache beside the XLA cache on one device (jaxinfer.engine.programs), recorded
+        # under program_index for prefetch; None: jit dispatches (also with
+        # JAXINFER_PROGRAM_CACHE=0).
         root = programs.directory() if partitioner is None else None
         self.programs = ProgramCache(root, program_index) if root else None
 
@@ -288,8 +289,9 @@ class Runner:
         self.admit([], tables)
         self.set_tables(tables)
         self.fork([], [])
+        # Compiled the largest first, then each run once in increasing size.
         self._compile_all(list(zip(self._model_names(), self._model_calls(self.state)))[::-1])
-        for T in self.token_buckets:   # the largest first, above
+        for T in self.token_buckets:
             out, self.state = self._step(*self._idle_step_inputs(T))
         for R in self.row_buckets:
             call = self._loop_call(self.state, np.full(R, B, np.int32), np.zeros(B, bool), False)
