@@ -116,7 +116,7 @@ def main(argv=None):
         q = lambda f: ratios[min(len(ratios) - 1, int(f * len(ratios)))]  # noqa: E731
         result[name] = statistics.median(ratios)
         print(f"{name:18s} {1e3 * statistics.median(t):7.2f} ms   "
-              f"{statistics.median(ratios):.2f}x the dense model "
+              f"{result[name]:.2f}x the dense model "
               f"(per-round ratios, quartiles {q(0.25):.2f}-{q(0.75):.2f})")
     return result
 

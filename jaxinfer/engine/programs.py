@@ -239,13 +239,13 @@ def _entry_path(root: str, key: str) -> str:
 
 class ProgramCache:
     """Compiled programs by program_key: in this process (loaded once), and on disk under
-    `directory` (None: in this process only). index_key: the startup_key under which the
-    programs this cache serves are recorded, in order of first use, for prefetch."""
+    `directory`. index_key: the startup_key under which the programs this cache serves are
+    recorded, in order of first use, for prefetch (None: not recorded)."""
 
-    def __init__(self, directory: Optional[str], index_key: Optional[str] = None):
+    def __init__(self, directory: str, index_key: Optional[str] = None):
         self.directory = directory
-        self.index_key = index_key if directory is not None else None
-        self.index = _read_index(directory, index_key) if self.index_key else []
+        self.index_key = index_key
+        self.index = _read_index(directory, index_key) if index_key else []
         self.loaded: dict = {}   # caller's name -> (callable(args, kwargs), key or None)
         self.ran: set = set()    # names run (and so recorded in the index)
         self.hits = self.misses = self.written = 0
@@ -288,28 +288,25 @@ class ProgramCache:
             static = tuple(k for k in kwargs if k in static_argnames(fn))
         except (AttributeError, ValueError):  # a jit whose static arguments are not known here
             return (lambda args, kw: fn(*args, **kw)), None
-        path = key = None
-        if self.directory is not None:
-            key = program_key(fn, args, kwargs, static)
-            path = _entry_path(self.directory, key)
+        key = program_key(fn, args, kwargs, static)
+        path = _entry_path(self.directory, key)
+        with _LOCK:
+            compiled = _IN_PROCESS.get(key)
+        if compiled is None:
+            compiled = _take_prefetched(key)
+        if compiled is None:
+            compiled = self._read(path)
+        if compiled is not None:
             with _LOCK:
-                compiled = _IN_PROCESS.get(key)
-            if compiled is None:
-                compiled = _take_prefetched(key)
-            if compiled is None:
-                compiled = self._read(path)
-            if compiled is not None:
-                with _LOCK:
-                    self.hits += 1
-                    _IN_PROCESS[key] = compiled
-                return _calling(compiled, static), key
+                self.hits += 1
+                _IN_PROCESS[key] = compiled
+            return _calling(compiled, static), key
         with _LOCK:
             self.misses += 1
         compiled, fresh = _compile_fresh_or_loaded(fn, args, kwargs)
-        if key is not None:
-            with _LOCK:
-                _IN_PROCESS[key] = compiled
-        if path is None or not fresh:
+        with _LOCK:
+            _IN_PROCESS[key] = compiled
+        if not fresh:
             return _calling(compiled, static), None
         # Written beside the first run (serializing, compressing and writing SmolLM2's flat
         # step takes about 0.3 s); the interpreter waits for the thread at exit.
@@ -329,9 +326,8 @@ class ProgramCache:
             return
         # The devices it runs on, by id: loaded onto every device of the process (the
         # default), a one-device program on a process of 8 expected 8 shards of each input.
-        devices = sorted({d.id for s in jax.tree.leaves((compiled.input_shardings,
-                                                          compiled.output_shardings))
-                          for d in s.device_set})
+        shardings = jax.tree.leaves((compiled.input_shardings, compiled.output_shardings))
+        devices = sorted({d.id for s in shardings for d in s.device_set})
         try:
             _write(path, zlib.compress(pickle.dumps((payload, in_tree, out_tree, devices)), 1))
         except OSError:  # a read-only or full disk: this process has the program anyway

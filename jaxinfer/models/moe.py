@@ -83,8 +83,9 @@ def _dot(x, w, spec):
     return float_matmul(x, w, spec)
 
 
-def _ragged_ffn(xs, sizes, w_gate, w_up, w_down):
-    """SwiGLU of the sorted rows xs [M, D] by lax.ragged_dot: rows past sum(sizes) give 0."""
+def _ragged_ffn(xs, sizes, w_gate, w_up, w_down, rows=None):
+    """SwiGLU of the sorted rows xs [M, D] by lax.ragged_dot: rows past sum(sizes) give 0.
+    rows: as _cpu_ffn's, unused (ragged_dot has no tiles to size)."""
     def rd(x, w):
         if jnp.finfo(x.dtype).bits > jnp.finfo(w.dtype).bits:
             x = x.astype(w.dtype)
@@ -187,8 +188,7 @@ def _local_experts(x, weights, experts, w_gate, w_up, w_down, *, axes: tuple, k:
     token = order // k
     xs = x[token]                                                         # [M, D]
     grouped = _cpu_ffn if tuning.for_backend().grouped_matmul == "tiles" else _ragged_ffn
-    ys = grouped(xs, sizes, w_gate, w_up, w_down) if grouped is _ragged_ffn else \
-        grouped(xs, sizes, w_gate, w_up, w_down, rows=-(-xs.shape[0] * El // num_experts))
+    ys = grouped(xs, sizes, w_gate, w_up, w_down, rows=-(-xs.shape[0] * El // num_experts))
     w = jnp.where(mine, weights, 0.0).reshape(-1)[order]
     out = jnp.zeros((T, D), jnp.float32).at[token].add(ys * w[:, None]).astype(x.dtype)
     # In the activations' dtype, as the partitioner's all-reduces of a tensor-parallel MLP.
