@@ -13,8 +13,8 @@ CPU (XLA:CPU, jax 0.10.2, the 2-core development machine), the reasons for each 
                              program costs 7-15 s to compile (11 programs at factor 2 took
                              96 s of warmup; 7 at factor 4)
   fill_token_buckets         the scheduler trims a prefilling step's chunks down to a token
-                             bucket exactly, so no padding token reaches the matmuls: on CPU a
-                             padding token costs what a real one does
+                             bucket exactly where that bucket is nearer than the next one up
+                             (buckets.fill): on CPU a padding token costs what a real one does
   loop_compiler_options      while-loop invariant code motion off in the device loops: it
                              hoisted the float32 copy XLA:CPU makes of a bf16 embedding table to
                              gather from it, once per dispatch (36 ms), where inside the body the

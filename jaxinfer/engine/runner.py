@@ -157,6 +157,8 @@ class Runner:
             np.zeros(self.state.history.shape, np.int32)
         for req, cached in admitted:
             b, p = req.slot, req.params
+            if b is None:  # numpy would take mask[None] as the whole array: every row
+                raise ValueError(f"request {req.request_id!r} was admitted without a slot")
             mask[b], start[b], generated[b] = True, cached, len(req.token_ids)
             s = rows.sampling
             s.temperature[b], s.top_k[b], s.top_p[b] = p.temperature, p.top_k, p.top_p

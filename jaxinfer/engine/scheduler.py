@@ -8,8 +8,8 @@ decode-maximal batching), or (3) with nothing to prefill, one multi-step decode 
 Pages for the planned tokens are reserved here, preempting the newest running requests (pages
 freed, requeued first, recomputed on readmission) while pages run short. With fill_buckets
 (the runner's token buckets, on backends where a padding token costs a real one), a prefilling
-step's chunks are trimmed so that it carries exactly a bucket's tokens when it can; the trimmed
-tokens go in the next step.
+step's chunks are trimmed to the bucket below its token count when that is nearer than the
+bucket above (buckets.fill); the trimmed tokens go in the next step.
 """
 
 from __future__ import annotations
@@ -78,6 +78,15 @@ class Scheduler:
                                    page_copies=copies)
         preempted = self.reserve(decoding, 1) if decoding else []
         decoding = [r for r in decoding if r.slot is not None]
+        # A request admitted or forked above and preempted by that reservation never ran: it
+        # waits again, and its admission must not reach the device (it has no row). A fork
+        # whose source went copies that source's row, so it waits again too.
+        for child, source in forked:
+            if source.slot is None and child.slot is not None:
+                self._preempt(child)
+                preempted.append(child)
+        admitted = [(r, c) for r, c in admitted if r.slot is not None]
+        forked = [(c, p) for c, p in forked if c.slot is not None]
         budget = self.budget - len(decoding)
         chunks = []
         for req in prefilling:
@@ -98,9 +107,10 @@ class Scheduler:
                                preempted=preempted, forked=forked, page_copies=copies)
 
     def _fill(self, chunks: list, decodes: int) -> list:
-        """chunks trimmed from the newest so that decodes + their tokens fill a bucket."""
+        """chunks trimmed from the newest so that decodes + their tokens fill a bucket, where
+        buckets.fill trims."""
         total = decodes + sum(n for _, n in chunks)
-        cut = total - buckets.fill_down(self.fill_buckets, decodes, total)
+        cut = total - buckets.fill(self.fill_buckets, decodes, total)
         while cut > 0:
             req, n = chunks.pop()
             if n > cut:

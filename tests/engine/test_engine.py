@@ -142,6 +142,45 @@ def test_preemption_keeps_greedy_and_seeded_results(llm, crowded):
     assert stats["pages_used"] == 0 and stats["running"] == 0  # every page is free again
 
 
+def test_admission_preempted_in_its_own_round_never_reaches_the_device(llm, crowded,
+                                                                       monkeypatch):
+    """A request admitted (here a prefix-cache hit after an earlier preemption) and preempted
+    by the same round's page reservation is left out of the admissions sent to the device: it
+    once reached Runner.admit without a slot, and numpy's mask[None] = True rewrote every row
+    (greedy tokens of the other rows changed)."""
+    sched = crowded._engine.scheduler
+    rounds = []
+    real_admit, real_reserve = sched._admit, sched.reserve
+
+    def admit():
+        got = real_admit()
+        rounds.append(([r for r, _ in got], []))
+        return got
+
+    def reserve(decoding, tokens):
+        out = real_reserve(decoding, tokens)
+        if rounds:
+            rounds[-1][1].extend(out)
+        return out
+
+    monkeypatch.setattr(sched, "_admit", admit)
+    monkeypatch.setattr(sched, "reserve", reserve)
+    sent = []
+    real_runner_admit = crowded._engine.runner.admit
+    monkeypatch.setattr(crowded._engine.runner, "admit", lambda admitted, tables: (
+        sent.extend(r.slot for r, _ in admitted), real_runner_admit(admitted, tables))[1])
+    prompts = _prompts(9, 5)
+    params = [ji.SamplingParams(max_tokens=m, ignore_eos=True, temperature=t, seed=i)
+              for i, (m, t) in enumerate(zip([40, 35, 50, 30, 45, 38, 42, 33, 47],
+                                             [0, 0.8, 0, 1.0, 0, 0.7, 0, 0, 1.2]))]
+    together = crowded.generate(prompts, params)
+    same_round = sum(any(r in preempted for r in admitted) for admitted, preempted in rounds)
+    assert same_round > 0, "the workload no longer preempts a request in its admission round"
+    assert None not in sent
+    for prompt, sp, out in zip(prompts, params, together):
+        assert out.token_ids == llm.generate([prompt], sp)[0].token_ids
+
+
 def test_prefix_cache_shares_pages_and_keeps_outputs(crowded):
     rng = np.random.default_rng(6)
     system = rng.integers(0, 256, 40).tolist()  # 5 full pages of 8
