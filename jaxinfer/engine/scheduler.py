@@ -107,8 +107,8 @@ class Scheduler:
                                preempted=preempted, forked=forked, page_copies=copies)
 
     def _fill(self, chunks: list, decodes: int) -> list:
-        """chunks trimmed from the newest so that decodes + their tokens fill a bucket, where
-        buckets.fill trims."""
+        """chunks trimmed from the newest to the token count buckets.fill picks (unchanged
+        when it pads the step up instead)."""
         total = decodes + sum(n for _, n in chunks)
         cut = total - buckets.fill(self.fill_buckets, decodes, total)
         while cut > 0:

@@ -144,7 +144,7 @@ def test_preemption_keeps_greedy_and_seeded_results(llm, crowded):
 
 def test_admission_preempted_in_its_own_round_never_reaches_the_device(llm, crowded,
                                                                        monkeypatch):
-    """A request admitted (here a prefix-cache hit after an earlier preemption) and preempted
+    """A request admitted (such as a prefix-cache hit after an earlier preemption) and preempted
     by the same round's page reservation is left out of the admissions sent to the device: it
     once reached Runner.admit without a slot, and numpy's mask[None] = True rewrote every row
     (greedy tokens of the other rows changed)."""
