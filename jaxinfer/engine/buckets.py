@@ -33,7 +33,9 @@ def fill(buckets: tuple[int, ...], fixed: int, total: int) -> int:
     64 leaves 4 for the next steps). `total` when no bucket is below it, or none above."""
     below = [b for b in buckets if fixed < b <= total]
     above = [b for b in buckets if b >= total]
-    if not below or not above:
-        return total if not below else max(below)
+    if not below:
+        return total
+    if not above:
+        return max(below)
     down, up = max(below), min(above)
     return total if up - total <= total - down else down

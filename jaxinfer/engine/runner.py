@@ -71,7 +71,7 @@ class Runner:
                                                tune.bucket_growth)
         self.row_buckets = buckets.geometric(num_slots, 1, tune.bucket_growth)
         # Where padding costs what a real token costs (compute-bound backends), the scheduler
-        # sizes each prefilling step to a bucket exactly.
+        # sizes each prefilling step to the bucket nearest its token count (buckets.fill).
         self.fill_buckets = self.token_buckets if tune.fill_token_buckets else None
         self.state: Optional[decode.DecodeState] = None
         # The flat steps, decode loops and state updates, loaded from (and written to) the
