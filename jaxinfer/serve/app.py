@@ -35,6 +35,15 @@ class ServeConfig:
     max_waiting: int = 256           # requests beyond the batch slots; more -> 429
     max_body_bytes: int = 1 << 20    # larger request bodies -> 413
     retry_after_s: int = 1           # the Retry-After of a 429
+    # Seconds an idle keep-alive connection stays open. Longer than clients keep idle pooled
+    # connections (httpx, and so the openai client: 5 s; aiohttp: 15 s; nginx upstream pools:
+    # 60 s), so that a client never reuses a socket the server is closing at that moment
+    # (uvicorn's own default, 5 s, equals httpx's and races it under load).
+    keep_alive_s: float = 75.0
+
+    def __post_init__(self):
+        if not self.keep_alive_s > 0:
+            raise ValueError(f"keep_alive_s must be > 0, got {self.keep_alive_s}")
 
 
 class ServeState:

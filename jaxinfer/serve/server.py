@@ -55,6 +55,7 @@ def make_server(state: ServeState, host: str = "127.0.0.1", port: int = 8000,
                 drain_timeout_s: float = 30.0, log_level: str = "warning") -> Server:
     config = uvicorn.Config(create_app(state), host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=drain_timeout_s + _CLOSE_GRACE_S,
+                            timeout_keep_alive=state.cfg.keep_alive_s,
                             access_log=False, lifespan="off", http="h11")
     return Server(config, state, drain_timeout_s)
 

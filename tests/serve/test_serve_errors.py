@@ -182,3 +182,27 @@ def test_graceful_shutdown(server, raw, helpers, llm):
     assert (stats["running"], stats["waiting"], stats["pages_used"]) == (0, 0, 0)
     with pytest.raises(OSError):
         raw.request("GET", "/health")
+
+
+def test_idle_keep_alive_connection_outlives_the_clients_pool_expiry(helpers):
+    """httpx (and so the openai client) drops pooled connections idle for 5 s; uvicorn's own
+    default closes them after 5 s too, and a request sent on a socket the server is closing at
+    that moment fails with a connection error (the load test met it). The server keeps idle
+    connections for `keep_alive_s`: one idle for 6 s still answers on the same socket."""
+    from jaxinfer.serve import ServeConfig, ServerThread
+
+    with pytest.raises(ValueError, match="keep_alive_s must be > 0, got 0"):
+        ServeConfig(MODEL, keep_alive_s=0)
+    with ServerThread(None, ServeConfig(MODEL)) as srv:  # no model: /health answers 503
+        conn = helpers.Raw(srv.url).conn()
+        conn.request("GET", "/health")
+        first = conn.getresponse()
+        first.read()
+        sock = conn.sock
+        time.sleep(6.0)
+        conn.request("GET", "/health")
+        second = conn.getresponse()
+        second.read()
+        assert (first.status, second.status) == (503, 503)
+        assert conn.sock is sock  # the same connection, not a reconnect
+        conn.close()
