@@ -452,30 +452,33 @@ def _work_list(tiles: Tiles, static_blocks, C: int):
 def _fold(carry, t, pair_max, weigh, Nt: int):
     """Folds one work-list iteration's C pairs into their tiles' online softmax.
 
-    carry: (m, l, acc) over Nt + C tiles (C rows of padding), [Nt + C, *stats] and
-    [Nt + C, *stats, H]; t [C]: the pairs' tiles, ascending (Nt: no pair); pair_max
-    [C, *stats]: each pair's highest score (-inf where it sees no key); weigh(m_pair) ->
-    (p_sum [C, *stats], pv [C, *stats, H]): each pair's probability sums and value product
-    given its tile's new running maximum m_pair [C, *stats]. The pairs' tiles lie in the
-    window of C tiles from t[0], so the fold works on that window alone, through a [C, C]
-    one-hot of window tiles by pairs."""
+    carry: (m, l, acc), [Nt + pad, *stats] and [Nt + pad, *stats, H] (pad: C rows when C < Nt,
+    else none); t [C]: the pairs' tiles, ascending (Nt: no pair); pair_max [C, *stats]: each
+    pair's highest score (-inf where it sees no key); weigh(m_pair) -> (p_sum [C, *stats],
+    pv [C, *stats, H]): each pair's probability sums and value product given its tile's new
+    running maximum m_pair [C, *stats]. With C = Nt the fold is a [Nt, C] one-hot of tiles by
+    pairs; with C < Nt the pairs' tiles lie in the window of C tiles from t[0], and the fold
+    works on that window alone through a [C, C] one-hot."""
     m, l, acc = carry
     C = t.shape[0]
-    t0 = jnp.minimum(t[0], Nt)
+    if C == Nt:
+        t0, window, put = 0, lambda a: a, lambda a, w: w  # noqa: E731
+    else:
+        t0 = jnp.minimum(t[0], Nt)
+        window = lambda a: jax.lax.dynamic_slice_in_dim(a, t0, C)  # noqa: E731
+        put = lambda a, w: jax.lax.dynamic_update_slice_in_dim(a, w, t0, 0)  # noqa: E731
     local = t - t0
     onehot = (local[None, :] == jnp.arange(C, dtype=jnp.int32)[:, None]) & (t < Nt)[None, :]
-    window = lambda a: jax.lax.dynamic_slice_in_dim(a, t0, C)  # noqa: E731
     mw, lw, aw = window(m), window(l), window(acc)
     expand = (slice(None), slice(None)) + (None,) * (pair_max.ndim - 1)
     m_new = jnp.maximum(mw, jnp.max(jnp.where(onehot[expand], pair_max[None], -jnp.inf),
                                     axis=1))
     m_use = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-    p_sum, pv = weigh(m_use[jnp.clip(local, 0, C - 1)])
+    p_sum, pv = weigh(m_use[jnp.minimum(local, C - 1)])
     corr = jnp.where(jnp.isfinite(mw), jnp.exp(mw - m_use), 0.0)
     sums = onehot.astype(jnp.float32)
     lw = lw * corr + jnp.tensordot(sums, p_sum, 1)
     aw = aw * corr[..., None] + jnp.tensordot(sums, pv, 1)
-    put = lambda a, w: jax.lax.dynamic_update_slice_in_dim(a, w, t0, 0)  # noqa: E731
     return put(m, m_new), put(l, lw), put(acc, aw)
 
 
@@ -491,8 +494,9 @@ def _walk(tiles: Tiles, static_blocks, stats: tuple, H: int, iteration):
         pair_max, weigh = iteration(t, tc, j0)
         return _fold(carry, t, pair_max, weigh, Nt)
 
-    init = (jnp.full((Nt + C,) + stats, -jnp.inf), jnp.zeros((Nt + C,) + stats),
-            jnp.zeros((Nt + C,) + stats + (H,)))
+    rows = Nt + (C if C < Nt else 0)
+    init = (jnp.full((rows,) + stats, -jnp.inf), jnp.zeros((rows,) + stats),
+            jnp.zeros((rows,) + stats + (H,)))
     _, l, acc = jax.lax.fori_loop(0, trips, body, init)
     l, acc = l[:Nt], acc[:Nt]
     return acc / jnp.where(l == 0, 1.0, l)[..., None]
