@@ -424,9 +424,9 @@ def _tile_attention(q, k_all, v_all, layer, block_tables, tiles: Tiles, meta: Ra
 
 
 # The most (tile, block) pairs a work-list iteration takes: Nt (the step's tile bound) up to
-# this. The engine's steps stay below it (16-512 tokens in tiles of 16, or 16 decode rows), so
-# one iteration holds every tile; a batch of thousands of rows (a scoring forward) is walked
-# in windows of this many pairs rather than one [Nt, Nt] fold.
+# this. The engine's steps at the defaults stay below it (16-512 tokens in tiles of 16, or 16
+# decode rows), so an iteration holds every tile; a batch of thousands of rows (a scoring
+# forward) is walked in windows of this many pairs rather than one [Nt, Nt] fold.
 MAX_PAIRS = 256
 
 
@@ -507,10 +507,11 @@ def _multi_query_loop(qt, gather_block, tiles: Tiles, static_blocks, softcap):
     qt [Nt, Q, K, G, H] (scaled), gather_block(t, j0) as there. Returns [Nt * Q, N, H] float32.
 
     A work list, as _single_query_loop's: each iteration takes the next Nt (tile, block) pairs
-    (at most MAX_PAIRS), so empty tiles and short rows cost nothing. Nt is a static bound on the step's tiles
-    (num_tiles_bound: T / Q + the rows), so a loop over block indices computed every tile to the
-    longest row: a 64-token chunk of one row at 192-255 tokens is 4 tiles of 4 blocks, 16
-    pairs, one iteration, where the loop to the longest row ran 4 iterations of 20 tiles.
+    (at most MAX_PAIRS), so empty tiles and short rows cost nothing. Nt is a static bound on
+    the step's tiles (num_tiles_bound: T / Q + the rows), so a loop over block indices computed
+    every tile to the longest row: a 64-token chunk of one row at 192-255 tokens is 4 tiles of
+    4 blocks, 16 pairs, one iteration, where the loop to the longest row ran 4 iterations of 20
+    tiles.
     """
     Nt, Q, K, G, H = qt.shape
 
@@ -536,10 +537,11 @@ def _single_query_loop(qt, gather_block, tiles: Tiles, static_blocks, softcap):
 
     A work list rather than a loop to the longest row: tile t needs tiles.blocks[t] blocks of
     pages, and each iteration takes the next Nt (tile, block) pairs of the list (at most
-    MAX_PAIRS), so the trip count is ceil(sum of blocks / Nt) where a loop over block indices runs max(blocks) times
-    for every tile (one row of 2,000 tokens among fifteen of 100 costs 16 + 15 blocks of 128
-    keys, 2 iterations, not 16 iterations of 16 blocks). Each pair's keys fold into its tile's
-    online softmax (_fold); a pair's probabilities use its tile's new running maximum directly.
+    MAX_PAIRS), so the trip count is ceil(sum of blocks / Nt) where a loop over block indices
+    runs max(blocks) times for every tile (one row of 2,000 tokens among fifteen of 100 costs
+    16 + 15 blocks of 128 keys, 2 iterations, not 16 iterations of 16 blocks). Each pair's keys
+    fold into its tile's online softmax (_fold); a pair's probabilities use its tile's new
+    running maximum directly.
 
     The key product is written as multiply-and-reduce rather than a dot: each (pair, kv head)
     has a [G, H] x [H, S] product, which XLA:CPU runs as one small library dot at a time, while

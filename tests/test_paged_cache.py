@@ -138,6 +138,27 @@ def test_decode_work_list_spans_rows_and_iterations(window, static):
                           static_pages=16 if static else None)
 
 
+@pytest.mark.parametrize("max_pairs,static", [(None, False), (3, False), (3, True),
+                                              (None, True)])
+def test_prefill_work_list_spans_tiles_rows_and_iterations(monkeypatch, max_pairs, static):
+    """Chunks of several rows (tiles of 4 queries, blocks of one 4-key page): the work list of
+    (tile, block) pairs skips the step's empty tiles and walks each tile's own block count.
+    max_pairs=3 caps an iteration at 3 pairs, so the online softmax folds into a sliding
+    window of tiles (the path of a forward over thousands of rows) with a tile's blocks split
+    over iterations; static=True takes the differentiable forward's static trip count. Each
+    row still equals the dense reference over its keys."""
+    import jaxinfer.attention as attention
+
+    if max_pairs is not None:
+        monkeypatch.setattr(attention, "MAX_PAIRS", max_pairs)
+    kv_lengths = np.array([40, 3, 64, 0, 21, 7], np.int32)
+    num_queries = np.array([12, 3, 16, 0, 5, 1], np.int32)
+    query_start = np.array([0, 12, 15, 0, 31, 36], np.int32)
+    _check_loop_attention(kv_lengths, num_queries, query_start, M=16, T=40, window=None,
+                          softcap=None, tile=4, pages_per_block=1,
+                          static_pages=16 if static else None)
+
+
 def _check_loop_attention(kv_lengths, num_queries, query_start, *, M, T, window, softcap, tile,
                           **meta_kw):
     """ragged_attention (the jnp path) over a NaN-filled pool with shuffled pages == the dense
