@@ -329,8 +329,9 @@ def paged_loop_attention(q, k_all, v_all, layer, block_tables, meta: RaggedMeta,
     pages_per_block pages) pairs, each iteration gathering its pairs' pages straight from the
     pool (indexed by layer and page together: slicing the layer out first made XLA copy it
     whole) and folding them into an online softmax in float32. Work follows the blocks the
-    tiles need, with no static page-count bucket. (Under tensor parallelism both sets walk
-    every tile to the longest row instead, their heads split over devices.)
+    tiles need, with no static page-count bucket. (On a mesh, multi-query tiles walk every
+    tile to the longest row instead, split over devices; so do decode tiles under tensor
+    parallelism, their heads split.)
     Logical page j of a row is table entry j % M, so a wrapping ring reads the same way."""
     T, N, H = q.shape
     scale = sm_scale if sm_scale is not None else H ** -0.5
@@ -394,10 +395,14 @@ def _tile_attention(q, k_all, v_all, layer, block_tables, tiles: Tiles, meta: Ra
 
     static_blocks = None if meta.static_pages is None else -(-meta.static_pages // pb)
     mesh_shape = sharding.context_mesh_shape()
-    if mesh_shape is None or mesh_shape.get("tensor", 1) == 1:
-        if Q == 1:
-            return _single_query_loop(qt.reshape(Nt, K, G, H), gather_block, tiles,
-                                      static_blocks, softcap)
+    if Q == 1 and (mesh_shape is None or mesh_shape.get("tensor", 1) == 1):
+        return _single_query_loop(qt.reshape(Nt, K, G, H), gather_block, tiles, static_blocks,
+                                  softcap)
+    # On a mesh, multi-query tiles keep the loop over every tile, whose tile axis the
+    # partitioner splits over `sequence` (and `data`); a work list's pairs would be computed
+    # whole on every device (a prefill chunk's per-device FLOPs on 2 sequence devices: 0.61 of
+    # one device's with the work list, 0.50 without).
+    if Q > 1 and (mesh_shape is None or all(n == 1 for n in mesh_shape.values())):
         return _multi_query_loop(qt, gather_block, tiles, static_blocks, softcap)
     trips = tiles.num_blocks if static_blocks is None else static_blocks
 
