@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 from jaxinfer import sharding
 from jaxinfer.kv_cache import Bits16KV, QuantizedKV, dense
+from jaxinfer.work_list import multi_query_loop, single_query_loop
 
 KVSegment = tuple  # (k [B, S, K, H], v [B, S, K, H], k_positions [B, S])
 
@@ -396,14 +397,14 @@ def _tile_attention(q, k_all, v_all, layer, block_tables, tiles: Tiles, meta: Ra
     static_blocks = None if meta.static_pages is None else -(-meta.static_pages // pb)
     mesh_shape = sharding.context_mesh_shape()
     if Q == 1 and (mesh_shape is None or mesh_shape.get("tensor", 1) == 1):
-        return _single_query_loop(qt.reshape(Nt, K, G, H), gather_block, tiles, static_blocks,
+        return single_query_loop(qt.reshape(Nt, K, G, H), gather_block, tiles, static_blocks,
                                   softcap)
     # On a mesh, multi-query tiles keep the loop over every tile, whose tile axis the
     # partitioner splits over `sequence` (and `data`); a work list's pairs would be computed
     # whole on every device (a prefill chunk's per-device FLOPs on 2 sequence devices: 0.61 of
     # one device's with the work list, 0.50 without).
     if Q > 1 and (mesh_shape is None or all(n == 1 for n in mesh_shape.values())):
-        return _multi_query_loop(qt, gather_block, tiles, static_blocks, softcap)
+        return multi_query_loop(qt, gather_block, tiles, static_blocks, softcap)
     trips = tiles.num_blocks if static_blocks is None else static_blocks
 
     def body(i, carry):
@@ -426,151 +427,3 @@ def _tile_attention(q, k_all, v_all, layer, block_tables, tiles: Tiles, meta: Ra
     _, l, acc = jax.lax.fori_loop(0, trips, body, init)
     out = acc / jnp.where(l == 0, 1.0, l)[..., None]
     return out.transpose(0, 3, 1, 2, 4).reshape(Nt * Q, N, H)
-
-
-# The most (tile, block) pairs a work-list iteration takes: Nt (the step's tile bound) up to
-# this. The engine's steps at the defaults stay below it (16-512 tokens in tiles of 16, or 16
-# decode rows), so an iteration holds every tile; a batch of thousands of rows (a scoring
-# forward) is walked in windows of this many pairs rather than one [Nt, Nt] fold.
-MAX_PAIRS = 256
-
-
-def _work_list(tiles: Tiles, static_blocks, C: int):
-    """The (tile, block) pairs of a work list, C an iteration: tile t needs tiles.blocks[t]
-    blocks, listed tile after tile (every listed tile needs at least one, so C consecutive pairs
-    span at most C consecutive tiles). Returns (trips, pairs), pairs(i) giving iteration i's
-    tile ids t [C] (ascending; Nt: past the end of the list), the same clipped to a tile, and
-    each pair's first logical page j0 [C]."""
-    Nt = tiles.blocks.shape[0]
-    ends = jnp.cumsum(tiles.blocks)                      # [Nt]
-    trips = (ends[-1] + C - 1) // C if static_blocks is None else -(-Nt * static_blocks // C)
-
-    def pairs(i):
-        w = i * C + jnp.arange(C, dtype=jnp.int32)                  # the pairs' list indices
-        t = jnp.searchsorted(ends, w, side="right").astype(jnp.int32)   # Nt: past the list
-        tc = jnp.minimum(t, Nt - 1)
-        j0 = tiles.first_page[tc] + (w - ends[tc] + tiles.blocks[tc]) * tiles.pages_per_block
-        return t, tc, j0
-    return trips, pairs
-
-
-def _fold(carry, t, pair_max, weigh, Nt: int):
-    """Folds one work-list iteration's C pairs into their tiles' online softmax.
-
-    carry: (m, l, acc), [Nt + pad, *stats] and [Nt + pad, *stats, H] (pad: C rows when C < Nt,
-    else none); t [C]: the pairs' tiles, ascending (Nt: no pair); pair_max [C, *stats]: each
-    pair's highest score (-inf where it sees no key); weigh(m_pair) -> (p_sum [C, *stats],
-    pv [C, *stats, H]): each pair's probability sums and value product given its tile's new
-    running maximum m_pair [C, *stats]. With C = Nt the fold is a [Nt, C] one-hot of tiles by
-    pairs; with C < Nt the pairs' tiles lie in the window of C tiles from t[0], and the fold
-    works on that window alone through a [C, C] one-hot."""
-    m, l, acc = carry
-    C = t.shape[0]
-    if C == Nt:
-        t0, window, put = 0, lambda a: a, lambda a, w: w  # noqa: E731
-    else:
-        t0 = jnp.minimum(t[0], Nt)
-        window = lambda a: jax.lax.dynamic_slice_in_dim(a, t0, C)  # noqa: E731
-        put = lambda a, w: jax.lax.dynamic_update_slice_in_dim(a, w, t0, 0)  # noqa: E731
-    local = t - t0
-    onehot = (local[None, :] == jnp.arange(C, dtype=jnp.int32)[:, None]) & (t < Nt)[None, :]
-    mw, lw, aw = window(m), window(l), window(acc)
-    expand = (slice(None), slice(None)) + (None,) * (pair_max.ndim - 1)
-    m_new = jnp.maximum(mw, jnp.max(jnp.where(onehot[expand], pair_max[None], -jnp.inf),
-                                    axis=1))
-    m_use = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-    p_sum, pv = weigh(m_use[jnp.minimum(local, C - 1)])
-    corr = jnp.where(jnp.isfinite(mw), jnp.exp(mw - m_use), 0.0)
-    sums = onehot.astype(jnp.float32)
-    lw = lw * corr + jnp.tensordot(sums, p_sum, 1)
-    aw = aw * corr[..., None] + jnp.tensordot(sums, pv, 1)
-    return put(m, m_new), put(l, lw), put(acc, aw)
-
-
-def _walk(tiles: Tiles, static_blocks, stats: tuple, H: int, iteration):
-    """Runs a work list: iteration(t, tc, j0) -> (pair_max, weigh) for the pairs of one
-    iteration (see _fold). Returns the normalised output [Nt, *stats, H] float32."""
-    Nt = tiles.blocks.shape[0]
-    C = min(Nt, MAX_PAIRS)
-    trips, pairs = _work_list(tiles, static_blocks, C)
-
-    def body(i, carry):
-        t, tc, j0 = pairs(i)
-        pair_max, weigh = iteration(t, tc, j0)
-        return _fold(carry, t, pair_max, weigh, Nt)
-
-    rows = Nt + (C if C < Nt else 0)
-    init = (jnp.full((rows,) + stats, -jnp.inf), jnp.zeros((rows,) + stats),
-            jnp.zeros((rows,) + stats + (H,)))
-    _, l, acc = jax.lax.fori_loop(0, trips, body, init)
-    l, acc = l[:Nt], acc[:Nt]
-    return acc / jnp.where(l == 0, 1.0, l)[..., None]
-
-
-def _multi_query_loop(qt, gather_block, tiles: Tiles, static_blocks, softcap):
-    """paged_loop_attention's loop for tiles of Q > 1 queries (prefill chunks, verification):
-    qt [Nt, Q, K, G, H] (scaled), gather_block(t, j0) as there. Returns [Nt * Q, N, H] float32.
-
-    A work list, as _single_query_loop's: each iteration takes the next Nt (tile, block) pairs
-    (at most MAX_PAIRS), so empty tiles and short rows cost nothing. Nt is a static bound on
-    the step's tiles (num_tiles_bound: T / Q + the rows), so a loop over block indices computed
-    every tile to the longest row: a 64-token chunk of one row at 192-255 tokens is 4 tiles of
-    4 blocks, 16 pairs, one iteration, where the loop to the longest row ran 4 iterations of 20
-    tiles.
-    """
-    Nt, Q, K, G, H = qt.shape
-
-    def iteration(t, tc, j0):
-        k, v, visible = gather_block(tc, j0)                # [C, S, K, H], same, [C, Q, S]
-        s = jnp.einsum("cqkgh,cskh->ckgqs", qt[tc], k)
-        if softcap is not None:
-            s = softcap * jnp.tanh(s / softcap)
-        s = jnp.where((visible & (t < Nt)[:, None, None])[:, None, None], s, -jnp.inf)
-
-        def weigh(m_pair):                                  # [C, K, G, Q]
-            p = jnp.exp(s - m_pair[..., None])              # [C, K, G, Q, S]
-            return jnp.sum(p, axis=-1), jnp.einsum("ckgqs,cskh->ckgqh", p, v)
-        return jnp.max(s, axis=-1), weigh
-
-    out = _walk(tiles, static_blocks, (K, G, Q), H, iteration)   # [Nt, K, G, Q, H]
-    return out.transpose(0, 3, 1, 2, 4).reshape(Nt * Q, K * G, H)
-
-
-def _single_query_loop(qt, gather_block, tiles: Tiles, static_blocks, softcap):
-    """paged_loop_attention's loop for tiles of one query (decode): qt [Nt, K, G, H] (scaled),
-    gather_block(t, j0) as there. Returns [Nt, N, H] float32.
-
-    A work list rather than a loop to the longest row: tile t needs tiles.blocks[t] blocks of
-    pages, and each iteration takes the next Nt (tile, block) pairs of the list (at most
-    MAX_PAIRS), so the trip count is ceil(sum of blocks / Nt) where a loop over block indices
-    runs max(blocks) times for every tile (one row of 2,000 tokens among fifteen of 100 costs
-    16 + 15 blocks of 128 keys, 2 iterations, not 16 iterations of 16 blocks). Each pair's keys
-    fold into its tile's online softmax (_fold); a pair's probabilities use its tile's new
-    running maximum directly.
-
-    The key product is written as multiply-and-reduce rather than a dot: each (pair, kv head)
-    has a [G, H] x [H, S] product, which XLA:CPU runs as one small library dot at a time, while
-    the multiply-reduce fuses each block's products into a few vectorised loops. For 16 decode
-    rows of 128-384 tokens at SmolLM2's shapes (9 heads, 3 kv heads, 30 layers, blocks of 8
-    pages, a loop to the longest row), all layers' attention took 44.3 ms with both products
-    as multiply-reduce against 62.7 with both as dots over a float32 pool, and 37.7 against
-    46.9 over a bf16 one (one run of the benchmarks/attention_gather.py setup). The value
-    product is a dot again: as a multiply-reduce it was as fast over a float32 pool and slower
-    over a bf16 one (the 16-row bf16 step at 2.74-2.75x its matmul stack in three runs,
-    against 2.46-2.60x).
-    """
-    Nt, K, G, H = qt.shape
-
-    def iteration(t, tc, j0):
-        k, v, visible = gather_block(tc, j0)                        # [C, S, K, H], [C, 1, S]
-        s = jnp.sum(qt[tc][:, None] * k[:, :, :, None, :], axis=-1)  # [C, S, K, G]
-        if softcap is not None:
-            s = softcap * jnp.tanh(s / softcap)
-        s = jnp.where((visible[:, 0] & (t < Nt)[:, None])[:, :, None, None], s, -jnp.inf)
-
-        def weigh(m_pair):                                          # [C, K, G]
-            p = jnp.exp(s - m_pair[:, None])                        # [C, S, K, G]
-            return jnp.sum(p, axis=1), jnp.einsum("cskg,cskh->ckgh", p, v)
-        return jnp.max(s, axis=1), weigh
-
-    return _walk(tiles, static_blocks, (K, G), H, iteration).reshape(Nt, K * G, H)

@@ -147,10 +147,10 @@ def test_prefill_work_list_spans_tiles_rows_and_iterations(monkeypatch, max_pair
     window of tiles (the path of a forward over thousands of rows) with a tile's blocks split
     over iterations; static=True takes the differentiable forward's static trip count. Each
     row still equals the dense reference over its keys."""
-    import jaxinfer.attention as attention
+    import jaxinfer.work_list as work_list
 
     if max_pairs is not None:
-        monkeypatch.setattr(attention, "MAX_PAIRS", max_pairs)
+        monkeypatch.setattr(work_list, "MAX_PAIRS", max_pairs)
     kv_lengths = np.array([40, 3, 64, 0, 21, 7], np.int32)
     num_queries = np.array([12, 3, 16, 0, 5, 1], np.int32)
     query_start = np.array([0, 12, 15, 0, 31, 36], np.int32)
