@@ -101,7 +101,7 @@ class DecodeState:
         return sharding.constrain_tree(self, self.logical_axes())
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
+@functools.partial(tuning.program_jit, donate_argnums=(0,))
 def admit_rows(state: DecodeState, mask: jax.Array, start: jax.Array, generated: jax.Array,
                rows: RowParams, history: jax.Array | None = None,
                block_tables: jax.Array | None = None) -> DecodeState:
@@ -127,7 +127,7 @@ def admit_rows(state: DecodeState, mask: jax.Array, start: jax.Array, generated:
                          rows=jax.tree.map(pick, rows, state.rows)).constrained()
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
+@functools.partial(tuning.program_jit, donate_argnums=(0,))
 def fork_rows(state: DecodeState, src_rows: jax.Array, dst_rows: jax.Array,
               src_pages: jax.Array, dst_pages: jax.Array) -> DecodeState:
     """Rows dst_rows [C] forked from src_rows [C] (B: padding), after admit_rows started them:
@@ -143,7 +143,7 @@ def fork_rows(state: DecodeState, src_rows: jax.Array, dst_rows: jax.Array,
     return state.replace(seen=seen, cache=cache, draft_cache=draft).constrained()
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
+@functools.partial(tuning.program_jit, donate_argnums=(0,))
 def set_block_tables(state: DecodeState, block_tables: jax.Array) -> DecodeState:
     """A paged cache's block tables [B, M] after the host grew or freed rows' pages."""
     return state.replace(cache=state.cache.replace(block_tables=block_tables)).constrained()
@@ -227,8 +227,9 @@ def step(params, state: DecodeState, batch: TokenBatch, sample_rows: jax.Array,
     return out, state.constrained()
 
 
-step_jit = jax.jit(step, static_argnames=("cfg", "attn_impl", "query_tile", "draft_cfg"),
-                   donate_argnums=(1,))
+# Compiled with the backend's compiler options (jaxinfer.tuning), as every program here.
+step_jit = tuning.program_jit(step, donate_argnums=(1,),
+                              static_argnames=("cfg", "attn_impl", "query_tile", "draft_cfg"))
 
 
 def _forward_rows(params, cfg, state_cache, tokens, num_new, rows, attn_impl):
@@ -306,7 +307,7 @@ def decode_loop(params, state: DecodeState, rows: jax.Array, *, cfg: ModelConfig
     return state.constrained(), out, num_out, stopped, lp_out
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "attn_impl", "draft_cfg"),
+@functools.partial(tuning.program_jit, static_argnames=("cfg", "attn_impl", "draft_cfg"),
                    donate_argnums=(1,))
 def prefill(params, state: DecodeState, tokens: jax.Array, num_new: jax.Array, *,
             cfg: ModelConfig, attn_impl: str = "reference", draft_params=None,

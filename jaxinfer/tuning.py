@@ -77,6 +77,7 @@ class StepTuning:
     query_tile: int = 16
     bucket_growth: int = 2
     fill_token_buckets: bool = False
+    compiler_options: tuple[tuple[str, str], ...] = ()
     loop_compiler_options: tuple[tuple[str, str], ...] = ()
     pad_single_row_16bit_dots: bool = False
     float32_activations: bool = False
@@ -89,6 +90,7 @@ class StepTuning:
 TUNING = {
     "cpu": StepTuning(
         min_tokens=16, query_tile=16, bucket_growth=4, fill_token_buckets=True,
+        compiler_options=(("xla_cpu_opt_preset", "CPU_OPT_PRESET_FAST_COMPILE"),),
         loop_compiler_options=(("xla_disable_hlo_passes", "while-loop-invariant-code-motion"),),
         pad_single_row_16bit_dots=True, float32_activations=True, kv_16bit_as_bits=True,
         default_dtype="bfloat16",
@@ -103,21 +105,33 @@ def for_backend(backend: str | None = None) -> StepTuning:
     return TUNING.get(backend or jax.default_backend(), TUNING["gpu"])
 
 
-class loop_jit:
-    """jax.jit for the device loops, compiled with the backend's loop_compiler_options. The jit
-    is made at first use, when the backend is known, one per backend; calls and .lower() go
-    to it."""
+def compiler_options(backend: str, loop: bool) -> dict | None:
+    """The XLA options of the engine's programs on `backend`: its compiler_options where this
+    jaxlib is one they were measured on (COMPILER_OPTIONS_JAXLIB: XLA refuses an option it does
+    not know), and for a device loop its loop_compiler_options too."""
+    tune = for_backend(backend)
+    options = dict(tune.compiler_options) if _jaxlib_version() in COMPILER_OPTIONS_JAXLIB \
+        else {}
+    if loop:
+        options.update(tune.loop_compiler_options)
+    return options or None
 
-    def __init__(self, fun=None, **jit_kwargs):
-        self.fun, self.jit_kwargs, self.jits = fun, jit_kwargs, {}
+
+class program_jit:
+    """jax.jit for the engine's device programs, compiled with the backend's compiler options
+    (compiler_options above; loop=True: a device loop's too). The jit is made at first use,
+    when the backend is known, one per backend; calls and .lower() go to it."""
+
+    def __init__(self, fun=None, *, loop: bool = False, **jit_kwargs):
+        self.fun, self.loop, self.jit_kwargs, self.jits = fun, loop, jit_kwargs, {}
         if fun is not None:
             functools.update_wrapper(self, fun)
 
     def _jitted(self):
         backend = jax.default_backend()
         if backend not in self.jits:
-            options = dict(for_backend(backend).loop_compiler_options) or None
-            self.jits[backend] = jax.jit(self.fun, compiler_options=options, **self.jit_kwargs)
+            self.jits[backend] = jax.jit(self.fun, compiler_options=compiler_options(
+                backend, self.loop), **self.jit_kwargs)
         return self.jits[backend]
 
     def __call__(self, *args, **kwargs):
@@ -127,11 +141,18 @@ class loop_jit:
         return self._jitted().lower(*args, **kwargs)
 
 
+def loop_jit(fun=None, **jit_kwargs) -> program_jit:
+    """program_jit for a device loop (decode_loop, speculative_loop)."""
+    return program_jit(fun, loop=True, **jit_kwargs)
+
+
 _SCHEDULER_FLAG = "xla_cpu_enable_concurrency_optimized_scheduler"
 # Process-wide XLA flags for the CPU backend (see the module docstring), by flag name.
 CPU_XLA_FLAGS = {_SCHEDULER_FLAG: "false"}
 # jaxlib versions (major, minor) the flags were measured on, and so known to exist in.
 CPU_XLA_FLAGS_JAXLIB = ((0, 10),)
+# The same for the backends' compiler_options.
+COMPILER_OPTIONS_JAXLIB = ((0, 10),)
 
 
 def set_cpu_xla_flags() -> list[str]:

@@ -98,3 +98,50 @@ def test_flags_added_for_cpu_platform_even_with_a_plugin(clean_env):
     clean_env.setenv("JAX_PLATFORMS", "cpu")
     clean_env.setattr(tuning, "_accelerator_plugin_installed", lambda: True)
     assert tuning.set_cpu_xla_flags() == [f"{FLAG}=false"]
+
+
+PRESET = {"xla_cpu_opt_preset": "CPU_OPT_PRESET_FAST_COMPILE"}
+LOOP = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
+
+
+def test_program_options_by_backend_loop_and_jaxlib(monkeypatch):
+    """The engine's programs compile with the CPU's fast-compile preset, loops also without
+    loop-invariant code motion; a GPU keeps XLA's defaults; a jaxlib the preset was not measured
+    on gets only the loop option (XLA refuses an option it does not know)."""
+    monkeypatch.setattr(tuning, "COMPILER_OPTIONS_JAXLIB", (tuning._jaxlib_version(),))
+    assert tuning.compiler_options("cpu", loop=False) == PRESET
+    assert tuning.compiler_options("cpu", loop=True) == {**PRESET, **LOOP}
+    assert tuning.compiler_options("gpu", loop=False) is None
+    assert tuning.compiler_options("gpu", loop=True) is None
+    monkeypatch.setattr(tuning, "COMPILER_OPTIONS_JAXLIB", ((0, 1),))
+    assert tuning.compiler_options("cpu", loop=False) is None
+    assert tuning.compiler_options("cpu", loop=True) == LOOP
+
+
+def test_program_jit_hands_its_options_to_xla(monkeypatch):
+    """program_jit's options reach XLA's compiler: an unknown preset is refused by name, the
+    real one compiles, and the program computes what jax.jit's does."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    def f(x, w):
+        return jax.nn.softmax(jnp.tanh(x @ w) * 3.0, axis=-1).sum(axis=0)
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("the preset is an XLA:CPU option")
+    rng = np.random.default_rng(0)
+    x, w = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((64, 96), (96, 128)))
+    monkeypatch.setattr(tuning, "COMPILER_OPTIONS_JAXLIB", (tuning._jaxlib_version(),))
+    backend = jax.default_backend()
+    real = tuning.for_backend(backend)
+    bad = dataclasses.replace(real, compiler_options=(("xla_cpu_opt_preset", "NO_SUCH_PRESET"),))
+    monkeypatch.setitem(tuning.TUNING, backend, bad)
+    with pytest.raises(Exception, match="NO_SUCH_PRESET"):
+        tuning.program_jit(f)(x, w)
+    monkeypatch.setitem(tuning.TUNING, backend, real)
+    got = tuning.program_jit(f)(x, w)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(jax.jit(f)(x, w)), rtol=1e-6,
+                               atol=1e-6)

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import sharding
+from jaxinfer import sharding, tuning
 from jaxinfer.attention import RaggedMeta, num_tiles_bound, ragged_attention, ragged_meta
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache import PagedKVCache
@@ -366,7 +366,7 @@ class Family:
 DENSE_QUERY_TILE = 16
 
 
-@functools.partial(jax.jit, static_argnums=(1,), static_argnames=("kv_cache_dtype",))
+@functools.partial(tuning.program_jit, static_argnums=(1,), static_argnames=("kv_cache_dtype",))
 def sequence_logits(params: ModelParams, cfg: ModelConfig, tokens: jax.Array,
                     kv_cache_dtype: str | None = None) -> jax.Array:
     """Logits [B, T, V] (float32) of full sequences tokens [B, T] from an empty cache, for any
