@@ -1,7 +1,7 @@
 """Compile budget: programs compiled by LLM.warmup(), its time, and the memory maps it leaves.
 
     python benchmarks/warmup.py [--model smollm2-135m] [--configs plain,ngram] [--json]
-                                [--compile_threads 1,2]
+                                [--compile_threads 1,2] [--compiler_options on,off]
 
 Each configuration runs in its own fresh process with the persistent compilation cache off
 (JAXINFER_COMPILATION_CACHE=0), so every program is compiled from scratch:
@@ -16,7 +16,9 @@ It reports
                    700 tokens, 1 to 40 output tokens, greedy and sampled rows, logprobs and
                    prompt logprobs, a stop string, preemption-free): must be 0
 --compile_threads 1,2 runs each configuration twice, compiling one program at a time and two
-at a time (JAXINFER_COMPILE_THREADS), one right after the other.
+at a time (JAXINFER_COMPILE_THREADS), one right after the other. --compiler_options on,off
+runs each configuration with the backend's compiler options (jaxinfer.tuning: XLA:CPU's
+fast-compile preset) and with XLA's defaults, one right after the other.
 Compilations are counted from JAX's backend-compile events (jax.monitoring), one per XLA
 program; `jax_log_compiles` names any after warmup. Targets (SmolLM2 defaults, this CPU): at
 most 16 programs plain and 24 with speculation, warmup <= 60 s, maps <= 25% of the limit.
@@ -35,12 +37,17 @@ TARGETS = {"programs": {"plain": 16, "ngram": 24, "bf16": 16}, "warmup_s": 60.0,
 MARK = "WARMUP_RESULT "
 
 
-def worker(model: str, config: str) -> dict:
+def worker(model: str, config: str, compiler_options: str) -> dict:
     import logging
     import time
 
     import jax
     import numpy as np
+
+    from jaxinfer import tuning
+
+    if compiler_options == "off":   # XLA's defaults (a device loop keeps its loop options)
+        tuning.COMPILER_OPTIONS_JAXLIB = ()
 
     from jax._src import dispatch
 
@@ -97,35 +104,42 @@ def main():
     ap.add_argument("--compile_threads", default="",
                     help="comma-separated JAXINFER_COMPILE_THREADS values: each config runs with "
                          "each, one after the other (default: the engine's own, 2)")
+    ap.add_argument("--compiler_options", default="on",
+                    help="comma-separated on/off: the backend's compiler options, or XLA's "
+                         "defaults (jaxinfer.tuning.compiler_options)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        print(MARK + json.dumps(worker(args.model, args.worker)), flush=True)
+        print(MARK + json.dumps(worker(args.model, args.worker, args.compiler_options)),
+              flush=True)
         return
     results = []
     threads = args.compile_threads.split(",") if args.compile_threads else [""]
-    for config in args.configs.split(","):
-        for n in threads:
-            env = dict(os.environ, JAXINFER_COMPILATION_CACHE="0")
-            if n:
-                env["JAXINFER_COMPILE_THREADS"] = n
-            r = subprocess.run([sys.executable, __file__, "--model", args.model, "--worker",
-                                config], env=env, capture_output=True, text=True)
-            lines = [ln for ln in r.stdout.splitlines() if ln.startswith(MARK)]
-            if r.returncode != 0 or not lines:
-                sys.exit(f"worker {config} failed:\n{r.stderr[-3000:]}")
-            results.append(json.loads(lines[0][len(MARK):]))
-            results[-1]["compile_threads"] = n or "default"
-            compiled_after = [ln for ln in r.stderr.splitlines() if "Compiling" in ln]
-            results[-1]["compiled_after_warmup"] = compiled_after[:10]
+    for config, n, options in [(c, n, o) for c in args.configs.split(",") for n in threads
+                               for o in args.compiler_options.split(",")]:
+        if options not in ("on", "off"):
+            sys.exit(f"--compiler_options takes on and off, got {options!r}")
+        env = dict(os.environ, JAXINFER_COMPILATION_CACHE="0")
+        if n:
+            env["JAXINFER_COMPILE_THREADS"] = n
+        r = subprocess.run([sys.executable, __file__, "--model", args.model, "--worker", config,
+                            "--compiler_options", options], env=env, capture_output=True,
+                           text=True)
+        lines = [ln for ln in r.stdout.splitlines() if ln.startswith(MARK)]
+        if r.returncode != 0 or not lines:
+            sys.exit(f"worker {config} failed:\n{r.stderr[-3000:]}")
+        results.append(json.loads(lines[0][len(MARK):]))
+        results[-1].update(compile_threads=n or "default", compiler_options=options)
+        compiled_after = [ln for ln in r.stderr.splitlines() if "Compiling" in ln]
+        results[-1]["compiled_after_warmup"] = compiled_after[:10]
     if args.json:
         print(json.dumps(results))
         return
-    print(f"{'config':8} {'threads':>7} {'load':>5} {'warmup progs':>12} {'target':>6} "
-          f"{'warmup s':>9} {'maps':>7} {'of limit':>8} {'after warmup':>12}")
+    print(f"{'config':8} {'threads':>7} {'options':>7} {'load':>5} {'warmup progs':>12} "
+          f"{'target':>6} {'warmup s':>9} {'maps':>7} {'of limit':>8} {'after warmup':>12}")
     for r in results:
-        print(f"{r['config']:8} {r['compile_threads']:>7} {r['load_programs']:5d} "
-              f"{r['warmup_programs']:12d} "
+        print(f"{r['config']:8} {r['compile_threads']:>7} {r['compiler_options']:>7} "
+              f"{r['load_programs']:5d} {r['warmup_programs']:12d} "
               f"{TARGETS['programs'].get(r['config'], 0):6d} {r['warmup_s']:9.1f} "
               f"{r['maps']:7d} {r['maps_fraction']:8.1%} {r['after_warmup']:12d}")
         for line in r["compiled_after_warmup"]:

@@ -10,8 +10,23 @@ CPU (XLA:CPU, jax 0.10.2, the 2-core development machine), the reasons for each 
   min_tokens, query_tile     the smallest token bucket of a flat step and the queries per tile
                              of its jnp attention (docs/architecture.md, "Compiled shapes")
   bucket_growth              token and row buckets grow by this factor: 4 on CPU, where each
-                             program costs 7-15 s to compile (11 programs at factor 2 took
-                             96 s of warmup; 7 at factor 4)
+                             program cost 7-15 s to compile before compiler_options (11
+                             programs at factor 2 took 96 s of warmup; 7 at factor 4)
+  compiler_options           every engine program (program_jit: the flat step, the decode and
+                             speculative loops, prefill, the state updates, the scoring
+                             forward) compiles with XLA:CPU's fast-compile preset
+                             (xla_cpu_opt_preset CPU_OPT_PRESET_FAST_COMPILE). Compile time
+                             fell by about a third (a 64-token step 8.7 -> 5.5 s, a 16-row
+                             speculative loop 13.9 -> 8.8 s; warmup: docs/architecture.md,
+                             "Compiled shapes"), while the programs ran as fast: served
+                             throughput 184.5 and 183.7 tok/s against 183.2 and 196.9 on the
+                             random workload, 285.1 and 295.4 against 265.0 and 291.1 on the
+                             chat one (python benchmarks/throughput.py --peers "" --runs 2, the
+                             preset on and off in alternating runs), a 16-row decode step
+                             2.30-2.63x its matmul stack against 2.49-2.58x, 512-token prefill
+                             614 and 663 tok/s against 531 and 485 (benchmarks/decode.py).
+                             Passed per program, on jaxlib 0.10 only (COMPILER_OPTIONS_JAXLIB),
+                             and not where XLA_FLAGS names the option (the user's value wins)
   fill_token_buckets         the scheduler trims a prefilling step's chunks down to a token
                              bucket exactly where that bucket is nearer than the next one up
                              (buckets.fill): on CPU a padding token costs what a real one does
@@ -108,10 +123,12 @@ def for_backend(backend: str | None = None) -> StepTuning:
 def compiler_options(backend: str, loop: bool) -> dict | None:
     """The XLA options of the engine's programs on `backend`: its compiler_options where this
     jaxlib is one they were measured on (COMPILER_OPTIONS_JAXLIB: XLA refuses an option it does
-    not know), and for a device loop its loop_compiler_options too."""
+    not know) and XLA_FLAGS does not name them (the user's setting wins), and for a device loop
+    its loop_compiler_options too."""
     tune = for_backend(backend)
-    options = dict(tune.compiler_options) if _jaxlib_version() in COMPILER_OPTIONS_JAXLIB \
-        else {}
+    named = os.environ.get("XLA_FLAGS", "")
+    options = {k: v for k, v in tune.compiler_options if f"--{k}" not in named} \
+        if _jaxlib_version() in COMPILER_OPTIONS_JAXLIB else {}
     if loop:
         options.update(tune.loop_compiler_options)
     return options or None

@@ -145,3 +145,11 @@ def test_program_jit_hands_its_options_to_xla(monkeypatch):
     got = tuning.program_jit(f)(x, w)
     np.testing.assert_allclose(np.asarray(got), np.asarray(jax.jit(f)(x, w)), rtol=1e-6,
                                atol=1e-6)
+
+
+def test_program_options_yield_to_xla_flags(monkeypatch):
+    """A preset the user names in XLA_FLAGS is theirs: the engine does not pass its own."""
+    monkeypatch.setattr(tuning, "COMPILER_OPTIONS_JAXLIB", (tuning._jaxlib_version(),))
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_opt_preset=CPU_OPT_PRESET_DEFAULT")
+    assert tuning.compiler_options("cpu", loop=False) is None
+    assert tuning.compiler_options("cpu", loop=True) == LOOP
