@@ -16,9 +16,10 @@ CPU (XLA:CPU, jax 0.10.2, the 2-core development machine), the reasons for each 
                              speculative loops, prefill, the state updates, the scoring
                              forward) compiles with XLA:CPU's fast-compile preset
                              (xla_cpu_opt_preset CPU_OPT_PRESET_FAST_COMPILE): XLA fuses less
-                             eagerly, more and smaller fusions. Compile time fell by a third (a 64-token step 8.7 -> 5.5 s, a 16-row
-                             speculative loop 13.9 -> 8.8 s; warmup: docs/architecture.md,
-                             "Compiled shapes"), while the programs ran as fast: served
+                             eagerly, into more and smaller fusions. Compile time fell by a
+                             third (a 64-token step 8.7 -> 5.5 s, a 16-row speculative loop
+                             13.9 -> 8.8 s; warmup: docs/architecture.md, "Compiled shapes"),
+                             while the programs ran as fast: served
                              throughput 184.5 and 183.7 tok/s against 183.2 and 196.9 on the
                              random workload, 285.1 and 295.4 against 265.0 and 291.1 on the
                              chat one (python benchmarks/throughput.py --peers "" --runs 2, the
