@@ -153,10 +153,28 @@ class program_jit:
         return self.jits[backend]
 
     def __call__(self, *args, **kwargs):
+        if _tracing(args, kwargs):
+            # Called inside another jit or transformation (the scoring forward under a
+            # training step's grad): JAX takes compiler options on top-level jits only, and
+            # the outer program's options apply to the whole of it.
+            if "nested" not in self.jits:
+                self.jits["nested"] = jax.jit(self.fun, **self.jit_kwargs)
+            return self.jits["nested"](*args, **kwargs)
         return self._jitted()(*args, **kwargs)
 
     def lower(self, *args, **kwargs):
         return self._jitted().lower(*args, **kwargs)
+
+
+def _tracing(args, kwargs) -> bool:
+    """Whether a JAX trace is running around this call (jax's trace state where this jax has
+    it, else whether an argument is a tracer)."""
+    from jax._src import core
+
+    clean = getattr(core, "trace_state_clean", None)
+    if clean is not None:
+        return not clean()
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((args, kwargs)))
 
 
 def loop_jit(fun=None, **jit_kwargs) -> program_jit:

@@ -153,3 +153,20 @@ def test_program_options_yield_to_xla_flags(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_opt_preset=CPU_OPT_PRESET_DEFAULT")
     assert tuning.compiler_options("cpu", loop=False) is None
     assert tuning.compiler_options("cpu", loop=True) == LOOP
+
+
+def test_program_jit_inside_another_jit_and_grad():
+    """A program_jit called inside a user's jit or under grad (the scoring forward in a draft
+    training step) runs as a nested jit without options, which JAX takes on top-level jits
+    only, and computes what it computes alone."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    inner = tuning.program_jit(lambda x: jnp.sum(jnp.tanh(x) ** 2))
+    x = jnp.linspace(-1.0, 1.0, 32, dtype=jnp.float32)
+    alone = float(inner(x))
+    assert abs(float(jax.jit(lambda x: inner(x) * 1.0)(x)) - alone) <= 1e-6
+    grad = jax.grad(inner)(x)
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(
+        2 * jnp.tanh(x) * (1 - jnp.tanh(x) ** 2)), rtol=1e-5, atol=1e-6)

@@ -102,7 +102,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import quant
+from jaxinfer import quant, tuning
 from jaxinfer.quant import formats
 from jaxinfer.evaluation import perplexity  # noqa: F401  (awq.perplexity, as before)
 from jaxinfer.config import ModelConfig
@@ -145,7 +145,8 @@ def _one_layer(cfg: ModelConfig, i: int) -> ModelConfig:
                        rope_theta=cfg.layer_rope_theta(i), layer_rope_thetas=None)
 
 
-@functools.partial(jax.jit, static_argnums=(1,))
+# Compiled with the engine's compiler options (jaxinfer.tuning), as the model's forward is.
+@functools.partial(tuning.program_jit, static_argnums=(1,))
 def layer_forward(lp, cfg1: ModelConfig, h: jax.Array) -> tuple[jax.Array, LinearInputs]:
     """One decoder layer of the model's family (its protocol `layer`, with taps) over full
     sequences h [B, T, D] from an empty one-layer cache, causal; cfg1 is the layer's own
