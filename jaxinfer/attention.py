@@ -371,15 +371,17 @@ def _tile_attention(q, k_all, v_all, layer, block_tables, tiles: Tiles, meta: Ra
     k_pool, v_pool = jax.tree.map(view, k_all), jax.tree.map(view, v_all)
     z = jnp.arange(Z, dtype=jnp.int32)
 
-    def gather_block(t, j0):
+    def gather_block(t, j0, key_dtype=jnp.float32):
         """The block of pb pages from logical page j0[c] of tile t[c], for C (tile, page)
-        pairs: keys and values [C, S, K, H] in float32 (values zeroed where no query of the
-        tile sees the key) and visible [C, Q, S]."""
+        pairs: keys [C, S, K, H] in key_dtype (as stored where the pool already holds it),
+        values [C, S, K, H] in float32 (zeroed where no query of the tile sees the key) and
+        visible [C, Q, S]."""
         C = t.shape[0]
         j = j0[:, None] + jnp.arange(pb, dtype=jnp.int32)[None]           # [C, pb]
         pages = table[t[:, None], j % M]
         gather = lambda a: a[layer, pages]                  # noqa: E731  [C, pb, Z, K(, H)]
-        k = dense(jax.tree.map(gather, k_pool), jnp.float32).reshape(C, S, K, H)
+        k = dense(jax.tree.map(gather, k_pool), key_dtype).reshape(C, S, K, H)
+        k = k.astype(key_dtype)
         v = dense(jax.tree.map(gather, v_pool), jnp.float32).reshape(C, S, K, H)
         kpos = (j[:, :, None] * Z + z).reshape(C, 1, S)
         qpos = tiles.pos[t][:, :, None]                                    # [C, Q, 1]
@@ -397,8 +399,11 @@ def _tile_attention(q, k_all, v_all, layer, block_tables, tiles: Tiles, meta: Ra
     static_blocks = None if meta.static_pages is None else -(-meta.static_pages // pb)
     mesh_shape = sharding.context_mesh_shape()
     if Q == 1 and (mesh_shape is None or mesh_shape.get("tensor", 1) == 1):
+        # Decode keys multiply in bf16 where the pool holds bf16 (single_query_loop).
+        key_dtype = (jnp.bfloat16 if not isinstance(k_all, QuantizedKV)
+                     and k_all.dtype == jnp.bfloat16 else jnp.float32)
         return single_query_loop(qt.reshape(Nt, K, G, H), gather_block, tiles, static_blocks,
-                                  softcap)
+                                  softcap, key_dtype)
     # On a mesh, multi-query tiles keep the loop over every tile, whose tile axis the
     # partitioner splits over `sequence` (and `data`); a work list's pairs would be computed
     # whole on every device (a prefill chunk's per-device FLOPs on 2 sequence devices: 0.61 of

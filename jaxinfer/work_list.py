@@ -122,9 +122,10 @@ def multi_query_loop(qt, gather_block, tiles, static_blocks, softcap):
     return out.transpose(0, 3, 1, 2, 4).reshape(Nt * Q, K * G, H)
 
 
-def single_query_loop(qt, gather_block, tiles, static_blocks, softcap):
+def single_query_loop(qt, gather_block, tiles, static_blocks, softcap,
+                      key_dtype=jnp.float32):
     """paged_loop_attention's loop for tiles of one query (decode): qt [Nt, K, G, H] (scaled),
-    gather_block(t, j0) as there. Returns [Nt, N, H] float32.
+    gather_block(t, j0, key_dtype) as there, keys in key_dtype. Returns [Nt, N, H] float32.
 
     A work list rather than a loop to the longest row: tile t needs tiles.blocks[t] blocks of
     pages, and each iteration takes the next Nt (tile, block) pairs of the list (at most
@@ -134,22 +135,27 @@ def single_query_loop(qt, gather_block, tiles, static_blocks, softcap):
     fold into its tile's online softmax (_fold); a pair's probabilities use its tile's new
     running maximum directly.
 
-    The key product is written as multiply-and-reduce rather than a dot: each (pair, kv head)
-    has a [G, H] x [H, S] product, which XLA:CPU runs as one small library dot at a time, while
-    the multiply-reduce fuses each block's products into a few vectorised loops. For 16 decode
-    rows of 128-384 tokens at SmolLM2's shapes (9 heads, 3 kv heads, 30 layers, blocks of 8
-    pages, a loop to the longest row), all layers' attention took 44.3 ms with both products
-    as multiply-reduce against 62.7 with both as dots over a float32 pool, and 37.7 against
-    46.9 over a bf16 one (one run of the benchmarks/attention_gather.py setup). The value
-    product is a dot again: as a multiply-reduce it was as fast over a float32 pool and slower
-    over a bf16 one (the 16-row bf16 step at 2.74-2.75x its matmul stack in three runs,
-    against 2.46-2.60x).
+    The key product is one dot per pair against block-diagonal queries: keys [S, K * H] as
+    gathered times qblk [K * H, K * G], whose block k holds kv head k's G queries and zeros
+    elsewhere. Written per kv head ([G, H] x [H, S]) the product needs the keys transposed to
+    [K, S, H] and runs as many tiny dots; as a broadcast multiply and a sum over H it reduces
+    along the minor axis. The block-diagonal dot does K times the multiplications (zeros) but
+    reads the keys as they lie, in key_dtype: bf16 over a bf16 cache, whose keys need no
+    conversion (the queries are rounded to bf16, as GPU kernels do), float32 otherwise. The
+    value product is a per-kv-head dot (as a multiply-reduce it was as fast over a float32 pool
+    and slower over a bf16 one; block-diagonal, XLA:CPU ran it as an unfused float32 dot three
+    times slower). docs/architecture.md ("Attention") has the measurements.
     """
     Nt, K, G, H = qt.shape
+    # qblk[t, (k, h), (j, g)] = qt[t, k, g, h] where j == k, else 0.
+    qblk = jnp.einsum("tkgh,kj->tkhjg", qt, jnp.eye(K, dtype=qt.dtype))
+    qblk = qblk.reshape(Nt, K * H, K * G).astype(key_dtype)
 
     def iteration(t, tc, j0):
-        k, v, visible = gather_block(tc, j0)                        # [C, S, K, H], [C, 1, S]
-        s = jnp.sum(qt[tc][:, None] * k[:, :, :, None, :], axis=-1)  # [C, S, K, G]
+        k, v, visible = gather_block(tc, j0, key_dtype)             # [C, S, K, H], [C, 1, S]
+        C, S = k.shape[:2]
+        s = jnp.einsum("csd,cde->cse", k.reshape(C, S, K * H), qblk[tc],
+                       preferred_element_type=jnp.float32).reshape(C, S, K, G)
         if softcap is not None:
             s = softcap * jnp.tanh(s / softcap)
         s = jnp.where((visible[:, 0] & (t < Nt)[:, None])[:, :, None, None], s, -jnp.inf)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.kv_cache import PagedKVCache
+from jaxinfer.kv_cache import Bits16KV, PagedKVCache
 from jaxinfer.models import llama
 
 forward = jax.jit(llama.forward, static_argnums=(1,), static_argnames=("attn_impl",))
@@ -138,6 +138,20 @@ def test_decode_work_list_spans_rows_and_iterations(window, static):
                           static_pages=16 if static else None)
 
 
+@pytest.mark.parametrize("window,softcap,tile", [(None, None, 1), (11, None, 1), (None, 5.0, 1),
+                                                 (None, None, 4)])
+def test_loop_attention_over_a_bf16_pool(window, softcap, tile):
+    """Over a 16-bit pool kept as bits (the CPU engine's bf16 KV cache), decode rows and
+    prefill chunks of very different lengths (blocks of 2 pages, several iterations) equal the
+    dense reference over the same bf16 keys and values, NaN in every unwritten slot."""
+    kv_lengths = np.array([1, 37, 5, 64, 0, 19, 33], np.int32)
+    num_queries = np.array([1, 1, 1, 1, 0, 1, 1 if tile == 1 else 6], np.int32)
+    query_start = np.array([5, 0, 1, 2, 0, 3, 6], np.int32)
+    _check_loop_attention(kv_lengths, num_queries, query_start, M=16, T=12, window=window,
+                          softcap=softcap, tile=tile, pool_dtype=jnp.bfloat16,
+                          single_pages_per_block=2)
+
+
 @pytest.mark.parametrize("max_pairs,static", [(None, False), (3, False), (3, True),
                                               (None, True)])
 def test_prefill_work_list_spans_tiles_rows_and_iterations(monkeypatch, max_pairs, static):
@@ -160,9 +174,12 @@ def test_prefill_work_list_spans_tiles_rows_and_iterations(monkeypatch, max_pair
 
 
 def _check_loop_attention(kv_lengths, num_queries, query_start, *, M, T, window, softcap, tile,
-                          **meta_kw):
+                          pool_dtype=jnp.float32, **meta_kw):
     """ragged_attention (the jnp path) over a NaN-filled pool with shuffled pages == the dense
-    reference over each row's keys; tokens of no row get zeros."""
+    reference over each row's keys; tokens of no row get zeros. With pool_dtype bfloat16 the
+    pool is a 16-bit one as the engine keeps it on CPU (kv_cache.Bits16KV), the reference sees
+    the same bf16-rounded keys and values in float32, and the tolerance is bf16's (2e-2
+    absolute on outputs of order 1: decode multiplies keys by queries rounded to bf16)."""
     from jaxinfer.attention import (num_tiles_bound, ragged_attention, ragged_meta,
                                     reference_attention)
 
@@ -178,12 +195,18 @@ def _check_loop_attention(kv_lengths, num_queries, query_start, *, M, T, window,
             page, z = tables[b, pos // Z], pos % Z
             k[page, z], v[page, z] = rng.standard_normal((2, K, H))
     q = rng.standard_normal((T, N, H)).astype(np.float32)
+    k_all, v_all = jnp.asarray(k.reshape(1, P * Z, K, H)), jnp.asarray(v.reshape(1, P * Z, K, H))
+    tol = 1e-5
+    if pool_dtype == jnp.bfloat16:
+        k_all, v_all = (Bits16KV(bits=Bits16KV.encode(a, "bfloat16")) for a in (k_all, v_all))
+        k = np.asarray(k.astype(jnp.bfloat16).astype(np.float32))  # NaN stays NaN
+        v = np.asarray(v.astype(jnp.bfloat16).astype(np.float32))
+        tol = 2e-2
     meta = ragged_meta(jnp.asarray(query_start), jnp.asarray(num_queries),
                        jnp.asarray(kv_lengths), num_tokens=T, query_tile=tile,
                        num_tiles=num_tiles_bound(T, tile, B), page_size=Z,
                        sliding_window=window, **meta_kw)
-    got = ragged_attention(jnp.asarray(q), jnp.asarray(k.reshape(1, P * Z, K, H)),
-                           jnp.asarray(v.reshape(1, P * Z, K, H)), 0, jnp.asarray(tables), meta,
+    got = ragged_attention(jnp.asarray(q), k_all, v_all, 0, jnp.asarray(tables), meta,
                            page_size=Z, sliding_window=window, softcap=softcap)
     got = np.asarray(got)
     assert np.isfinite(got).all()
@@ -202,5 +225,5 @@ def _check_loop_attention(kv_lengths, num_queries, query_start, *, M, T, window,
         want = reference_attention(jnp.asarray(q[None, s0:s0 + n]), jnp.asarray(qpos),
                                    [(jnp.asarray(kb), jnp.asarray(vb), jnp.asarray(kpos))],
                                    sliding_window=window, softcap=softcap)
-        np.testing.assert_allclose(got[s0:s0 + n], np.asarray(want)[0], atol=1e-5, rtol=0)
+        np.testing.assert_allclose(got[s0:s0 + n], np.asarray(want)[0], atol=tol, rtol=0)
     assert (got[~owned] == 0).all()  # tokens of no row
