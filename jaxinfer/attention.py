@@ -167,8 +167,8 @@ def reference_attention(q, q_positions, segments, *, sliding_window=None, softca
 
 
 PAGES_PER_BLOCK = 4  # pages the jnp attention gathers per multi-query tile and loop iteration
-# Pages per loop iteration for single-query (decode) tiles. Their multiply-reduce body does
-# little work per key, so larger blocks amortise the loop's per-iteration cost: over 16 rows of
+# Pages per loop iteration for single-query (decode) tiles. Their body does little work per
+# key, so larger blocks amortise the loop's per-iteration cost: over 16 rows of
 # 128-384 tokens at SmolLM2's shapes (30 layers, one jitted program, a loop to the longest row),
 # 8 pages took 44.3 ms against 49.6 for 4 and 65.0 for 16 with a float32 pool, 37.7 against
 # 44.4 and 61.9 with a bf16 one (a one-off sweep of the benchmarks/attention_gather.py setup);
