@@ -199,19 +199,28 @@ def step_without_attention(args) -> dict:
     """batch_step_vs_matmuls with the jnp attention (the CPU path) replaced by zeros: what the
     rest of the step (norms, RoPE, cache writes, sampling, host booking) costs beyond the
     matmuls. Compiled programs are dropped first, so the step is traced again with the
-    replacement, and again after it is undone."""
+    replacement, and again after it is undone; the programs cache is off meanwhile (its key is
+    the code as written, so it would hand back the step with attention)."""
+    import os
+
     from jaxinfer import attention, tuning
 
     if tuning.for_backend().default_attention != "reference":
         raise SystemExit(f"--ablate_attention replaces the jnp attention, which backend "
                          f"{jax.default_backend()!r} does not use by default")
     real = attention.paged_loop_attention
+    cache_setting = os.environ.get("JAXINFER_PROGRAM_CACHE")
     jax.clear_caches()
     attention.paged_loop_attention = lambda q, *a, **kw: jnp.zeros_like(q)
+    os.environ["JAXINFER_PROGRAM_CACHE"] = "0"
     try:
         return batch_step_vs_matmuls(args)
     finally:
         attention.paged_loop_attention = real
+        if cache_setting is None:
+            del os.environ["JAXINFER_PROGRAM_CACHE"]
+        else:
+            os.environ["JAXINFER_PROGRAM_CACHE"] = cache_setting
         jax.clear_caches()
 
 
