@@ -14,10 +14,13 @@ os.environ.setdefault("JAXINFER_DEFAULT_DTYPE", "float32")
 # optimization level 0 and XLA:CPU's older (loop) fusion emitters. Measured on the 2-core
 # development CPU with empty caches (python -m pytest -q, JAXINFER_COMPILATION_CACHE pointed at
 # a fresh directory): 1,074 s wall and 1,997 s of CPU without them, 517 s and 929 s with them,
-# every test passing both ways. The programs are the same programs (the same HLO, the same code
-# paths); LLVM's optimizations decide only how fast their loops run. They apply only to the CPU
-# backend (JAX_PLATFORMS=cpu, or no accelerator plugin installed), never where XLA_FLAGS names
-# a flag already, and not with JAXINFER_TEST_XLA_DEFAULTS=1 (XLA's defaults, as users compile).
+# every test passing both ways; optimization level 0 alone, 760 s and 1,366 s. The programs
+# and their code paths are the ones users run; the flags change only the machine code XLA:CPU
+# generates for them. They are for tests only: SmolLM2's warmup at the defaults compiled
+# slower with the older emitters (130 against 37 s) and decoded slower at level 1 (33 against
+# 42 tokens/s). They apply only to the CPU backend (JAX_PLATFORMS=cpu, or no accelerator
+# plugin installed), never where XLA_FLAGS names a flag already, and not with
+# JAXINFER_TEST_XLA_DEFAULTS=1 (XLA's defaults, as users compile; CI's slow run).
 TEST_CPU_XLA_FLAGS = {"xla_backend_optimization_level": "0",
                       "xla_cpu_use_fusion_emitters": "false"}
 
@@ -133,7 +136,3 @@ def _release_compiled_programs():
     yield
     jax.clear_caches()
 
-
-def with_device_count(n: int) -> str:
-    """XLA_FLAGS for a subprocess of n simulated CPU devices, keeping this process's flags."""
-    return f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}".strip()

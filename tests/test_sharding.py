@@ -17,8 +17,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import with_device_count
-
 import jaxinfer as ji
 from jaxinfer import sharding
 from jaxinfer.config import MeshConfig, ModelConfig
@@ -53,7 +51,9 @@ def _spec(text: str) -> tuple:
 
 
 def run_worker(mode: str, devices: int = 8, timeout: int = 900) -> dict:
-    env = dict(os.environ, XLA_FLAGS=with_device_count(devices))
+    # The suite's own XLA flags (tests/conftest.py) and the simulated devices.
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
+    env = dict(os.environ, XLA_FLAGS=flags.strip())
     proc = subprocess.run([sys.executable, os.path.join(HERE, "multidevice_worker.py"), mode],
                           env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -13,8 +13,6 @@ import sys
 
 import pytest
 
-from conftest import with_device_count
-
 TINY = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "tiny_models", "llama")
 
 _WORKER = r"""
@@ -167,7 +165,8 @@ def test_loaded_onto_the_devices_it_was_compiled_for(tmp_path):
     device: loaded onto all of the process's devices, the next process's first call failed
     ("Expected args ... to have 2 shards")."""
     cache = str(tmp_path / "xla")
-    flags = {"XLA_FLAGS": with_device_count(2)}
+    devices = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"
+    flags = {"XLA_FLAGS": devices.strip()}
     one = _run(cache, **flags)
     two = _run(cache, **flags)
     assert one["written"] >= 3 and two["hits"] == one["misses"] and two["misses"] == 0
