@@ -16,9 +16,9 @@ os.environ.setdefault("JAXINFER_DEFAULT_DTYPE", "float32")
 # a fresh directory): 1,074 s wall and 1,997 s of CPU without them, 517 s and 929 s with them,
 # every test passing both ways; optimization level 0 alone, 760 s and 1,366 s. The programs
 # and their code paths are the ones users run; the flags change only the machine code XLA:CPU
-# generates for them. They are for tests only: SmolLM2's warmup at the defaults compiled
-# slower with the older emitters (130 against 37 s) and decoded slower at level 1 (33 against
-# 42 tokens/s). They apply only to the CPU backend (JAX_PLATFORMS=cpu, or no accelerator
+# generates for them. They are for tests only: with the older emitters SmolLM2's warmup at
+# the defaults took 145 s (130 s at level 1) against 37 s, and at level 1 it decoded one row at
+# 33 against 42 tokens/s (benchmarks/warmup.py and decode.py, one run each). They apply only to the CPU backend (JAX_PLATFORMS=cpu, or no accelerator
 # plugin installed), never where XLA_FLAGS names a flag already, and not with
 # JAXINFER_TEST_XLA_DEFAULTS=1 (XLA's defaults, as users compile; CI's slow run).
 TEST_CPU_XLA_FLAGS = {"xla_backend_optimization_level": "0",
