@@ -18,9 +18,10 @@ os.environ.setdefault("JAXINFER_DEFAULT_DTYPE", "float32")
 # and their code paths are the ones users run; the flags change only the machine code XLA:CPU
 # generates for them. They are for tests only: with the older emitters SmolLM2's warmup at
 # the defaults took 145 s (130 s at level 1) against 37 s, and at level 1 it decoded one row at
-# 33 against 42 tokens/s (benchmarks/warmup.py and decode.py, one run each). They apply only to the CPU backend (JAX_PLATFORMS=cpu, or no accelerator
-# plugin installed), never where XLA_FLAGS names a flag already, and not with
-# JAXINFER_TEST_XLA_DEFAULTS=1 (XLA's defaults, as users compile; CI's slow run).
+# 33 against 42 tokens/s (benchmarks/warmup.py and decode.py, one run each). They apply only
+# to the CPU backend (JAX_PLATFORMS=cpu, or no accelerator plugin installed), never where
+# XLA_FLAGS names a flag already, and not with JAXINFER_TEST_XLA_DEFAULTS=1 (XLA's defaults,
+# as users compile; CI's slow run).
 TEST_CPU_XLA_FLAGS = {"xla_backend_optimization_level": "0",
                       "xla_cpu_use_fusion_emitters": "false"}
 
@@ -135,4 +136,3 @@ def _release_compiled_programs():
     what they need, mostly from the persistent compilation cache."""
     yield
     jax.clear_caches()
-
