@@ -197,13 +197,25 @@ def set_cpu_xla_flags() -> list[str]:
     flag not named there already). Returns the flags added."""
     from jax._src import xla_bridge
 
-    platforms = [p for p in os.environ.get("JAX_PLATFORMS", "").split(",") if p]
     if _jaxlib_version() not in CPU_XLA_FLAGS_JAXLIB or xla_bridge.backends_are_initialized():
         return []
-    if platforms != ["cpu"] and (platforms or _accelerator_plugin_installed()):
+    if not cpu_only():
         return []
+    return add_xla_flags(CPU_XLA_FLAGS)
+
+
+def cpu_only() -> bool:
+    """Whether jax will run on the CPU alone: JAX_PLATFORMS=cpu, or JAX_PLATFORMS unset and
+    no accelerator plugin installed."""
+    platforms = [p for p in os.environ.get("JAX_PLATFORMS", "").split(",") if p]
+    return platforms == ["cpu"] or not (platforms or _accelerator_plugin_installed())
+
+
+def add_xla_flags(flags: dict) -> list[str]:
+    """Appends flags (name -> value) to os.environ["XLA_FLAGS"], each one not named there
+    already. Returns the flags added."""
     current = os.environ.get("XLA_FLAGS", "")
-    added = [f"--{name}={value}" for name, value in CPU_XLA_FLAGS.items()
+    added = [f"--{name}={value}" for name, value in flags.items()
              if f"--{name}" not in current]
     if added:
         os.environ["XLA_FLAGS"] = " ".join([current] + added).strip()

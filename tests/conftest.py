@@ -29,15 +29,8 @@ TEST_CPU_XLA_FLAGS = {"xla_backend_optimization_level": "0",
 def _set_test_xla_flags() -> None:
     from jaxinfer import tuning
 
-    platforms = [p for p in os.environ.get("JAX_PLATFORMS", "").split(",") if p]
-    if os.environ.get("JAXINFER_TEST_XLA_DEFAULTS") == "1":
-        return
-    if platforms != ["cpu"] and (platforms or tuning._accelerator_plugin_installed()):
-        return
-    current = os.environ.get("XLA_FLAGS", "")
-    added = [f"--{k}={v}" for k, v in TEST_CPU_XLA_FLAGS.items() if f"--{k}" not in current]
-    if added:
-        os.environ["XLA_FLAGS"] = " ".join([current] + added).strip()
+    if os.environ.get("JAXINFER_TEST_XLA_DEFAULTS") != "1" and tuning.cpu_only():
+        tuning.add_xla_flags(TEST_CPU_XLA_FLAGS)
 
 
 _set_test_xla_flags()
