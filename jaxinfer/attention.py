@@ -27,7 +27,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jaxinfer import sharding
+from jaxinfer import cpu_kernels, sharding
 from jaxinfer.kv_cache import Bits16KV, QuantizedKV, dense
 from jaxinfer.work_list import multi_query_loop, single_query_loop
 
@@ -397,6 +397,14 @@ def _tile_attention(q, k_all, v_all, layer, block_tables, tiles: Tiles, meta: Ra
         return gather_block(jnp.arange(Nt, dtype=jnp.int32), tiles.first_page + i * pb)
 
     static_blocks = None if meta.static_pages is None else -(-meta.static_pages // pb)
+    if (Q == 1 and static_blocks is None and cpu_kernels.enabled()
+            and cpu_kernels.attention_supports(k_all, N)
+            and cpu_kernels.attention_supports(v_all, N)):
+        # The native decode kernel (docs/cpu_kernels.md) reads each visible key once.
+        o = cpu_kernels.decode_attention(qt.reshape(Nt, K, G, H), k_all, v_all, layer, table,
+                                         tiles.pos[:, 0], page_size=Z,
+                                         sliding_window=sliding_window, softcap=softcap)
+        return o.reshape(Nt * Q, N, H)
     mesh_shape = sharding.context_mesh_shape()
     if Q == 1 and (mesh_shape is None or mesh_shape.get("tensor", 1) == 1):
         # Decode keys multiply in bf16 where the pool holds bf16 (single_query_loop).

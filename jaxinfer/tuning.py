@@ -38,6 +38,10 @@ CPU (XLA:CPU, jax 0.10.2, the 2-core development machine), the reasons for each 
   pad_single_row_16bit_dots  a one-row bf16 dot takes a path that converts the whole weight
                              matrix per call (45 ms instead of 2.5 for SmolLM2's head), so one
                              row is padded to two
+  cpu_kernels                one-row bf16 products (batch-1 decode) call jaxinfer.cpu_kernels,
+                             native kernels built on the machine, where XLA:CPU's one-row bf16
+                             dots streamed the weights at 10-15 GB/s (docs/cpu_kernels.md);
+                             they replace the padded dot where they build
   float32_activations        bf16 elementwise work goes through float32 copies of whole
                              arrays, while bf16 dots run at twice the float32 rate: a 16-bit
                              dtype is the matrices' and the KV cache's, activations stay float32
@@ -98,6 +102,7 @@ class StepTuning:
     pad_single_row_16bit_dots: bool = False
     float32_activations: bool = False
     kv_16bit_as_bits: bool = False
+    cpu_kernels: bool = False
     default_dtype: str = "bfloat16"
     default_attention: str = "pallas"
     grouped_matmul: str = "ragged_dot"
@@ -109,7 +114,7 @@ TUNING = {
         compiler_options=(("xla_cpu_opt_preset", "CPU_OPT_PRESET_FAST_COMPILE"),),
         loop_compiler_options=(("xla_disable_hlo_passes", "while-loop-invariant-code-motion"),),
         pad_single_row_16bit_dots=True, float32_activations=True, kv_16bit_as_bits=True,
-        default_dtype="bfloat16",
+        cpu_kernels=True, default_dtype="bfloat16",
         default_attention="reference", grouped_matmul="tiles"),
     "gpu": StepTuning(),
 }

@@ -10,9 +10,11 @@ what decides it, without tracing anything:
   model config, attention implementation, step sizes);
 - the abstract dynamic arguments: their tree structure (static dataclass fields included) and
   each leaf's shape, dtype, weak type and placement;
-- a fingerprint of the code that traces it (every .py file of jaxinfer and pallas_kernels), of
-  jax's and jaxlib's versions, XLA_FLAGS, the backend and its devices, jax's configuration
-  values and the backend's tuning table (jaxinfer.tuning).
+- a fingerprint of the code that traces it (every .py and .cc file of jaxinfer and
+  pallas_kernels), of jax's and jaxlib's versions, XLA_FLAGS, the backend and its devices, jax's
+  configuration values, the backend's tuning table (jaxinfer.tuning) and the build of the CPU
+  kernels in use (jaxinfer.cpu_kernels.signature(), which also registers them before any
+  entry is loaded).
 An entry holds the serialized executable (jax.experimental.serialize_executable), compressed,
 and the pickled input and output trees; a hit loads it and calls it with the dynamic
 arguments. Any change to the code or the environment misses, and a miss compiles through jit's
@@ -79,7 +81,7 @@ def code_fingerprint() -> str:
             for dirpath, dirnames, filenames in os.walk(root):
                 dirnames.sort()
                 for name in sorted(filenames):
-                    if name.endswith(".py"):
+                    if name.endswith((".py", ".cc")):
                         path = os.path.join(dirpath, name)
                         h.update(os.path.relpath(path, root).encode() + b"\0")
                         with open(path, "rb") as f:
@@ -96,12 +98,12 @@ def code_fingerprint() -> str:
 def _settings() -> str:
     """jax's configuration values (those that can change a traced program) and the backend's
     tuning table, read at each key: both may change during a process."""
-    from jaxinfer import tuning
+    from jaxinfer import cpu_kernels, tuning
 
     values = sorted((k, repr(v)) for k, v in jax.config.values.items()
                     if k not in _CONFIG_NOT_IN_KEY
                     and not k.startswith(_CONFIG_PREFIXES_NOT_IN_KEY))
-    return repr(values) + repr(tuning.for_backend())
+    return repr(values) + repr(tuning.for_backend()) + cpu_kernels.signature()
 
 
 def _leaf_signature(x) -> str:

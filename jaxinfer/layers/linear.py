@@ -13,7 +13,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxinfer import tuning
+from jaxinfer import cpu_kernels, tuning
 from jaxinfer.quant import QuantizedWeight, matmul
 
 
@@ -30,16 +30,36 @@ def linear(x: jax.Array, w, b: jax.Array | None = None) -> jax.Array:
 
 def float_matmul(x: jax.Array, w: jax.Array, spec: str) -> jax.Array:
     """einsum(spec, x, w) for a float w, in w's dtype with float32 accumulation (x is rounded to
-    w's dtype when it is wider). spec's x operand is "...<contracted>". On CPU a single row of x
-    is padded to two: XLA:CPU hands a one-row dot to a path without 16-bit support, which
-    converts the whole weight matrix to float32 on every call (45 ms instead of 2.5 for
-    SmolLM2's [49152, 576] head)."""
+    w's dtype when it is wider). spec's x operand is "...<contracted>". On CPU a single row of
+    bf16 products goes to jaxinfer.cpu_kernels where they are built (batch-1 decode: XLA:CPU's
+    one-row bf16 dots stream the weights at 10-15 GB/s); otherwise a single 16-bit row is
+    padded to two: XLA:CPU hands a one-row dot to a path without 16-bit support, which converts
+    the whole weight matrix to float32 on every call (45 ms instead of 2.5 for SmolLM2's
+    [49152, 576] head)."""
     if jnp.finfo(x.dtype).bits > jnp.finfo(w.dtype).bits:
         x = x.astype(w.dtype)
     lead = x.shape[:-1]
-    if (w.dtype.itemsize == 2 and math.prod(lead) == 1
-            and tuning.for_backend().pad_single_row_16bit_dots):
-        x2 = jnp.concatenate([x.reshape(1, -1), jnp.zeros((1, x.shape[-1]), x.dtype)])
-        y = jnp.einsum(spec, x2, w, preferred_element_type=jnp.float32)
-        return y[:1].reshape(lead + y.shape[-1:])
+    if w.dtype.itemsize == 2 and math.prod(lead) == 1:
+        kernel = _row_kernel(spec) if w.dtype == jnp.bfloat16 else None
+        if kernel is not None and cpu_kernels.enabled():
+            y = kernel(x.reshape(-1), w)
+            return y.reshape(lead + y.shape[-1:])
+        if tuning.for_backend().pad_single_row_16bit_dots:
+            x2 = jnp.concatenate([x.reshape(1, -1), jnp.zeros((1, x.shape[-1]), x.dtype)])
+            y = jnp.einsum(spec, x2, w, preferred_element_type=jnp.float32)
+            return y[:1].reshape(lead + y.shape[-1:])
     return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
+
+
+def _row_kernel(spec: str):
+    """The cpu_kernels product for `spec` of one row against a 2-D weight: w [K, N] or w [N, K]
+    with K the row's axis."""
+    operands, out = spec.split("->")
+    xs, ws = operands.split(",")
+    if len(ws) != 2 or not xs.startswith("...") or out != xs[:-1] + ws.replace(xs[-1], ""):
+        return None
+    if ws[0] == xs[-1]:
+        return cpu_kernels.row_times_matrix
+    if ws[1] == xs[-1]:
+        return cpu_kernels.matrix_times_row
+    return None

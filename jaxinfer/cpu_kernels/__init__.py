@@ -1,0 +1,218 @@
+"""Native CPU kernels: XLA FFI handlers (kernels.cc) that XLA:CPU calls inside jitted programs.
+
+The source ships with the package and is compiled on first use, on the machine that runs it
+(`c++ -O3 -march=native`, or `$CXX`), into `<cache dir>/cpu_kernels/<digest>.so`, the digest
+covering the source, the compiler, its flags, jaxlib's version and the CPU's instruction set
+flags; later processes load the built file (about 2.5 s to build, once). The handlers are
+registered with jax under names that carry the digest, so a program compiled against one build
+(and kept in JAX's or jaxinfer's caches) never runs another.
+
+They are used where the backend's tuning entry asks for them (`tuning.StepTuning.cpu_kernels`:
+the CPU) and only in a process of one CPU device (a custom call has no sharding rule). Nothing
+else changes when they are missing: without a C++ compiler, on a CPU without AVX-512 (F, BW,
+VL), when the build fails (logged once) or with `JAXINFER_CPU_KERNELS=0`, the same products
+run as XLA dots. The contract of each kernel is in docs/cpu_kernels.md.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import importlib.metadata
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+SOURCE = os.path.join(os.path.dirname(__file__), "kernels.cc")
+CXX_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
+REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl")
+# (python name, exported symbol) of each handler.
+HANDLERS = (("row_times_matrix", "jaxinfer_row_times_matrix"),
+            ("matrix_times_row", "jaxinfer_matrix_times_row"),
+            ("decode_attention", "jaxinfer_decode_attention"))
+# decode_attention: head_dim / 16 must be one of these, and the kv head's queries at most 16.
+ATTENTION_HEAD_DIMS = (32, 64, 128, 256)
+ATTENTION_MAX_GROUP = 16
+
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+
+
+def _digest(cxx: str, cpu_flags: set[str]) -> str:
+    h = hashlib.sha256()
+    with open(SOURCE, "rb") as f:
+        h.update(f.read())
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30)
+    for part in (version.stdout, " ".join(CXX_FLAGS), importlib.metadata.version("jaxlib"),
+                 " ".join(sorted(cpu_flags)), platform.machine()):
+        h.update(part.encode() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def _build(cxx: str, target: str) -> None:
+    """Compiles SOURCE into target (atomically: a concurrent process's build is never half
+    read)."""
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(target))
+    os.close(fd)
+    try:
+        cmd = [cxx, *CXX_FLAGS, "-I", jax.ffi.include_dir(), SOURCE, "-o", tmp]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _load() -> str | None:
+    """Builds (once per digest) and registers the kernels; their digest, or None where they
+    are unavailable (the reason logged once)."""
+    from jaxinfer.loading.hub import cache_dir
+
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    cpu_flags = _cpu_flags()
+    missing = [f for f in REQUIRED_CPU_FLAGS if f not in cpu_flags]
+    if missing:
+        log.info("jaxinfer CPU kernels off: the CPU lacks %s", ", ".join(missing))
+        return None
+    cxx = _compiler()
+    if cxx is None:
+        log.info("jaxinfer CPU kernels off: no C++ compiler (set CXX)")
+        return None
+    try:
+        digest = _digest(cxx, cpu_flags)
+        path = os.path.join(cache_dir(), "cpu_kernels", f"{digest}.so")
+        if not os.path.exists(path):
+            _build(cxx, path)
+        lib = ctypes.cdll.LoadLibrary(path)
+        for name, symbol in HANDLERS:
+            jax.ffi.register_ffi_target(f"{symbol}_{digest}",
+                                        jax.ffi.pycapsule(getattr(lib, symbol)),
+                                        platform="cpu")
+    except Exception as e:  # noqa: BLE001 - any failure leaves XLA's dots in place
+        log.warning("jaxinfer CPU kernels off: %s", e)
+        return None
+    _state["lib"] = lib
+    return digest
+
+
+def digest() -> str | None:
+    """The loaded build's digest (building and registering it on first call), or None."""
+    with _lock:
+        if "digest" not in _state:
+            _state["digest"] = (None if os.environ.get("JAXINFER_CPU_KERNELS", "1") == "0"
+                                else _load())
+        return _state["digest"]
+
+
+def enabled() -> bool:
+    """Whether jitted programs traced now call the kernels: the default backend's tuning asks
+    for them, the process has one device, and they built."""
+    from jaxinfer import tuning
+
+    if not tuning.for_backend().cpu_kernels or jax.device_count() != 1:
+        return False
+    return digest() is not None
+
+
+def signature() -> str:
+    """What a cached program depends on: the build's digest where the kernels are enabled."""
+    return f"cpu_kernels={digest() if enabled() else 'off'}"
+
+
+def _target(name: str) -> str:
+    return f"{dict(HANDLERS)[name]}_{digest()}"
+
+
+def _call(name: str, n: int, x: jax.Array, w: jax.Array) -> jax.Array:
+    out = jax.ShapeDtypeStruct((n,), jnp.float32)
+    return jax.ffi.ffi_call(_target(name), out, vmap_method="sequential")(x, w)
+
+
+@jax.custom_jvp
+def row_times_matrix(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [K] @ w [K, N] for bf16 x and w: float32 [N] (float32 products and sums)."""
+    return _call("row_times_matrix", w.shape[1], x, w)
+
+
+@row_times_matrix.defjvp
+def _row_times_matrix_jvp(primals, tangents):
+    (x, w), (dx, dw) = primals, tangents
+    dot = functools.partial(jnp.einsum, "k,kn->n", preferred_element_type=jnp.float32)
+    return row_times_matrix(x, w), dot(dx, w) + dot(x, dw)
+
+
+@jax.custom_jvp
+def matrix_times_row(x: jax.Array, w: jax.Array) -> jax.Array:
+    """w [N, K] @ x [K] for bf16 x and w: float32 [N] (float32 products and sums)."""
+    return _call("matrix_times_row", w.shape[0], x, w)
+
+
+@matrix_times_row.defjvp
+def _matrix_times_row_jvp(primals, tangents):
+    (x, w), (dx, dw) = primals, tangents
+    dot = functools.partial(jnp.einsum, "k,nk->n", preferred_element_type=jnp.float32)
+    return matrix_times_row(x, w), dot(dx, w) + dot(x, dw)
+
+
+def attention_supports(pool, num_heads: int) -> bool:
+    """Whether decode_attention reads this pool (float32, or bf16 kept as bits) with these
+    heads."""
+    from jaxinfer.kv_cache import Bits16KV
+
+    if isinstance(pool, Bits16KV):
+        ok = pool.float_dtype == "bfloat16"
+    else:
+        ok = isinstance(pool, jax.Array) and pool.dtype == jnp.float32
+    K, H = pool.shape[-2], pool.shape[-1]
+    return (ok and H in ATTENTION_HEAD_DIMS and num_heads % K == 0
+            and num_heads // K <= ATTENTION_MAX_GROUP)
+
+
+def decode_attention(q: jax.Array, k_pool, v_pool, layer, table: jax.Array, pos: jax.Array, *,
+                     page_size: int, sliding_window: int | None = None,
+                     softcap: float | None = None) -> jax.Array:
+    """One query per tile over its row's paged keys (docs/cpu_kernels.md): q [Nt, K, G, H]
+    float32, already scaled; k_pool, v_pool [L, P * page_size, K, H] (float32 or Bits16KV of
+    bf16); layer an int32 scalar; table [Nt, M] int32, logical page j of tile t being table[t, j
+    % M]; pos [Nt] int32, the query's position (its keys are positions 0..pos, or the last
+    sliding_window of them; -1: an empty tile). Returns [Nt, K, G, H] float32, zeros for empty
+    tiles. Not differentiable."""
+    from jaxinfer.kv_cache import Bits16KV
+
+    bits = lambda a: a.bits if isinstance(a, Bits16KV) else a  # noqa: E731
+    call = jax.ffi.ffi_call(_target("decode_attention"),
+                            jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    return call(q.astype(jnp.float32), bits(k_pool), bits(v_pool),
+                jnp.asarray(layer, jnp.int32), table.astype(jnp.int32), pos.astype(jnp.int32),
+                page_size=int(page_size), window=int(sliding_window or 0),
+                softcap=np.float32(softcap or 0.0))

@@ -1,0 +1,143 @@
+"""jaxinfer.cpu_kernels: the native one-row bf16 products against a float64 numpy product of
+the same bf16 operands. Tolerance: float32 products and sums of K terms, |err| <= 1e-5 times
+the sum of |x_k w_kn| (plus 1e-6), which float32 summation in any order meets."""
+
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer import cpu_kernels
+from jaxinfer.layers import float_matmul
+
+SUPPORTED = (cpu_kernels._cpu_flags() >= set(cpu_kernels.REQUIRED_CPU_FLAGS)
+             and cpu_kernels._compiler() is not None
+             and os.environ.get("JAXINFER_CPU_KERNELS", "1") != "0")
+needs_kernels = pytest.mark.skipif(not SUPPORTED, reason="no AVX-512 or no C++ compiler")
+
+
+def test_kernels_build_wherever_the_cpu_and_a_compiler_allow():
+    if not SUPPORTED:
+        assert cpu_kernels.digest() is None
+        return
+    assert cpu_kernels.digest() is not None
+    assert cpu_kernels.enabled() == (jax.default_backend() == "cpu" and jax.device_count() == 1)
+
+
+def operands(K, N, transposed, seed=0):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(K,)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(N, K) if transposed else (K, N)), jnp.bfloat16)
+    x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    w64 = w64.T if transposed else w64
+    return x, w, x64 @ w64, np.abs(x64) @ np.abs(w64)
+
+
+# Shapes: SmolLM2's (q/o, k/v, gate/up, down, its tied head), column and row tails that are not
+# multiples of 16 or 32, one element, and wider than a column panel (2,048).
+SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152), (577, 33), (33, 5000),
+          (64, 2049), (1, 1), (130, 7), (17, 4099)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("K,N", SHAPES)
+@pytest.mark.parametrize("transposed", [False, True], ids=["w[K,N]", "w[N,K]"])
+def test_kernel_matches_a_float64_product(K, N, transposed):
+    x, w, want, scale = operands(K, N, transposed)
+    kernel = cpu_kernels.matrix_times_row if transposed else cpu_kernels.row_times_matrix
+    got = np.asarray(jax.jit(kernel)(x, w))
+    assert got.dtype == np.float32 and got.shape == (N,)
+    assert np.all(np.abs(got - want) <= 1e-5 * scale + 1e-6)
+
+
+def custom_calls(fn, *args) -> int:
+    return fn.lower(*args).as_text().count("jaxinfer_")
+
+
+@needs_kernels
+def test_float_matmul_calls_the_kernels_for_one_bf16_row_only():
+    w = jnp.ones((64, 32), jnp.bfloat16)
+    for spec, weight in (("...i,io->...o", w), ("...D,VD->...V", w.T)):
+        fn = jax.jit(lambda x, w, spec=spec: float_matmul(x, w, spec))
+        assert custom_calls(fn, jnp.ones((1, 1, 64)), weight) == 1
+        assert custom_calls(fn, jnp.ones((64,)), weight) == 1
+        assert custom_calls(fn, jnp.ones((2, 64)), weight) == 0
+        assert custom_calls(fn, jnp.ones((1, 64)), weight.astype(jnp.float32)) == 0
+        assert custom_calls(fn, jnp.ones((1, 64)), weight.astype(jnp.float16)) == 0
+
+
+@needs_kernels
+def test_turned_off_the_padded_dot_serves(monkeypatch):
+    monkeypatch.setitem(cpu_kernels._state, "digest", None)
+    x, w, want, scale = operands(96, 200, False)
+    fn = jax.jit(lambda x, w: float_matmul(x, w, "...i,io->...o"))
+    assert custom_calls(fn, x[None], w) == 0
+    got = np.asarray(fn(x[None], w))[0]
+    assert np.all(np.abs(got - want) <= 1e-5 * scale + 1e-6)
+    assert cpu_kernels.signature() == "cpu_kernels=off"
+
+
+@needs_kernels
+def test_in_a_while_loop_under_vmap_and_grad():
+    x, w, want, scale = operands(96, 96, False)
+
+    def loop(x, w):
+        def body(i, y):
+            return cpu_kernels.row_times_matrix(y.astype(jnp.bfloat16), w) * 0.1
+        return jax.lax.fori_loop(0, 3, body, x.astype(jnp.float32))
+
+    y = x.astype(jnp.float32)
+    for _ in range(3):
+        y = jnp.einsum("k,kn->n", y.astype(jnp.bfloat16), w,
+                       preferred_element_type=jnp.float32) * 0.1
+    np.testing.assert_allclose(np.asarray(jax.jit(loop)(x, w)), np.asarray(y), rtol=1e-4,
+                               atol=1e-5)
+
+    xs = jnp.stack([x, -x, 2 * x])
+    got = jax.jit(jax.vmap(cpu_kernels.row_times_matrix, in_axes=(0, None)))(xs, w)
+    for row, sign in zip(np.asarray(got), (1, -1, 2)):
+        assert np.all(np.abs(row - sign * want) <= abs(sign) * (1e-5 * scale + 1e-6))
+
+    # Gradients go through XLA's dots (the kernel's JVP).
+    loss = lambda x, w: jnp.sum(cpu_kernels.matrix_times_row(x, w) ** 2)  # noqa: E731
+    ref = lambda x, w: jnp.sum(jnp.einsum("k,nk->n", x, w,  # noqa: E731
+                                          preferred_element_type=jnp.float32) ** 2)
+    wt = w.T
+    for g, r in zip(jax.grad(loss, (0, 1))(x, wt), jax.grad(ref, (0, 1))(x, wt)):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
+                                   rtol=2e-2, atol=1e-2)
+
+
+@needs_kernels
+def test_concurrent_calls_in_one_program():
+    # Independent custom calls that XLA:CPU may run at once on its thread pool, each sharing
+    # its rows with the pool's threads.
+    ops = [operands(576, 1536, bool(i % 2), seed=i) for i in range(8)]
+
+    def many(xs, ws):
+        return [(cpu_kernels.matrix_times_row if i % 2 else cpu_kernels.row_times_matrix)(x, w)
+                for i, (x, w) in enumerate(zip(xs, ws))]
+
+    got = jax.jit(many)([o[0] for o in ops], [o[1] for o in ops])
+    for g, (_, _, want, scale) in zip(got, ops):
+        assert np.all(np.abs(np.asarray(g) - want) <= 1e-5 * scale + 1e-6)
+
+
+def test_a_failed_build_leaves_the_kernels_off(monkeypatch, tmp_path):
+    # A compiler that fails: digest() is None (logged), and nothing is left in the cache.
+    fake = tmp_path / "cxx"
+    fake.write_text("#!/bin/sh\necho broken >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CXX", str(fake))
+    monkeypatch.setenv("JAXINFER_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_kernels, "_state", {})
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags",
+                        lambda: set(cpu_kernels.REQUIRED_CPU_FLAGS))
+    if shutil.which("uname") is None or os.uname().machine != "x86_64":
+        pytest.skip("the kernels build on x86-64 Linux only")
+    assert cpu_kernels.digest() is None
+    assert not (tmp_path / "cache" / "cpu_kernels").exists() or \
+        not any((tmp_path / "cache" / "cpu_kernels").iterdir())
