@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from jaxinfer import cpu_kernels
+from jaxinfer.kv_cache import Bits16KV
 from jaxinfer.layers import float_matmul
 
 SUPPORTED = (cpu_kernels._cpu_flags() >= set(cpu_kernels.REQUIRED_CPU_FLAGS)
@@ -141,3 +142,82 @@ def test_a_failed_build_leaves_the_kernels_off(monkeypatch, tmp_path):
     assert cpu_kernels.digest() is None
     assert not (tmp_path / "cache" / "cpu_kernels").exists() or \
         not any((tmp_path / "cache" / "cpu_kernels").iterdir())
+
+
+def attention_reference(q, k, v, layer, table, pos, Z, window, softcap):
+    """Each tile's queries over its row's visible keys, in float64."""
+    Nt, K, G, H = q.shape
+    out = np.zeros(q.shape)
+    for t in range(Nt):
+        if pos[t] < 0:
+            continue
+        start = max(0, pos[t] - window + 1) if window else 0
+        p = np.arange(start, pos[t] + 1)
+        slots = table[t][(p // Z) % table.shape[1]] * Z + p % Z
+        kk, vv = k[layer, slots].astype(np.float64), v[layer, slots].astype(np.float64)
+        s = np.einsum("kgh,skh->kgs", q[t].astype(np.float64), kk)
+        if softcap:
+            s = softcap * np.tanh(s / softcap)
+        w = np.exp(s - s.max(-1, keepdims=True))
+        out[t] = np.einsum("kgs,skh->kgh", w / w.sum(-1, keepdims=True), vv)
+    return out
+
+
+# (kv heads, queries per kv head, head_dim, page size, window, softcap): SmolLM2's decode
+# (3 x 3, 64), Gemma-like one kv head with a softcap, a window, 256 head dims, 5 queries a kv
+# head (a group of four and one), pages larger than a group of 16 keys.
+ATTENTION_CASES = [(3, 3, 64, 16, None, None), (1, 4, 128, 8, None, 30.0),
+                   (2, 2, 32, 4, 10, None), (4, 1, 256, 32, None, None),
+                   (2, 5, 64, 16, 21, None), (1, 3, 256, 4, None, 12.0)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("pool", ["bf16 bits", "float32"])
+@pytest.mark.parametrize("K,G,H,Z,window,softcap", ATTENTION_CASES)
+def test_decode_attention_matches_a_float64_reference(pool, K, G, H, Z, window, softcap):
+    """Shuffled pages, NaN in every slot no query may see, an empty tile (position -1), a row at
+    its first key, one at the last slot of its table, and rows past the table (a ring: logical
+    page j is entry j % M). Tolerance 1e-5 absolute: float32 products, sums and exponentials
+    against float64 over the same keys and values."""
+    rng = np.random.default_rng(K * 100 + G * 10 + Z)
+    L, P, M, layer = 3, 40, 12, 1
+    pos = np.array([0, 5, Z * M - 1, -1, 37 % (Z * M), Z, Z * M + 3], np.int32)
+    Nt = len(pos)
+    k = rng.normal(size=(L, P * Z, K, H)).astype(np.float32)
+    v = rng.normal(size=(L, P * Z, K, H)).astype(np.float32)
+    if pool == "bf16 bits":
+        k, v = (np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32)) for a in (k, v))
+    table = np.stack([rng.permutation(P)[:M] for _ in range(Nt)]).astype(np.int32)
+    seen = np.zeros(P * Z, bool)
+    for t in range(Nt):
+        if pos[t] >= 0:
+            p = np.arange(max(0, pos[t] - window + 1) if window else 0, pos[t] + 1)
+            seen[table[t][(p // Z) % M] * Z + p % Z] = True
+    kn, vn = k.copy(), v.copy()
+    kn[layer][~seen] = np.nan
+    vn[layer][~seen] = np.nan
+    q = (rng.normal(size=(Nt, K, G, H)) * H ** -0.5).astype(np.float32)
+    want = attention_reference(q, k, v, layer, table, pos, Z, window, softcap)
+    if pool == "bf16 bits":
+        kp, vp = (Bits16KV(bits=Bits16KV.encode(jnp.asarray(a), "bfloat16")) for a in (kn, vn))
+    else:
+        kp, vp = jnp.asarray(kn), jnp.asarray(vn)
+    assert cpu_kernels.attention_supports(kp, K * G)
+    fn = jax.jit(lambda q, kp, vp, layer, table, pos: cpu_kernels.decode_attention(
+        q, kp, vp, layer, table, pos, page_size=Z, sliding_window=window, softcap=softcap))
+    got = np.asarray(fn(jnp.asarray(q), kp, vp, jnp.int32(layer), jnp.asarray(table),
+                        jnp.asarray(pos)))
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    assert (got[pos < 0] == 0).all()
+
+
+def test_decode_attention_supports_only_what_it_reads():
+    bits = lambda shape, dtype: Bits16KV(bits=jnp.zeros(shape, jnp.uint16),  # noqa: E731
+                                         float_dtype=dtype)
+    assert cpu_kernels.attention_supports(bits((1, 16, 3, 64), "bfloat16"), 9)
+    assert not cpu_kernels.attention_supports(bits((1, 16, 3, 64), "float16"), 9)
+    assert cpu_kernels.attention_supports(jnp.zeros((1, 16, 2, 128)), 8)
+    assert not cpu_kernels.attention_supports(jnp.zeros((1, 16, 2, 128), jnp.bfloat16), 8)
+    assert not cpu_kernels.attention_supports(jnp.zeros((1, 16, 2, 96)), 8)   # head_dim 96
+    assert not cpu_kernels.attention_supports(jnp.zeros((1, 16, 8, 64)), 128)  # 128 heads

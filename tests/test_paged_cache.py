@@ -4,7 +4,8 @@ Pages of each row are scattered over the pool in random order and unused pages h
 wrong read shows. Chunked prefill and decode through the paged cache equal a full forward
 (float32, 1e-5), with the jnp attention (a loop over each row's pages) and with the ragged paged
 attention kernel (interpret mode). The jnp attention equals the dense reference on a mixed
-batch of decode rows, prefill chunks, an empty row and a window.
+batch of decode rows, prefill chunks, an empty row and a window; its decode rows both through
+the jnp loop and through the native CPU decode kernel (jaxinfer.cpu_kernels) where it builds.
 """
 
 import jax
@@ -12,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxinfer import cpu_kernels
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache import Bits16KV, PagedKVCache
 from jaxinfer.models import llama
@@ -21,6 +23,16 @@ forward = jax.jit(llama.forward, static_argnums=(1,), static_argnames=("attn_imp
 CFG = ModelConfig("llama", vocab_size=97, d_model=64, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=32, ffn_dim=64, max_position_embeddings=512)
 PAGE = 4
+
+
+@pytest.fixture(params=["jnp", "cpu_kernel"])
+def decode_path(request, monkeypatch):
+    """Decode rows through the jnp loop (the native kernels off) or the native CPU kernel."""
+    if request.param == "jnp":
+        monkeypatch.setitem(cpu_kernels._state, "digest", None)
+    elif not cpu_kernels.enabled():
+        pytest.skip("the native CPU kernels are not built here")
+    return request.param
 
 
 def _paged_cache(cfg, B, pages_per_row, rng, window=None):
@@ -109,7 +121,7 @@ def test_padding_writes_never_touch_live_pages():
 
 @pytest.mark.parametrize("window,softcap,tile", [(None, None, 4), (6, None, 4), (None, 5.0, 4),
                                                  (None, None, 16), (3, None, 1)])
-def test_loop_attention_equals_reference(window, softcap, tile):
+def test_loop_attention_equals_reference(window, softcap, tile, decode_path):
     """The jnp ragged attention over a page pool == the dense reference over each row's keys,
     on a mixed flat batch: a chunk of 7 queries (tiles split it), single decode tokens, an
     empty row, a row at a full page, rows out of order in the batch, padding at the end;
@@ -124,7 +136,7 @@ def test_loop_attention_equals_reference(window, softcap, tile):
 
 
 @pytest.mark.parametrize("window,static", [(None, False), (11, False), (None, True)])
-def test_decode_work_list_spans_rows_and_iterations(window, static):
+def test_decode_work_list_spans_rows_and_iterations(window, static, decode_path):
     """Decode rows of very different lengths with blocks of 2 pages (8 keys): the work list of
     (row, block) pairs (23 blocks over 8 tiles, 3 iterations) puts blocks of several rows in
     one iteration and one row's blocks in several, an empty row has none, and a window starts
@@ -140,7 +152,7 @@ def test_decode_work_list_spans_rows_and_iterations(window, static):
 
 @pytest.mark.parametrize("window,softcap,tile", [(None, None, 1), (11, None, 1), (None, 5.0, 1),
                                                  (None, None, 4)])
-def test_loop_attention_over_a_bf16_pool(window, softcap, tile):
+def test_loop_attention_over_a_bf16_pool(window, softcap, tile, decode_path):
     """Over a 16-bit pool kept as bits (the CPU engine's bf16 KV cache), decode rows and
     prefill chunks of very different lengths (blocks of 2 pages, several iterations) equal the
     dense reference over the same bf16 keys and values, NaN in every unwritten slot."""

@@ -41,9 +41,9 @@ REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl")
 HANDLERS = (("row_times_matrix", "jaxinfer_row_times_matrix"),
             ("matrix_times_row", "jaxinfer_matrix_times_row"),
             ("decode_attention", "jaxinfer_decode_attention"))
-# decode_attention: head_dim / 16 must be one of these, and the kv head's queries at most 16.
+# decode_attention: the head_dims it reads, and at most this many query heads.
 ATTENTION_HEAD_DIMS = (32, 64, 128, 256)
-ATTENTION_MAX_GROUP = 16
+ATTENTION_MAX_HEADS = 64
 
 _lock = threading.Lock()
 _state: dict = {}
@@ -195,7 +195,7 @@ def attention_supports(pool, num_heads: int) -> bool:
         ok = isinstance(pool, jax.Array) and pool.dtype == jnp.float32
     K, H = pool.shape[-2], pool.shape[-1]
     return (ok and H in ATTENTION_HEAD_DIMS and num_heads % K == 0
-            and num_heads // K <= ATTENTION_MAX_GROUP)
+            and num_heads <= ATTENTION_MAX_HEADS)
 
 
 def decode_attention(q: jax.Array, k_pool, v_pool, layer, table: jax.Array, pos: jax.Array, *,

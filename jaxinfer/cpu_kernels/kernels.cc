@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -238,70 +239,166 @@ inline __m512 load_key16<uint16_t>(const uint16_t* p) { return load16(p); }
 template <>
 inline __m512 load_key16<float>(const float* p) { return _mm512_loadu_ps(p); }
 
-constexpr int kMaxG = 16;
 
-// One (tile, kv head): G queries q [G, 16 * HB] over the keys at positions [start, end] of a
-// row whose logical page j is table[j % M]; out [G, 16 * HB].
-template <typename T, int HB>
-void attend_one(const float* q, int64_t G, const T* k_layer, const T* v_layer, int64_t kv_heads,
-                int64_t kh, const int32_t* table, int64_t M, int64_t Z, int64_t start,
-                int64_t end, float softcap, float* out) {
-  constexpr int64_t H = 16 * HB;
-  __m512 qv[kMaxG][HB], acc[kMaxG][HB];
-  float m[kMaxG], l[kMaxG];
-  for (int64_t g = 0; g < G; ++g) {
-    for (int b = 0; b < HB; ++b) {
-      qv[g][b] = _mm512_loadu_ps(q + g * H + 16 * b);
-      acc[g][b] = _mm512_setzero_ps();
+// r[j] = the sum of the 16 lanes of v[j] for j < n (r[j] = 0 beyond): a transposing tree of
+// shuffles and adds, 45 instructions for 16 vectors where one horizontal sum each takes 128.
+inline __m512 sum_each16(const float (*v)[16], int64_t n) {
+  __m512 x[16];
+  for (int j = 0; j < 16; ++j) x[j] = j < n ? _mm512_load_ps(v[j]) : _mm512_setzero_ps();
+  __m512 s1[8];
+  for (int j = 0; j < 8; ++j)
+    s1[j] = _mm512_add_ps(_mm512_unpacklo_ps(x[2 * j], x[2 * j + 1]),
+                          _mm512_unpackhi_ps(x[2 * j], x[2 * j + 1]));
+  // s1[j], each 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] for a = x[2j], b = x[2j+1]
+  __m512 s2[4];
+  for (int j = 0; j < 4; ++j)
+    s2[j] = _mm512_add_ps(_mm512_shuffle_ps(s1[2 * j], s1[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                          _mm512_shuffle_ps(s1[2 * j], s1[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // s2[j], each 128-bit lane: that lane's sums of x[4j .. 4j+3]
+  __m512 s3[2];
+  for (int j = 0; j < 2; ++j)
+    s3[j] = _mm512_add_ps(_mm512_shuffle_f32x4(s2[2 * j], s2[2 * j + 1], 0x44),
+                          _mm512_shuffle_f32x4(s2[2 * j], s2[2 * j + 1], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(s3[0], s3[1], 0x88),
+                       _mm512_shuffle_f32x4(s3[0], s3[1], 0xDD));
+}
+
+
+// Keys from position pos on that one group takes: up to 16, within pos's page, up to end.
+inline int64_t group_size(int64_t pos, int64_t end, int64_t Z) {
+  return std::min<int64_t>({16, Z - pos % Z, end - pos + 1});
+}
+
+
+// partial[g][j] = q[g] * k[j] lane by lane (its lanes summed later), for GB queries of one kv
+// head (kept in registers) and the group's count keys k[j] = kp + j * stride.
+template <typename T, int HB, int GB>
+inline void qk_block(const float* q, const T* kp, int64_t stride, int64_t count,
+                     float (*partial)[16][16]) {
+  __m512 qv[GB][HB];
+  for (int g = 0; g < GB; ++g)
+    for (int b = 0; b < HB; ++b) qv[g][b] = _mm512_loadu_ps(q + g * 16 * HB + 16 * b);
+  for (int64_t j = 0; j < count; ++j) {
+    __m512 kk[HB];
+    for (int b = 0; b < HB; ++b) kk[b] = load_key16<T>(kp + j * stride + 16 * b);
+    for (int g = 0; g < GB; ++g) {
+      __m512 d = _mm512_mul_ps(qv[g][0], kk[0]);
+      for (int b = 1; b < HB; ++b) d = _mm512_fmadd_ps(qv[g][b], kk[b], d);
+      _mm512_store_ps(partial[g][j], d);
     }
-    m[g] = -INFINITY;
-    l[g] = 0.0f;
   }
-  const int64_t stride = kv_heads * H;  // between consecutive slots of the pool
-  alignas(64) float scores[kMaxG][16];
+}
+
+// acc[g] += sum_j probs[g][j] * v[j] for GB queries of one kv head (acc kept in registers).
+template <typename T, int HB, int GB>
+inline void pv_block(const float (*probs)[16], const T* vp, int64_t stride, int64_t count,
+                     float (*acc)[16 * HB]) {
+  __m512 a[GB][HB];
+  for (int g = 0; g < GB; ++g)
+    for (int b = 0; b < HB; ++b) a[g][b] = _mm512_load_ps(acc[g] + 16 * b);
+  for (int64_t j = 0; j < count; ++j) {
+    __m512 vv[HB];
+    for (int b = 0; b < HB; ++b) vv[b] = load_key16<T>(vp + j * stride + 16 * b);
+    for (int g = 0; g < GB; ++g) {
+      const __m512 p = _mm512_set1_ps(probs[g][j]);
+      for (int b = 0; b < HB; ++b) a[g][b] = _mm512_fmadd_ps(p, vv[b], a[g][b]);
+    }
+  }
+  for (int g = 0; g < GB; ++g)
+    for (int b = 0; b < HB; ++b) _mm512_store_ps(acc[g] + 16 * b, a[g][b]);
+}
+
+// Queries of one kv head taken together (their products kept in registers): four, or two at
+// 256 head dims.
+template <int HB>
+constexpr int64_t kGroupStep = HB >= 16 ? 2 : 4;
+
+// f(std::integral_constant<int, gb>) for gb in 1..kGroupStep<HB>.
+template <int HB, typename F>
+inline void with_group(int64_t gb, F f) {
+  switch (gb) {
+    case 1: f(std::integral_constant<int, 1>()); break;
+    case 2: f(std::integral_constant<int, 2>()); break;
+    case 3: if constexpr (kGroupStep<HB> >= 3) f(std::integral_constant<int, 3>()); break;
+    case 4: if constexpr (kGroupStep<HB> >= 4) f(std::integral_constant<int, 4>()); break;
+  }
+}
+
+constexpr int kMaxHeads = 64;  // kv heads x G queries of one row
+constexpr int64_t kPrefetchBytes = 512;
+
+// One row's query heads, NH = K * G of them (q [K, G, 16 * HB]), over the keys at positions
+// [start, end] of a row whose logical page j is table[j % M]; out [K, G, 16 * HB]. Each group
+// of up to 16 keys of one page is read slot by slot, every kv head of a slot together (a slot's
+// keys are contiguous in the pool), so the reads run in memory order within a page.
+template <typename T, int HB>
+void attend_row(const float* q, int64_t K, int64_t G, const T* k_layer, const T* v_layer,
+                const int32_t* table, int64_t M, int64_t Z, int64_t start, int64_t end,
+                float softcap, float* out) {
+  constexpr int64_t H = 16 * HB;
+  const int64_t NH = K * G;
+  const int64_t stride = K * H;  // between consecutive slots of the pool
+  alignas(64) float acc[kMaxHeads][H];
+  float m[kMaxHeads], l[kMaxHeads];
+  for (int64_t n = 0; n < NH; ++n) {
+    std::memset(acc[n], 0, sizeof acc[n]);
+    m[n] = -INFINITY;
+    l[n] = 0.0f;
+  }
+  alignas(64) float partial[kMaxHeads][16][16];
+  alignas(64) float probs[kMaxHeads][16];
   for (int64_t pos = start; pos <= end;) {
-    const int64_t page = table[(pos / Z) % M];
-    const int64_t z0 = pos % Z;
-    const int64_t count = std::min<int64_t>({16, Z - z0, end - pos + 1});
-    const int64_t slot0 = page * Z + z0;
-    const T* kp = k_layer + slot0 * stride + kh * H;
-    const T* vp = v_layer + slot0 * stride + kh * H;
-    for (int64_t j = 0; j < count; ++j) {
-      __m512 kk[HB];
-      for (int b = 0; b < HB; ++b) kk[b] = load_key16<T>(kp + j * stride + 16 * b);
-      for (int64_t g = 0; g < G; ++g) {
-        __m512 d = _mm512_mul_ps(qv[g][0], kk[0]);
-        for (int b = 1; b < HB; ++b) d = _mm512_fmadd_ps(qv[g][b], kk[b], d);
-        scores[g][j] = _mm512_reduce_add_ps(d);
+    const int64_t count = group_size(pos, end, Z);
+    const int64_t slot0 = table[(pos / Z) % M] * Z + pos % Z;
+    const T* kp = k_layer + slot0 * stride;
+    const T* vp = v_layer + slot0 * stride;
+    if (pos + count <= end) {
+      // The next group's page is anywhere in the pool: its first cache lines of keys and
+      // values are asked for now, and the hardware prefetcher follows on from them (6-8% less
+      // time in alternating runs; prefetching whole groups ahead was no faster).
+      const int64_t next = pos + count;
+      const int64_t nslot = table[(next / Z) % M] * Z + next % Z;
+      const char* kr = reinterpret_cast<const char*>(k_layer + nslot * stride);
+      const char* vr = reinterpret_cast<const char*>(v_layer + nslot * stride);
+      for (int64_t off = 0; off < kPrefetchBytes; off += 64) {
+        _mm_prefetch(kr + off, _MM_HINT_T0);
+        _mm_prefetch(vr + off, _MM_HINT_T0);
       }
     }
+    for (int64_t kh = 0; kh < K; ++kh)
+      for (int64_t g0 = 0; g0 < G; g0 += kGroupStep<HB>)
+        with_group<HB>(std::min<int64_t>(kGroupStep<HB>, G - g0), [&](auto gb) {
+          qk_block<T, HB, decltype(gb)::value>(q + (kh * G + g0) * H, kp + kh * H, stride, count,
+                                               partial + kh * G + g0);
+        });
     const __mmask16 live = __mmask16((1u << count) - 1u);
-    alignas(64) float probs[kMaxG][16];
-    for (int64_t g = 0; g < G; ++g) {
-      __m512 s = _mm512_maskz_loadu_ps(live, scores[g]);
+    for (int64_t n = 0; n < NH; ++n) {
+      __m512 s = sum_each16(partial[n], count);
       if (softcap > 0.0f) s = softcap16(s, softcap);
-      const float m_new = std::max(m[g], _mm512_mask_reduce_max_ps(live, s));
+      const float m_new = std::max(m[n], _mm512_mask_reduce_max_ps(live, s));
       const __m512 p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
-      const float corr = std::exp(m[g] - m_new);  // 0 on the first group (m = -inf)
-      l[g] = l[g] * corr + _mm512_reduce_add_ps(p);
-      m[g] = m_new;
-      _mm512_store_ps(probs[g], p);
-      const __m512 c = _mm512_set1_ps(corr);
-      for (int b = 0; b < HB; ++b) acc[g][b] = _mm512_mul_ps(acc[g][b], c);
-    }
-    for (int64_t j = 0; j < count; ++j) {
-      __m512 vv[HB];
-      for (int b = 0; b < HB; ++b) vv[b] = load_key16<T>(vp + j * stride + 16 * b);
-      for (int64_t g = 0; g < G; ++g) {
-        const __m512 p = _mm512_set1_ps(probs[g][j]);
-        for (int b = 0; b < HB; ++b) acc[g][b] = _mm512_fmadd_ps(p, vv[b], acc[g][b]);
+      const float corr = std::exp(m[n] - m_new);  // 0 on the first group (m = -inf)
+      l[n] = l[n] * corr + _mm512_reduce_add_ps(p);
+      m[n] = m_new;
+      _mm512_store_ps(probs[n], p);
+      if (corr != 1.0f) {
+        const __m512 c = _mm512_set1_ps(corr);
+        for (int b = 0; b < HB; ++b)
+          _mm512_store_ps(acc[n] + 16 * b, _mm512_mul_ps(_mm512_load_ps(acc[n] + 16 * b), c));
       }
     }
+    for (int64_t kh = 0; kh < K; ++kh)
+      for (int64_t g0 = 0; g0 < G; g0 += kGroupStep<HB>)
+        with_group<HB>(std::min<int64_t>(kGroupStep<HB>, G - g0), [&](auto gb) {
+          pv_block<T, HB, decltype(gb)::value>(probs + kh * G + g0, vp + kh * H, stride, count,
+                                               acc + kh * G + g0);
+        });
     pos += count;
   }
-  for (int64_t g = 0; g < G; ++g) {
-    const __m512 inv = _mm512_set1_ps(l[g] > 0.0f ? 1.0f / l[g] : 0.0f);
-    for (int b = 0; b < HB; ++b) _mm512_storeu_ps(out + g * H + 16 * b, _mm512_mul_ps(acc[g][b], inv));
+  for (int64_t n = 0; n < NH; ++n) {
+    const __m512 inv = _mm512_set1_ps(l[n] > 0.0f ? 1.0f / l[n] : 0.0f);
+    for (int b = 0; b < HB; ++b)
+      _mm512_storeu_ps(out + n * H + 16 * b, _mm512_mul_ps(_mm512_load_ps(acc[n] + 16 * b), inv));
   }
 }
 
@@ -313,17 +410,16 @@ void attend_all(ffi::ThreadPool& pool, const float* q, const T* k, const T* v, i
   constexpr int64_t H = 16 * HB;
   const T* k_layer = k + layer * slots * K * H;
   const T* v_layer = v + layer * slots * K * H;
-  parallel_chunks(pool, Nt * K, helper_count(pool), [=](int64_t c) {
-    const int64_t t = c / K, kh = c % K;
+  parallel_chunks(pool, Nt, helper_count(pool), [=](int64_t t) {
     const int64_t end = pos[t];
-    float* o = out + (t * K + kh) * G * H;
+    float* o = out + t * K * G * H;
     if (end < 0) {
-      std::memset(o, 0, sizeof(float) * G * H);
+      std::memset(o, 0, sizeof(float) * K * G * H);
       return;
     }
     const int64_t start = window > 0 ? std::max<int64_t>(0, end - window + 1) : 0;
-    attend_one<T, HB>(q + (t * K + kh) * G * H, G, k_layer, v_layer, K, kh, table + t * M, M, Z,
-                      start, end, softcap, o);
+    attend_row<T, HB>(q + t * K * G * H, K, G, k_layer, v_layer, table + t * M, M, Z, start, end,
+                      softcap, o);
   });
 }
 
@@ -341,7 +437,7 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
                                        "table [Nt, M] expected");
   const int64_t Nt = qd[0], K = qd[1], G = qd[2], H = qd[3];
   const int64_t L = kd[0], slots = kd[1], M = td[1];
-  if (kd[2] != K || kd[3] != H || td[0] != Nt || pos.element_count() != Nt || G > kMaxG ||
+  if (kd[2] != K || kd[3] != H || td[0] != Nt || pos.element_count() != Nt || K * G > kMaxHeads ||
       k.element_type() != v.element_type() || page_size <= 0 || slots % page_size != 0)
     return ffi::Error::InvalidArgument("decode_attention: inconsistent shapes");
   const int64_t l = layer.typed_data()[0];
