@@ -1,6 +1,8 @@
 """Where a many-row decode step's attention time goes on this backend: the jnp page-loop
 attention (jaxinfer.attention.paged_loop_attention, the CPU path) for every layer of a model's
-shapes, against the page gather it does alone.
+shapes, against the page gather it does alone. Where the native CPU kernels are built
+(docs/cpu_kernels.md), paged_loop_attention sends these decode rows to the native decode
+kernel; JAXINFER_CPU_KERNELS=0 times the jnp work list instead.
 
     python benchmarks/attention_gather.py [--rows 16] [--context_min 128] [--context_max 384]
                                           [--layers 30] [--heads 9] [--kv_heads 3] [--head_dim 64]

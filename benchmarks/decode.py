@@ -19,6 +19,9 @@ them alike:
     sampling). Both per step; the ratio step / stack per run, and its median;
   * with --ablate_attention, the same comparison again with the jnp attention replaced by
     zeros (the step's cost beyond its matmuls apart from attention).
+On CPU the engine and the stack use the native CPU kernels where they are built
+(docs/cpu_kernels.md: batch-1 bf16 products, decode attention); JAXINFER_CPU_KERNELS=0 measures
+XLA's code alone.
 """
 
 from __future__ import annotations

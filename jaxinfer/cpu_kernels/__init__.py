@@ -3,7 +3,7 @@
 The source ships with the package and is compiled on first use, on the machine that runs it
 (`c++ -O3 -march=native`, or `$CXX`), into `<cache dir>/cpu_kernels/<digest>.so`, the digest
 covering the source, the compiler, its flags, jaxlib's version and the CPU's instruction set
-flags; later processes load the built file (about 2.5 s to build, once). The handlers are
+flags; later processes load the built file (about 3 s to build, once). The handlers are
 registered with jax under names that carry the digest, so a program compiled against one build
 (and kept in JAX's or jaxinfer's caches) never runs another.
 
@@ -11,7 +11,8 @@ They are used where the backend's tuning entry asks for them (`tuning.StepTuning
 the CPU) and only in a process of one CPU device (a custom call has no sharding rule). Nothing
 else changes when they are missing: without a C++ compiler, on a CPU without AVX-512 (F, BW,
 VL), when the build fails (logged once) or with `JAXINFER_CPU_KERNELS=0`, the same products
-run as XLA dots. The contract of each kernel is in docs/cpu_kernels.md.
+run as XLA dots and decode attention as the jnp work list. The contract of each kernel is in
+docs/cpu_kernels.md.
 """
 
 from __future__ import annotations
