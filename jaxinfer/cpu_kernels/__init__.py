@@ -154,35 +154,27 @@ def _target(name: str) -> str:
     return f"{dict(HANDLERS)[name]}_{digest()}"
 
 
-def _call(name: str, n: int, x: jax.Array, w: jax.Array) -> jax.Array:
-    out = jax.ShapeDtypeStruct((n,), jnp.float32)
-    return jax.ffi.ffi_call(_target(name), out, vmap_method="sequential")(x, w)
+def _product(name: str, out_axis: int, spec: str):
+    """The one-row product kernel `name` (w's output axis out_axis; spec its einsum), with XLA's
+    dot as its JVP, so gradients never enter the kernel."""
+    @jax.custom_jvp
+    def product(x: jax.Array, w: jax.Array) -> jax.Array:
+        out = jax.ShapeDtypeStruct((w.shape[out_axis],), jnp.float32)
+        return jax.ffi.ffi_call(_target(name), out, vmap_method="sequential")(x, w)
+
+    @product.defjvp
+    def _jvp(primals, tangents):
+        (x, w), (dx, dw) = primals, tangents
+        dot = functools.partial(jnp.einsum, spec, preferred_element_type=jnp.float32)
+        return product(x, w), dot(dx, w) + dot(x, dw)
+
+    return product
 
 
-@jax.custom_jvp
-def row_times_matrix(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [K] @ w [K, N] for bf16 x and w: float32 [N] (float32 products and sums)."""
-    return _call("row_times_matrix", w.shape[1], x, w)
-
-
-@row_times_matrix.defjvp
-def _row_times_matrix_jvp(primals, tangents):
-    (x, w), (dx, dw) = primals, tangents
-    dot = functools.partial(jnp.einsum, "k,kn->n", preferred_element_type=jnp.float32)
-    return row_times_matrix(x, w), dot(dx, w) + dot(x, dw)
-
-
-@jax.custom_jvp
-def matrix_times_row(x: jax.Array, w: jax.Array) -> jax.Array:
-    """w [N, K] @ x [K] for bf16 x and w: float32 [N] (float32 products and sums)."""
-    return _call("matrix_times_row", w.shape[0], x, w)
-
-
-@matrix_times_row.defjvp
-def _matrix_times_row_jvp(primals, tangents):
-    (x, w), (dx, dw) = primals, tangents
-    dot = functools.partial(jnp.einsum, "k,nk->n", preferred_element_type=jnp.float32)
-    return matrix_times_row(x, w), dot(dx, w) + dot(x, dw)
+# x [K] @ w [K, N] for bf16 x and w: float32 [N] (float32 products and sums).
+row_times_matrix = _product("row_times_matrix", 1, "k,kn->n")
+# w [N, K] @ x [K] for bf16 x and w: float32 [N] (float32 products and sums).
+matrix_times_row = _product("matrix_times_row", 0, "k,nk->n")
 
 
 def attention_supports(pool, num_heads: int) -> bool:
