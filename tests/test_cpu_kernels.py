@@ -1,6 +1,6 @@
-"""jaxinfer.cpu_kernels: the native one-row bf16 products against a float64 numpy product of
-the same bf16 operands. Tolerance: float32 products and sums of K terms, |err| <= 1e-5 times
-the sum of |x_k w_kn| (plus 1e-6), which float32 summation in any order meets."""
+"""jaxinfer.cpu_kernels: the native bf16 products (one row, and a few rows) against a float64
+numpy product of the same bf16 operands. Tolerance: float32 products and sums of K terms, |err|
+<= 1e-5 times the sum of |x_k w_kn| (plus 1e-6), which float32 summation in any order meets."""
 
 import os
 import platform
@@ -18,6 +18,8 @@ SUPPORTED = (cpu_kernels._cpu_flags() >= set(cpu_kernels.REQUIRED_CPU_FLAGS)
              and cpu_kernels._compiler() is not None
              and os.environ.get("JAXINFER_CPU_KERNELS", "1") != "0")
 needs_kernels = pytest.mark.skipif(not SUPPORTED, reason="no AVX-512 or no C++ compiler")
+ROWS_SUPPORTED = SUPPORTED and cpu_kernels.ROWS_CPU_FLAG in cpu_kernels._cpu_flags()
+needs_rows_kernels = pytest.mark.skipif(not ROWS_SUPPORTED, reason="no AVX512-BF16")
 
 
 def test_kernels_build_wherever_the_cpu_and_a_compiler_allow():
@@ -28,9 +30,10 @@ def test_kernels_build_wherever_the_cpu_and_a_compiler_allow():
     assert cpu_kernels.enabled() == (jax.default_backend() == "cpu" and jax.device_count() == 1)
 
 
-def operands(K, N, transposed, seed=0):
+def operands(K, N, transposed, seed=0, rows=None):
+    """x [K] (or [rows, K]), w, the float64 product and the sum of |products| of each output."""
     rng = np.random.default_rng(seed)
-    x = jnp.asarray(rng.normal(size=(K,)), jnp.bfloat16)
+    x = jnp.asarray(rng.normal(size=(K,) if rows is None else (rows, K)), jnp.bfloat16)
     w = jnp.asarray(rng.normal(size=(N, K) if transposed else (K, N)), jnp.bfloat16)
     x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
     w64 = w64.T if transposed else w64
@@ -54,20 +57,50 @@ def test_kernel_matches_a_float64_product(K, N, transposed):
     assert np.all(np.abs(got - want) <= 1e-5 * scale + 1e-6)
 
 
+@needs_rows_kernels
+@pytest.mark.parametrize("K,N", SHAPES)
+@pytest.mark.parametrize("transposed", [False, True], ids=["w[K,N]", "w[N,K]"])
+def test_rows_kernel_matches_a_float64_product(K, N, transposed):
+    # Row counts: below, at and above a register block (8 rows; 4 for w[N, K]), and the most.
+    kernel = jax.jit(cpu_kernels.matrix_times_rows if transposed
+                     else cpu_kernels.rows_times_matrix)
+    for M in (2, 5, 9, cpu_kernels.MAX_ROWS):
+        x, w, want, scale = operands(K, N, transposed, seed=M, rows=M)
+        got = np.asarray(kernel(x, w))
+        assert got.dtype == np.float32 and got.shape == (M, N)
+        assert np.all(np.abs(got - want) <= 1e-5 * scale + 1e-6), M
+
+
 def custom_calls(fn, *args) -> int:
     return fn.lower(*args).as_text().count("jaxinfer_")
 
 
 @needs_kernels
-def test_float_matmul_calls_the_kernels_for_one_bf16_row_only():
+def test_float_matmul_calls_the_kernels_for_bf16_rows_only():
     w = jnp.ones((64, 32), jnp.bfloat16)
+    most = cpu_kernels.MAX_ROWS
+    rows = int(ROWS_SUPPORTED)
     for spec, weight in (("...i,io->...o", w), ("...D,VD->...V", w.T)):
         fn = jax.jit(lambda x, w, spec=spec: float_matmul(x, w, spec))
         assert custom_calls(fn, jnp.ones((1, 1, 64)), weight) == 1
         assert custom_calls(fn, jnp.ones((64,)), weight) == 1
-        assert custom_calls(fn, jnp.ones((2, 64)), weight) == 0
+        assert custom_calls(fn, jnp.ones((2, 64)), weight) == rows
+        assert custom_calls(fn, jnp.ones((2, most // 2, 64)), weight) == rows
+        assert custom_calls(fn, jnp.ones((most + 1, 64)), weight) == 0
         assert custom_calls(fn, jnp.ones((1, 64)), weight.astype(jnp.float32)) == 0
         assert custom_calls(fn, jnp.ones((1, 64)), weight.astype(jnp.float16)) == 0
+        assert custom_calls(fn, jnp.ones((4, 64)), weight.astype(jnp.float16)) == 0
+
+
+@needs_rows_kernels
+def test_without_avx512_bf16_xla_multiplies_the_rows(monkeypatch):
+    flags = cpu_kernels._cpu_flags() - {cpu_kernels.ROWS_CPU_FLAG}
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: flags)
+    x, w, want, scale = operands(96, 200, False, rows=3)
+    fn = jax.jit(lambda x, w: float_matmul(x, w, "...i,io->...o"))
+    assert not cpu_kernels.rows_enabled() and cpu_kernels.enabled()
+    assert custom_calls(fn, x, w) == 0
+    assert np.all(np.abs(np.asarray(fn(x, w)) - want) <= 1e-5 * scale + 1e-6)
 
 
 @needs_kernels
@@ -108,6 +141,21 @@ def test_in_a_while_loop_under_vmap_and_grad():
                                           preferred_element_type=jnp.float32) ** 2)
     wt = w.T
     for g, r in zip(jax.grad(loss, (0, 1))(x, wt), jax.grad(ref, (0, 1))(x, wt)):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
+                                   rtol=2e-2, atol=1e-2)
+
+
+@needs_rows_kernels
+def test_rows_kernels_under_vmap_and_grad():
+    x, w, want, scale = operands(96, 80, False, rows=3)
+    got = jax.jit(jax.vmap(cpu_kernels.rows_times_matrix, in_axes=(0, None)))(
+        jnp.stack([x, -x]), w)
+    for rows, sign in zip(np.asarray(got), (1, -1)):
+        assert np.all(np.abs(rows - sign * want) <= 1e-5 * scale + 1e-6)
+    loss = lambda x, w: jnp.sum(cpu_kernels.matrix_times_rows(x, w) ** 2)  # noqa: E731
+    ref = lambda x, w: jnp.sum(jnp.einsum("mk,nk->mn", x, w,  # noqa: E731
+                                          preferred_element_type=jnp.float32) ** 2)
+    for g, r in zip(jax.grad(loss, (0, 1))(x, w.T), jax.grad(ref, (0, 1))(x, w.T)):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
                                    rtol=2e-2, atol=1e-2)
 

@@ -41,7 +41,13 @@ REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl")
 # (python name, exported symbol) of each handler.
 HANDLERS = (("row_times_matrix", "jaxinfer_row_times_matrix"),
             ("matrix_times_row", "jaxinfer_matrix_times_row"),
-            ("decode_attention", "jaxinfer_decode_attention"))
+            ("decode_attention", "jaxinfer_decode_attention"),
+            ("rows_times_matrix", "jaxinfer_rows_times_matrix"),
+            ("matrix_times_rows", "jaxinfer_matrix_times_rows"))
+# The few-row products need AVX512-BF16 (vdpbf16ps), and serve up to MAX_ROWS rows: beyond
+# that XLA's dot, whose repacking of the weights is then shared by enough rows, is as fast.
+ROWS_CPU_FLAG = "avx512_bf16"
+MAX_ROWS = 64
 # decode_attention: the head_dims it reads, and at most this many query heads.
 ATTENTION_HEAD_DIMS = (32, 64, 128, 256)
 ATTENTION_MAX_HEADS = 64
@@ -50,15 +56,16 @@ _lock = threading.Lock()
 _state: dict = {}
 
 
-def _cpu_flags() -> set[str]:
+@functools.lru_cache(maxsize=None)
+def _cpu_flags() -> frozenset[str]:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
 
 
 def _compiler() -> str | None:
@@ -154,12 +161,19 @@ def _target(name: str) -> str:
     return f"{dict(HANDLERS)[name]}_{digest()}"
 
 
+def rows_enabled() -> bool:
+    """Whether the few-row products (rows_times_matrix, matrix_times_rows) are used: the kernels
+    are enabled and the CPU has AVX512-BF16."""
+    return enabled() and ROWS_CPU_FLAG in _cpu_flags()
+
+
 def _product(name: str, out_axis: int, spec: str):
-    """The one-row product kernel `name` (w's output axis out_axis; spec its einsum), with XLA's
-    dot as its JVP, so gradients never enter the kernel."""
+    """The product kernel `name` (w's output axis out_axis; spec its einsum), with XLA's dot as
+    its JVP, so gradients never enter the kernel. x's leading axes (none, or the rows) lead the
+    result."""
     @jax.custom_jvp
     def product(x: jax.Array, w: jax.Array) -> jax.Array:
-        out = jax.ShapeDtypeStruct((w.shape[out_axis],), jnp.float32)
+        out = jax.ShapeDtypeStruct(x.shape[:-1] + (w.shape[out_axis],), jnp.float32)
         return jax.ffi.ffi_call(_target(name), out, vmap_method="sequential")(x, w)
 
     @product.defjvp
@@ -175,6 +189,10 @@ def _product(name: str, out_axis: int, spec: str):
 row_times_matrix = _product("row_times_matrix", 1, "k,kn->n")
 # w [N, K] @ x [K] for bf16 x and w: float32 [N] (float32 products and sums).
 matrix_times_row = _product("matrix_times_row", 0, "k,nk->n")
+# x [M, K] @ w [K, N] for bf16 x and w, 2 <= M: float32 [M, N] (vdpbf16ps pairs, float32 sums).
+rows_times_matrix = _product("rows_times_matrix", 1, "mk,kn->mn")
+# x [M, K] @ w [N, K]^T for bf16 x and w, 2 <= M: float32 [M, N] (vdpbf16ps pairs, float32 sums).
+matrix_times_rows = _product("matrix_times_rows", 0, "mk,nk->mn")
 
 
 def attention_supports(pool, num_heads: int) -> bool:
