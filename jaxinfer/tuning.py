@@ -38,12 +38,14 @@ CPU (XLA:CPU, jax 0.10.2, the 2-core development machine), the reasons for each 
   pad_single_row_16bit_dots  a one-row bf16 dot takes a path that converts the whole weight
                              matrix per call (45 ms instead of 2.5 for SmolLM2's head), so one
                              row is padded to two
-  cpu_kernels                one-row bf16 products (batch-1 decode) and the attention of
-                             decode rows call jaxinfer.cpu_kernels, native kernels built on the
-                             machine (docs/cpu_kernels.md): XLA:CPU's one-row bf16 dots
-                             streamed the weights at 10-15 GB/s, and its decode attention took
-                             about 0.2 us per key and layer over several fusions. Where they do
-                             not build, the padded dot and the jnp work list serve
+  cpu_kernels                bf16 products of 1 to 64 rows (batch-1 and batched decode) and
+                             the attention of decode rows call jaxinfer.cpu_kernels, native
+                             kernels built on the machine (docs/cpu_kernels.md): XLA:CPU's
+                             one-row bf16 dots streamed the weights at 10-15 GB/s, its few-row
+                             bf16 dots repacked the whole weight matrix on every call, and its
+                             decode attention took about 0.2 us per key and layer over several
+                             fusions. Where they do not build, the padded dot, XLA's dots and
+                             the jnp work list serve
   float32_activations        bf16 elementwise work goes through float32 copies of whole
                              arrays, while bf16 dots run at twice the float32 rate: a 16-bit
                              dtype is the matrices' and the KV cache's, activations stay float32
