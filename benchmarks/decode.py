@@ -1,7 +1,7 @@
 """Batch-1 decode and 512-token prefill throughput against the weight-bandwidth roofline.
 
-    python benchmarks/decode.py [--model smollm2-135m] [--dtype D] [--runs 5] [--decode_tokens 128]
-                                [--ablate_attention]
+    python benchmarks/decode.py [--model smollm2-135m] [--dtype D] [--kv_cache_dtype int8]
+                                [--runs 5] [--decode_tokens 128] [--ablate_attention]
 
 Prints, all measured in this one process, interleaved run by run so that machine noise hits
 them alike:
@@ -68,6 +68,8 @@ def main():
                     "compared with the matmul stack (0: skip)")
     ap.add_argument("--context_min", type=int, default=128)
     ap.add_argument("--context_max", type=int, default=384)
+    ap.add_argument("--kv_cache_dtype", default=None,
+                    help="the LLMs' KV cache dtype (default: the model's dtype)")
     ap.add_argument("--ablate_attention", action="store_true",
                     help="also time the --rows-row step with attention replaced by zeros")
     ap.add_argument("--json", action="store_true", help="print one JSON line instead of text")
@@ -75,7 +77,8 @@ def main():
 
     import jaxinfer as ji
 
-    llm = ji.LLM(args.model, max_num_seqs=1, max_seq_len=1024, dtype=args.dtype)
+    llm = ji.LLM(args.model, max_num_seqs=1, max_seq_len=1024, dtype=args.dtype,
+                 kv_cache_dtype=args.kv_cache_dtype)
     wbytes = weight_bytes(llm.params)  # as placed
     rng = np.random.default_rng(0)
     prefill_prompt = rng.integers(100, llm.model_config.vocab_size, args.prefill_tokens).tolist()
@@ -102,6 +105,7 @@ def main():
     roofline = bw / wbytes
     result = {
         "backend": jax.default_backend(), "dtype": llm.dtype,
+        "kv_cache_dtype": args.kv_cache_dtype or llm.dtype,
         "weight_bytes": wbytes, "read_bandwidth_GBps": bw / 1e9,
         "decode_tokens_per_s": decode, "decode_runs": decode_tps,
         "prefill_tokens_per_s": statistics.median(prefill_tps),
@@ -120,6 +124,7 @@ def main():
         print(json.dumps(result))
         return
     print(f"backend {result['backend']}, dtype {result['dtype']}, "
+          f"KV cache {result['kv_cache_dtype']}, "
           f"weights {wbytes / 1e6:.1f} MB read per decode token")
     print(f"read bandwidth        {bw / 1e9:8.2f} GB/s (jnp.sum over 1 GiB, median of "
           f"{len(bws)})")
@@ -166,7 +171,7 @@ def batch_step_vs_matmuls(args) -> dict:
     from jaxinfer import tuning
 
     R = args.rows
-    llm = ji.LLM(args.model, max_num_seqs=R, dtype=args.dtype)
+    llm = ji.LLM(args.model, max_num_seqs=R, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype)
     steps = llm.engine_config.decode_steps
     rng = np.random.default_rng(1)
     V = llm.model_config.vocab_size

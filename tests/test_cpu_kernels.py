@@ -13,6 +13,7 @@ import pytest
 from jaxinfer import cpu_kernels
 from jaxinfer.kv_cache import Bits16KV
 from jaxinfer.layers import float_matmul
+from jaxinfer.quant.kv import QuantizedKV, quantize_kv
 
 SUPPORTED = (cpu_kernels._cpu_flags() >= set(cpu_kernels.REQUIRED_CPU_FLAGS)
              and cpu_kernels._compiler() is not None
@@ -220,13 +221,14 @@ ATTENTION_CASES = [(3, 3, 64, 16, None, None), (1, 4, 128, 8, None, 30.0),
 
 
 @needs_kernels
-@pytest.mark.parametrize("pool", ["bf16 bits", "float32"])
+@pytest.mark.parametrize("pool", ["bf16 bits", "float32", "int8 codes"])
 @pytest.mark.parametrize("K,G,H,Z,window,softcap", ATTENTION_CASES)
 def test_decode_attention_matches_a_float64_reference(pool, K, G, H, Z, window, softcap):
-    """Shuffled pages, NaN in every slot no query may see, an empty tile (position -1), a row at
-    its first key, one at the last slot of its table, and rows past the table (a ring: logical
-    page j is entry j % M). Tolerance 1e-5 absolute: float32 products, sums and exponentials
-    against float64 over the same keys and values."""
+    """Shuffled pages, NaN in every slot no query may see (in an int8 pool, its scales), an
+    empty tile (position -1), a row at its first key, one at the last slot of its table, and
+    rows past the table (a ring: logical page j is entry j % M). Tolerance 1e-5 absolute:
+    float32 products, sums and exponentials against float64 over the same keys and values (an
+    int8 pool's codes times their scales)."""
     rng = np.random.default_rng(K * 100 + G * 10 + Z)
     L, P, M, layer = 3, 40, 12, 1
     pos = np.array([0, 5, Z * M - 1, -1, 37 % (Z * M), Z, Z * M + 3], np.int32)
@@ -235,6 +237,10 @@ def test_decode_attention_matches_a_float64_reference(pool, K, G, H, Z, window, 
     v = rng.normal(size=(L, P * Z, K, H)).astype(np.float32)
     if pool == "bf16 bits":
         k, v = (np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32)) for a in (k, v))
+    if pool == "int8 codes":
+        quantized = [quantize_kv(jnp.asarray(a), jnp.int8) for a in (k, v)]
+        k, v = (np.asarray(a.codes, np.float64) * np.asarray(a.scale, np.float64)[..., None]
+                for a in quantized)
     table = np.stack([rng.permutation(P)[:M] for _ in range(Nt)]).astype(np.int32)
     seen = np.zeros(P * Z, bool)
     for t in range(Nt):
@@ -248,6 +254,12 @@ def test_decode_attention_matches_a_float64_reference(pool, K, G, H, Z, window, 
     want = attention_reference(q, k, v, layer, table, pos, Z, window, softcap)
     if pool == "bf16 bits":
         kp, vp = (Bits16KV(bits=Bits16KV.encode(jnp.asarray(a), "bfloat16")) for a in (kn, vn))
+    elif pool == "int8 codes":
+        def unseen_scales_nan(a):
+            scale = np.array(a.scale)
+            scale[layer][~seen] = np.nan
+            return QuantizedKV(codes=a.codes, scale=jnp.asarray(scale))
+        kp, vp = (unseen_scales_nan(a) for a in quantized)
     else:
         kp, vp = jnp.asarray(kn), jnp.asarray(vn)
     assert cpu_kernels.attention_supports(kp, K * G)
@@ -269,3 +281,7 @@ def test_decode_attention_supports_only_what_it_reads():
     assert not cpu_kernels.attention_supports(jnp.zeros((1, 16, 2, 128), jnp.bfloat16), 8)
     assert not cpu_kernels.attention_supports(jnp.zeros((1, 16, 2, 96)), 8)   # head_dim 96
     assert not cpu_kernels.attention_supports(jnp.zeros((1, 16, 8, 64)), 128)  # 128 heads
+    codes = lambda dtype: QuantizedKV(codes=jnp.zeros((1, 16, 3, 64), dtype),  # noqa: E731
+                                      scale=jnp.ones((1, 16, 3)))
+    assert cpu_kernels.attention_supports(codes(jnp.int8), 9)
+    assert not cpu_kernels.attention_supports(codes(jnp.float8_e4m3fn), 9)

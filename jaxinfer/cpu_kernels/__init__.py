@@ -196,12 +196,15 @@ matrix_times_rows = _product("matrix_times_rows", 0, "mk,nk->mn")
 
 
 def attention_supports(pool, num_heads: int) -> bool:
-    """Whether decode_attention reads this pool (float32, or bf16 kept as bits) with these
-    heads."""
+    """Whether decode_attention reads this pool (float32, bf16 kept as bits, or int8 codes with
+    their scales) with these heads."""
     from jaxinfer.kv_cache import Bits16KV
+    from jaxinfer.quant.kv import QuantizedKV
 
     if isinstance(pool, Bits16KV):
         ok = pool.float_dtype == "bfloat16"
+    elif isinstance(pool, QuantizedKV):
+        ok = pool.codes.dtype == jnp.int8
     else:
         ok = isinstance(pool, jax.Array) and pool.dtype == jnp.float32
     K, H = pool.shape[-2], pool.shape[-1]
@@ -213,17 +216,24 @@ def decode_attention(q: jax.Array, k_pool, v_pool, layer, table: jax.Array, pos:
                      page_size: int, sliding_window: int | None = None,
                      softcap: float | None = None) -> jax.Array:
     """One query per tile over its row's paged keys (docs/cpu_kernels.md): q [Nt, K, G, H]
-    float32, already scaled; k_pool, v_pool [L, P * page_size, K, H] (float32 or Bits16KV of
-    bf16); layer an int32 scalar; table [Nt, M] int32, logical page j of tile t being table[t, j
-    % M]; pos [Nt] int32, the query's position (its keys are positions 0..pos, or the last
-    sliding_window of them; -1: an empty tile). Returns [Nt, K, G, H] float32, zeros for empty
-    tiles. Not differentiable."""
+    float32, already scaled; k_pool, v_pool [L, P * page_size, K, H] (float32, Bits16KV of
+    bf16, or QuantizedKV of int8 codes); layer an int32 scalar; table [Nt, M] int32, logical
+    page j of tile t being table[t, j % M]; pos [Nt] int32, the query's position (its keys are
+    positions 0..pos, or the last sliding_window of them; -1: an empty tile). Returns
+    [Nt, K, G, H] float32, zeros for empty tiles. Not differentiable."""
     from jaxinfer.kv_cache import Bits16KV
+    from jaxinfer.quant.kv import QuantizedKV
 
-    bits = lambda a: a.bits if isinstance(a, Bits16KV) else a  # noqa: E731
+    def split(a):
+        """(the stored elements, their scales: [L, P * page_size, K] or empty)."""
+        if isinstance(a, QuantizedKV):
+            return a.codes, a.scale.astype(jnp.float32)
+        return (a.bits if isinstance(a, Bits16KV) else a), jnp.zeros((0,), jnp.float32)
+
+    (k, k_scale), (v, v_scale) = split(k_pool), split(v_pool)
     call = jax.ffi.ffi_call(_target("decode_attention"),
                             jax.ShapeDtypeStruct(q.shape, jnp.float32))
-    return call(q.astype(jnp.float32), bits(k_pool), bits(v_pool),
+    return call(q.astype(jnp.float32), k, v, k_scale, v_scale,
                 jnp.asarray(layer, jnp.int32), table.astype(jnp.int32), pos.astype(jnp.int32),
                 page_size=int(page_size), window=int(sliding_window or 0),
                 softcap=np.float32(softcap or 0.0))

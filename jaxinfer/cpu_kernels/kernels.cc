@@ -86,10 +86,12 @@ inline __m512 load16(const uint16_t* p, int64_t n = 16) {
 // machine's jnp.sum reads about 29 GB/s). Into L1, the requests held up the loads.
 constexpr int64_t kAheadRows = 4;
 
-// Asks for bytes [p, p + bytes) into L2, a cache line at a time.
+// Asks for bytes [p, p + bytes) into L2, a cache line at a time. Written as inline assembly:
+// GCC counts a function whose only effect is _mm_prefetch as one without effects and drops
+// calls to it that it has not inlined (it did so to a helper that called this).
 inline void prefetch_l2(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64)
-    _mm_prefetch(static_cast<const char*>(p) + off, _MM_HINT_T1);
+    asm volatile("prefetcht1 %0" : : "m"(*(static_cast<const char*>(p) + off)));
 }
 
 // acc[0:n1-n0] = sum over k in [k0, k1) of x[k] * w[k, n0:n1]: row by row, each row's segment
@@ -450,6 +452,10 @@ template <>
 inline __m512 load_key16<uint16_t>(const uint16_t* p) { return load16(p); }
 template <>
 inline __m512 load_key16<float>(const float* p) { return _mm512_loadu_ps(p); }
+template <>
+inline __m512 load_key16<int8_t>(const int8_t* p) {  // int8 codes, their scale applied later
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 
 
 // r[j] = the sum of the 16 lanes of v[j] for j < n (r[j] = 0 beyond): a transposing tree of
@@ -467,6 +473,28 @@ inline int64_t group_size(int64_t pos, int64_t end, int64_t Z) {
 }
 
 
+// A key or value row of H = 16 * HB elements as HB vectors of float32. bf16 rows are read 32
+// elements at a time and split into their even and odd elements, a shift and a mask where
+// widening them in order takes four conversions: vector 2c holds elements 32c + 2i and vector
+// 2c + 1 elements 32c + 2i + 1 (i < 16). attend_row lays the queries out alike (kSplit) and
+// puts the sums back in order at the end.
+template <typename T>
+constexpr bool kSplit = std::is_same_v<T, uint16_t>;
+
+template <typename T, int HB>
+inline void load_row(const T* p, __m512* out) {
+  if constexpr (kSplit<T>) {
+    const __m512i high = _mm512_set1_epi32(int32_t(0xFFFF0000u));
+    for (int c = 0; c < HB / 2; ++c) {
+      const __m512i w = _mm512_loadu_si512(p + 32 * c);
+      out[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+      out[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(w, high));
+    }
+  } else {
+    for (int b = 0; b < HB; ++b) out[b] = load_key16<T>(p + 16 * b);
+  }
+}
+
 // partial[g][j] = q[g] * k[j] lane by lane (its lanes summed later), for GB queries of one kv
 // head (kept in registers) and the group's count keys k[j] = kp + j * stride.
 template <typename T, int HB, int GB>
@@ -477,7 +505,7 @@ inline void qk_block(const float* q, const T* kp, int64_t stride, int64_t count,
     for (int b = 0; b < HB; ++b) qv[g][b] = _mm512_loadu_ps(q + g * 16 * HB + 16 * b);
   for (int64_t j = 0; j < count; ++j) {
     __m512 kk[HB];
-    for (int b = 0; b < HB; ++b) kk[b] = load_key16<T>(kp + j * stride + 16 * b);
+    load_row<T, HB>(kp + j * stride, kk);
     for (int g = 0; g < GB; ++g) {
       __m512 d = _mm512_mul_ps(qv[g][0], kk[0]);
       for (int b = 1; b < HB; ++b) d = _mm512_fmadd_ps(qv[g][b], kk[b], d);
@@ -495,7 +523,7 @@ inline void pv_block(const float (*probs)[16], const T* vp, int64_t stride, int6
     for (int b = 0; b < HB; ++b) a[g][b] = _mm512_load_ps(acc[g] + 16 * b);
   for (int64_t j = 0; j < count; ++j) {
     __m512 vv[HB];
-    for (int b = 0; b < HB; ++b) vv[b] = load_key16<T>(vp + j * stride + 16 * b);
+    load_row<T, HB>(vp + j * stride, vv);
     for (int g = 0; g < GB; ++g) {
       const __m512 p = _mm512_set1_ps(probs[g][j]);
       for (int b = 0; b < HB; ++b) a[g][b] = _mm512_fmadd_ps(p, vv[b], a[g][b]);
@@ -523,14 +551,77 @@ inline void with_group(int64_t gb, F f) {
 
 constexpr int kMaxHeads = 64;  // kv heads x G queries of one row
 
+// Groups whose scores are taken together before their values are summed: one online-softmax
+// step (one maximum, one correction) per chunk instead of per group. With the walk below,
+// 30 layers of SmolLM2's 16-row decode attention took 3.2-3.5 ms against 4.6 ms (groups one
+// at a time, each group's keys then values, the next group asked for), alternating in one
+// process; 8 and 16 groups a chunk, and 1 to 3 items ahead, were alike.
+constexpr int64_t kChunkGroups = 8;
+// Groups whose value scales are kept: the chunk's for int8 codes, none otherwise.
+template <typename T>
+constexpr int64_t kScaledChunkGroups = std::is_same_v<T, int8_t> ? kChunkGroups : 1;
+
+// A row's keys from start to end in the order attend_row reads them: chunks of up to
+// kChunkGroups groups, each chunk's key groups and then its value groups (items).
+struct Walk {
+  const int32_t* table;
+  int64_t M, Z, end;
+  int64_t ng = 0, item = 0;  // the chunk's groups, the item within the chunk (0 .. 2 ng)
+  int64_t gpos[kChunkGroups + 1], gslot[kChunkGroups], gcount[kChunkGroups];
+
+  Walk(const int32_t* table, int64_t M, int64_t Z, int64_t end, int64_t start)
+      : table(table), M(M), Z(Z), end(end) {
+    chunk(start);
+  }
+  void chunk(int64_t pos) {
+    ng = item = 0;
+    gpos[0] = pos;
+    while (ng < kChunkGroups && gpos[ng] <= end) {
+      gcount[ng] = group_size(gpos[ng], end, Z);
+      gslot[ng] = table[(gpos[ng] / Z) % M] * Z + gpos[ng] % Z;
+      gpos[ng + 1] = gpos[ng] + gcount[ng];
+      ++ng;
+    }
+  }
+  bool done() const { return ng == 0; }
+  bool values() const { return item >= ng; }
+  int64_t group() const { return item % ng; }
+  void advance() {
+    if (ng > 0 && ++item == 2 * ng) chunk(gpos[ng]);
+  }
+};
+
+// Asks for kv head kh's share of the walk's current group (its keys or values) into L2, and
+// with kv head 0 the group's scales where the pool has them.
+template <typename T>
+inline void ask(const Walk& w, const T* k_layer, const T* v_layer, const float* ks_layer,
+                const float* vs_layer, int64_t stride, int64_t K, int64_t kh) {
+  if (w.done()) return;
+  const int64_t g = w.group();
+  if (kh == 0 && ks_layer != nullptr)
+    prefetch_l2((w.values() ? vs_layer : ks_layer) + w.gslot[g] * K,
+                w.gcount[g] * K * int64_t(sizeof(float)));
+  const int64_t bytes = w.gcount[g] * stride * int64_t(sizeof(T));
+  const int64_t share = (bytes / K + 63) / 64 * 64;
+  const char* base = reinterpret_cast<const char*>((w.values() ? v_layer : k_layer) +
+                                                   w.gslot[g] * stride);
+  prefetch_l2(base + kh * share, std::min(bytes, (kh + 1) * share) - kh * share);
+}
+
+// Items a walk asks for ahead of the one being read.
+constexpr int64_t kAheadItems = 2;
+
 // One row's query heads, NH = K * G of them (q [K, G, 16 * HB]), over the keys at positions
-// [start, end] of a row whose logical page j is table[j % M]; out [K, G, 16 * HB]. Each group
-// of up to 16 keys of one page is read slot by slot, every kv head of a slot together (a slot's
-// keys are contiguous in the pool), so the reads run in memory order within a page.
+// [start, end] of a row whose logical page j is table[j % M]; out [K, G, 16 * HB]. The keys
+// go in chunks of up to kChunkGroups groups of up to 16 keys of one page: the chunk's scores
+// group by group, one online-softmax step for the whole chunk, then its values group by group.
+// A group is read slot by slot, every kv head of a slot together (a slot's keys are contiguous
+// in the pool), so the reads run in memory order within a page; a second walk asks for the
+// groups kAheadItems on.
 template <typename T, int HB>
 void attend_row(const float* q, int64_t K, int64_t G, const T* k_layer, const T* v_layer,
-                const int32_t* table, int64_t M, int64_t Z, int64_t start, int64_t end,
-                float softcap, float* out) {
+                const float* ks_layer, const float* vs_layer, const int32_t* table, int64_t M,
+                int64_t Z, int64_t start, int64_t end, float softcap, float* out) {
   constexpr int64_t H = 16 * HB;
   const int64_t NH = K * G;
   const int64_t stride = K * H;  // between consecutive slots of the pool
@@ -541,79 +632,133 @@ void attend_row(const float* q, int64_t K, int64_t G, const T* k_layer, const T*
     m[n] = -INFINITY;
     l[n] = 0.0f;
   }
+  // The queries in load_row's order where it splits the keys.
+  alignas(64) float q_split[kSplit<T> ? kMaxHeads : 1][H];
+  if constexpr (kSplit<T>) {
+    const __m512i evens = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odds = _mm512_add_epi32(evens, _mm512_set1_epi32(1));
+    for (int64_t n = 0; n < NH; ++n)
+      for (int64_t c = 0; c < H; c += 32) {
+        const __m512 lo = _mm512_loadu_ps(q + n * H + c), hi = _mm512_loadu_ps(q + n * H + c + 16);
+        _mm512_store_ps(q_split[n] + c, _mm512_permutex2var_ps(lo, evens, hi));
+        _mm512_store_ps(q_split[n] + c + 16, _mm512_permutex2var_ps(lo, odds, hi));
+      }
+    q = q_split[0];
+  }
   alignas(64) float partial[kMaxHeads][16][16];
-  alignas(64) float probs[kMaxHeads][16];
-  for (int64_t pos = start; pos <= end;) {
-    const int64_t count = group_size(pos, end, Z);
-    const int64_t slot0 = table[(pos / Z) % M] * Z + pos % Z;
-    const T* kp = k_layer + slot0 * stride;
-    const T* vp = v_layer + slot0 * stride;
-    // The next group's page is anywhere in the pool: its keys are asked for while this group's
-    // key products run, its values while the value sums run, a kv head's share at a time
-    // (10% less time than asking for its first 512 bytes alone, in alternating runs), into L2
-    // (_MM_HINT_T1: 5.7-7.0 against 7.6-9.9 ms for 30 layers of SmolLM2's 16-row decode
-    // attention with the same requests into L1, which hold up the loads; two groups ahead or
-    // both hints gave no more).
-    const char* nk = nullptr;
-    const char* nv = nullptr;
-    int64_t nbytes = 0;
-    if (pos + count <= end) {
-      const int64_t next = pos + count;
-      const int64_t nslot = table[(next / Z) % M] * Z + next % Z;
-      nk = reinterpret_cast<const char*>(k_layer + nslot * stride);
-      nv = reinterpret_cast<const char*>(v_layer + nslot * stride);
-      nbytes = group_size(next, end, Z) * stride * int64_t(sizeof(T));
+  // A chunk's scores, then its probabilities: [group][head][key], NH heads a group.
+  alignas(64) float probs_all[kChunkGroups * kMaxHeads][16];
+  auto probs = [&](int64_t g) { return probs_all + g * NH; };
+  // A quantized pool's scales of a group's keys, and of the chunk's values, kv head by kv head
+  // (0 past a group's keys): a score is q . codes times its key's scale, and a value's scale
+  // goes into its probability.
+  alignas(64) float k_scales[kMaxHeads][16];
+  alignas(64) float v_scales_all[kScaledChunkGroups<T> * kMaxHeads][16];
+  auto v_scales = [&](int64_t g) { return v_scales_all + g * K; };
+  const bool scaled = ks_layer != nullptr;
+  // The second walk, kAheadItems groups on, asks for what the first reads next into L2, a kv
+  // head's share with each kv head's products.
+  Walk walk(table, M, Z, end, start), ahead = walk;
+  for (int64_t i = 0; i < kAheadItems; ++i) {
+    for (int64_t kh = 0; kh < K; ++kh) ask(ahead, k_layer, v_layer, ks_layer, vs_layer, stride, K, kh);
+    ahead.advance();
+  }
+  while (!walk.done()) {
+    const int64_t ng = walk.ng;
+    for (int64_t g = 0; g < ng; ++g, walk.advance(), ahead.advance()) {
+      const int64_t count = walk.gcount[g], slot0 = walk.gslot[g];
+      if (scaled) {
+        for (int64_t kh = 0; kh < K; ++kh)
+          for (int64_t j = 0; j < 16; ++j) {
+            k_scales[kh][j] = j < count ? ks_layer[(slot0 + j) * K + kh] : 0.0f;
+            v_scales(g)[kh][j] = j < count ? vs_layer[(slot0 + j) * K + kh] : 0.0f;
+          }
+      }
+      for (int64_t kh = 0; kh < K; ++kh) {
+        ask(ahead, k_layer, v_layer, ks_layer, vs_layer, stride, K, kh);
+        for (int64_t g0 = 0; g0 < G; g0 += kGroupStep<HB>)
+          with_group<HB>(std::min<int64_t>(kGroupStep<HB>, G - g0), [&](auto gb) {
+            qk_block<T, HB, decltype(gb)::value>(q + (kh * G + g0) * H,
+                                                 k_layer + slot0 * stride + kh * H, stride,
+                                                 count, partial + kh * G + g0);
+          });
+      }
+      const __mmask16 live = __mmask16((1u << count) - 1u);
+      for (int64_t n = 0; n < NH; ++n) {
+        __m512 s = sum_each16(partial[n], count);
+        if (scaled) s = _mm512_mul_ps(s, _mm512_load_ps(k_scales[n / G]));
+        if (softcap > 0.0f) s = softcap16(s, softcap);
+        _mm512_store_ps(probs(g)[n], _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, s));
+      }
     }
-    const int64_t share = (nbytes / K + 63) / 64 * 64;  // bytes of the next group per kv head
-    for (int64_t kh = 0; kh < K; ++kh) {
-      prefetch_l2(nk + kh * share, std::min(nbytes, (kh + 1) * share) - kh * share);
-      for (int64_t g0 = 0; g0 < G; g0 += kGroupStep<HB>)
-        with_group<HB>(std::min<int64_t>(kGroupStep<HB>, G - g0), [&](auto gb) {
-          qk_block<T, HB, decltype(gb)::value>(q + (kh * G + g0) * H, kp + kh * H, stride, count,
-                                               partial + kh * G + g0);
-        });
-    }
-    const __mmask16 live = __mmask16((1u << count) - 1u);
+    // The chunk's softmax, one online step for all its groups.
     for (int64_t n = 0; n < NH; ++n) {
-      __m512 s = sum_each16(partial[n], count);
-      if (softcap > 0.0f) s = softcap16(s, softcap);
-      const float m_new = std::max(m[n], _mm512_mask_reduce_max_ps(live, s));
-      const __m512 p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
-      const float corr = std::exp(m[n] - m_new);  // 0 on the first group (m = -inf)
-      l[n] = l[n] * corr + _mm512_reduce_add_ps(p);
+      __m512 top = _mm512_load_ps(probs(0)[n]);
+      for (int64_t g = 1; g < ng; ++g) top = _mm512_max_ps(top, _mm512_load_ps(probs(g)[n]));
+      const float m_new = std::max(m[n], _mm512_reduce_max_ps(top));
+      const __m512 shift = _mm512_set1_ps(m_new);
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t g = 0; g < ng; ++g) {
+        const __m512 p = exp16(_mm512_sub_ps(_mm512_load_ps(probs(g)[n]), shift));  // 0 at -inf
+        sum = _mm512_add_ps(sum, p);
+        if constexpr ((kScaledChunkGroups<T>) > 1)
+          _mm512_store_ps(probs(g)[n], scaled ? _mm512_mul_ps(p, _mm512_load_ps(v_scales(g)[n / G])) : p);
+        else
+          _mm512_store_ps(probs(g)[n], p);
+      }
+      const float corr = std::exp(m[n] - m_new);  // 0 on the first chunk (m = -inf)
+      l[n] = l[n] * corr + _mm512_reduce_add_ps(sum);
       m[n] = m_new;
-      _mm512_store_ps(probs[n], p);
       if (corr != 1.0f) {
         const __m512 c = _mm512_set1_ps(corr);
         for (int b = 0; b < HB; ++b)
           _mm512_store_ps(acc[n] + 16 * b, _mm512_mul_ps(_mm512_load_ps(acc[n] + 16 * b), c));
       }
     }
-    for (int64_t kh = 0; kh < K; ++kh) {
-      prefetch_l2(nv + kh * share, std::min(nbytes, (kh + 1) * share) - kh * share);
-      for (int64_t g0 = 0; g0 < G; g0 += kGroupStep<HB>)
-        with_group<HB>(std::min<int64_t>(kGroupStep<HB>, G - g0), [&](auto gb) {
-          pv_block<T, HB, decltype(gb)::value>(probs + kh * G + g0, vp + kh * H, stride, count,
-                                               acc + kh * G + g0);
-        });
+    for (int64_t g = 0; g < ng; ++g) {
+      const int64_t count = walk.gcount[g], slot0 = walk.gslot[g];
+      for (int64_t kh = 0; kh < K; ++kh) {
+        ask(ahead, k_layer, v_layer, ks_layer, vs_layer, stride, K, kh);
+        for (int64_t g0 = 0; g0 < G; g0 += kGroupStep<HB>)
+          with_group<HB>(std::min<int64_t>(kGroupStep<HB>, G - g0), [&](auto gb) {
+            pv_block<T, HB, decltype(gb)::value>(probs(g) + kh * G + g0,
+                                                 v_layer + slot0 * stride + kh * H, stride,
+                                                 count, acc + kh * G + g0);
+          });
+      }
+      walk.advance();
+      ahead.advance();
     }
-    pos += count;
   }
+  const __m512i first = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
   for (int64_t n = 0; n < NH; ++n) {
     const __m512 inv = _mm512_set1_ps(l[n] > 0.0f ? 1.0f / l[n] : 0.0f);
-    for (int b = 0; b < HB; ++b)
-      _mm512_storeu_ps(out + n * H + 16 * b, _mm512_mul_ps(_mm512_load_ps(acc[n] + 16 * b), inv));
+    for (int b = 0; b < HB; ++b) {
+      const __m512 a = _mm512_mul_ps(_mm512_load_ps(acc[n] + 16 * b), inv);
+      if constexpr (kSplit<T>) {  // b even: elements 16b + 2i, b + 1: 16b + 2i + 1
+        if (b % 2 == 1) {
+          const __m512 even = _mm512_mul_ps(_mm512_load_ps(acc[n] + 16 * (b - 1)), inv);
+          _mm512_storeu_ps(out + n * H + 16 * (b - 1), _mm512_permutex2var_ps(even, first, a));
+          _mm512_storeu_ps(out + n * H + 16 * b, _mm512_permutex2var_ps(even, second, a));
+        }
+      } else {
+        _mm512_storeu_ps(out + n * H + 16 * b, a);
+      }
+    }
   }
 }
 
 template <typename T, int HB>
-void attend_all(ffi::ThreadPool& pool, const float* q, const T* k, const T* v, int64_t layer,
-                int64_t slots, int64_t Nt, int64_t K, int64_t G, const int32_t* table,
-                int64_t M, const int32_t* pos, int64_t Z, int64_t window, float softcap,
-                float* out) {
+void attend_all(ffi::ThreadPool& pool, const float* q, const T* k, const T* v, const float* ks,
+                const float* vs, int64_t layer, int64_t slots, int64_t Nt, int64_t K, int64_t G,
+                const int32_t* table, int64_t M, const int32_t* pos, int64_t Z, int64_t window,
+                float softcap, float* out) {
   constexpr int64_t H = 16 * HB;
   const T* k_layer = k + layer * slots * K * H;
   const T* v_layer = v + layer * slots * K * H;
+  const float* ks_layer = ks ? ks + layer * slots * K : nullptr;
+  const float* vs_layer = vs ? vs + layer * slots * K : nullptr;
   parallel_chunks(pool, Nt, helper_count(pool), [=](int64_t t) {
     const int64_t end = pos[t];
     float* o = out + t * K * G * H;
@@ -622,16 +767,18 @@ void attend_all(ffi::ThreadPool& pool, const float* q, const T* k, const T* v, i
       return;
     }
     const int64_t start = window > 0 ? std::max<int64_t>(0, end - window + 1) : 0;
-    attend_row<T, HB>(q + t * K * G * H, K, G, k_layer, v_layer, table + t * M, M, Z, start, end,
-                      softcap, o);
+    attend_row<T, HB>(q + t * K * G * H, K, G, k_layer, v_layer, ks_layer, vs_layer, table + t * M,
+                      M, Z, start, end, softcap, o);
   });
 }
 
-// q [Nt, K, G, H] float32 (scaled); k, v [L, slots, K, H] (bf16 bits as u16, or float32);
-// layer [] s32; table [Nt, M] s32, the tile's row's pages; pos [Nt] s32, the query's position
-// (-1: an empty tile, whose output is zeros). out [Nt, K, G, H] float32.
+// q [Nt, K, G, H] float32 (scaled); k, v [L, slots, K, H] (bf16 bits as u16, float32, or int8
+// codes); k_scale, v_scale [L, slots, K] float32 for int8 codes (value = code * scale), empty
+// otherwise; layer [] s32; table [Nt, M] s32, the tile's row's pages; pos [Nt] s32, the query's
+// position (-1: an empty tile, whose output is zeros). out [Nt, K, G, H] float32.
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
-                           ffi::AnyBuffer v, ffi::Buffer<ffi::S32> layer,
+                           ffi::AnyBuffer v, ffi::Buffer<ffi::F32> k_scale,
+                           ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::S32> layer,
                            ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> pos,
                            ffi::ResultBuffer<ffi::F32> out, int64_t page_size, int64_t window,
                            float softcap) {
@@ -644,34 +791,41 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
   if (kd[2] != K || kd[3] != H || td[0] != Nt || pos.element_count() != Nt || K * G > kMaxHeads ||
       k.element_type() != v.element_type() || page_size <= 0 || slots % page_size != 0)
     return ffi::Error::InvalidArgument("decode_attention: inconsistent shapes");
+  const auto type = k.element_type();
+  const bool codes = type == ffi::DataType::S8;
+  if (type != ffi::DataType::U16 && type != ffi::DataType::F32 && !codes)
+    return ffi::Error::InvalidArgument("decode_attention: k/v must be u16 (bf16 bits), f32 or "
+                                       "s8 (int8 codes)");
+  const int64_t scales = codes ? L * slots * K : 0;
+  if (k_scale.element_count() != scales || v_scale.element_count() != scales)
+    return ffi::Error::InvalidArgument("decode_attention: k/v scales [L, S, K] go with int8 "
+                                       "codes, and only with them");
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= L) return ffi::Error::InvalidArgument("decode_attention: layer out of range");
   const int32_t* tp = table.typed_data();
   const int32_t* pp = pos.typed_data();
   float* op = out->typed_data();
-  const bool bits = k.element_type() == ffi::DataType::U16;
-  if (!bits && k.element_type() != ffi::DataType::F32)
-    return ffi::Error::InvalidArgument("decode_attention: k/v must be u16 (bf16 bits) or f32");
-#define JAXINFER_ATTEND(HB)                                                                    \
-  case HB:                                                                                     \
-    if (bits)                                                                                  \
-      attend_all<uint16_t, HB>(pool, q.typed_data(), static_cast<const uint16_t*>(k.untyped_data()), \
-                               static_cast<const uint16_t*>(v.untyped_data()), l, slots, Nt, K, G, \
-                               tp, M, pp, page_size, window, softcap, op);                     \
-    else                                                                                       \
-      attend_all<float, HB>(pool, q.typed_data(), static_cast<const float*>(k.untyped_data()), \
-                            static_cast<const float*>(v.untyped_data()), l, slots, Nt, K, G, tp, \
-                            M, pp, page_size, window, softcap, op);                            \
+  const float* ks = codes ? k_scale.typed_data() : nullptr;
+  const float* vs = codes ? v_scale.typed_data() : nullptr;
+  auto attend = [&](auto hb) -> ffi::Error {
+    constexpr int HB = decltype(hb)::value;
+    auto run = [&](auto* kp) {
+      using T = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
+      attend_all<T, HB>(pool, q.typed_data(), kp, static_cast<const T*>(v.untyped_data()), ks,
+                        vs, l, slots, Nt, K, G, tp, M, pp, page_size, window, softcap, op);
+    };
+    if (type == ffi::DataType::U16) run(static_cast<const uint16_t*>(k.untyped_data()));
+    else if (type == ffi::DataType::F32) run(static_cast<const float*>(k.untyped_data()));
+    else run(static_cast<const int8_t*>(k.untyped_data()));
     return ffi::Error::Success();
+  };
   switch (H % 16 == 0 ? H / 16 : 0) {
-    JAXINFER_ATTEND(2)
-    JAXINFER_ATTEND(4)
-    JAXINFER_ATTEND(8)
-    JAXINFER_ATTEND(16)
-    default:
-      break;
+    case 2: return attend(std::integral_constant<int, 2>());
+    case 4: return attend(std::integral_constant<int, 4>());
+    case 8: return attend(std::integral_constant<int, 8>());
+    case 16: return attend(std::integral_constant<int, 16>());
+    default: break;
   }
-#undef JAXINFER_ATTEND
   return ffi::Error::InvalidArgument("decode_attention: head_dim must be 32, 64, 128 or 256");
 }
 
@@ -696,6 +850,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_decode_attention, DecodeAttention,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
