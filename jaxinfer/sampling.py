@@ -36,10 +36,14 @@ class SamplingArrays:
 
 
 def apply_repetition_penalty(logits: jax.Array, seen: jax.Array, penalty: jax.Array) -> jax.Array:
-    """logits [B, V] float32; seen [B, V] bool (token occurred in prompt or output); penalty [B]."""
-    pen = penalty[:, None]
-    penalized = jnp.where(logits > 0, logits / pen, logits * pen)
-    return jnp.where(seen, penalized, logits)
+    """logits [B, V] float32; seen [B, V] bool (token occurred in prompt or output); penalty [B].
+    Skipped when every row's penalty is 1 (the result would be logits exactly): XLA:CPU makes
+    five passes over [B, V] for it, about 0.5 ms of a 16-row decode step of SmolLM2."""
+    def penalize(logits):
+        pen = penalty[:, None]
+        penalized = jnp.where(logits > 0, logits / pen, logits * pen)
+        return jnp.where(seen, penalized, logits)
+    return jax.lax.cond(jnp.any(penalty != 1.0), penalize, lambda logits: logits, logits)
 
 
 # Candidate counts tried, smallest first, before top-k / top-p sort a whole vocabulary. Over
