@@ -557,9 +557,12 @@ constexpr int kMaxHeads = 64;  // kv heads x G queries of one row
 // at a time, each group's keys then values, the next group asked for), alternating in one
 // process; 8 and 16 groups a chunk, and 1 to 3 items ahead, were alike.
 constexpr int64_t kChunkGroups = 8;
-// Groups whose value scales are kept: the chunk's for int8 codes, none otherwise.
+// Whether the pool holds codes with scales (int8), and the groups whose value scales are kept:
+// the chunk's for codes, none otherwise.
 template <typename T>
-constexpr int64_t kScaledChunkGroups = std::is_same_v<T, int8_t> ? kChunkGroups : 1;
+constexpr bool kScaled = std::is_same_v<T, int8_t>;
+template <typename T>
+constexpr int64_t kScaledChunkGroups = kScaled<T> ? kChunkGroups : 1;
 
 // A row's keys from start to end in the order attend_row reads them: chunks of up to
 // kChunkGroups groups, each chunk's key groups and then its value groups (items).
@@ -655,7 +658,7 @@ void attend_row(const float* q, int64_t K, int64_t G, const T* k_layer, const T*
   alignas(64) float k_scales[kMaxHeads][16];
   alignas(64) float v_scales_all[kScaledChunkGroups<T> * kMaxHeads][16];
   auto v_scales = [&](int64_t g) { return v_scales_all + g * K; };
-  const bool scaled = ks_layer != nullptr;
+  constexpr bool scaled = kScaled<T>;  // ks_layer and vs_layer are set for codes
   // The second walk, kAheadItems groups on, asks for what the first reads next into L2, a kv
   // head's share with each kv head's products.
   Walk walk(table, M, Z, end, start), ahead = walk;
@@ -667,7 +670,7 @@ void attend_row(const float* q, int64_t K, int64_t G, const T* k_layer, const T*
     const int64_t ng = walk.ng;
     for (int64_t g = 0; g < ng; ++g, walk.advance(), ahead.advance()) {
       const int64_t count = walk.gcount[g], slot0 = walk.gslot[g];
-      if (scaled) {
+      if constexpr (scaled) {
         for (int64_t kh = 0; kh < K; ++kh)
           for (int64_t j = 0; j < 16; ++j) {
             k_scales[kh][j] = j < count ? ks_layer[(slot0 + j) * K + kh] : 0.0f;
@@ -686,7 +689,7 @@ void attend_row(const float* q, int64_t K, int64_t G, const T* k_layer, const T*
       const __mmask16 live = __mmask16((1u << count) - 1u);
       for (int64_t n = 0; n < NH; ++n) {
         __m512 s = sum_each16(partial[n], count);
-        if (scaled) s = _mm512_mul_ps(s, _mm512_load_ps(k_scales[n / G]));
+        if constexpr (scaled) s = _mm512_mul_ps(s, _mm512_load_ps(k_scales[n / G]));
         if (softcap > 0.0f) s = softcap16(s, softcap);
         _mm512_store_ps(probs(g)[n], _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, s));
       }
@@ -701,8 +704,8 @@ void attend_row(const float* q, int64_t K, int64_t G, const T* k_layer, const T*
       for (int64_t g = 0; g < ng; ++g) {
         const __m512 p = exp16(_mm512_sub_ps(_mm512_load_ps(probs(g)[n]), shift));  // 0 at -inf
         sum = _mm512_add_ps(sum, p);
-        if constexpr ((kScaledChunkGroups<T>) > 1)
-          _mm512_store_ps(probs(g)[n], scaled ? _mm512_mul_ps(p, _mm512_load_ps(v_scales(g)[n / G])) : p);
+        if constexpr (scaled)
+          _mm512_store_ps(probs(g)[n], _mm512_mul_ps(p, _mm512_load_ps(v_scales(g)[n / G])));
         else
           _mm512_store_ps(probs(g)[n], p);
       }
