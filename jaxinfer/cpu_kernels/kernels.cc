@@ -601,7 +601,7 @@ inline void ask(const Walk& w, const T* k_layer, const T* v_layer, const float* 
                 const float* vs_layer, int64_t stride, int64_t K, int64_t kh) {
   if (w.done()) return;
   const int64_t g = w.group();
-  if (kh == 0 && ks_layer != nullptr)
+  if (kScaled<T> && kh == 0)
     prefetch_l2((w.values() ? vs_layer : ks_layer) + w.gslot[g] * K,
                 w.gcount[g] * K * int64_t(sizeof(float)));
   const int64_t bytes = w.gcount[g] * stride * int64_t(sizeof(T));
@@ -662,6 +662,16 @@ void attend_row(const float* q, int64_t K, int64_t G, const T* k_layer, const T*
   // The second walk, kAheadItems groups on, asks for what the first reads next into L2, a kv
   // head's share with each kv head's products.
   Walk walk(table, M, Z, end, start), ahead = walk;
+  // For each kv head: its share of what comes next asked for, then block(kh, g0, gb) for its
+  // queries, kGroupStep<HB> at a time.
+  auto each_kv_head = [&](auto block) {
+    for (int64_t kh = 0; kh < K; ++kh) {
+      ask(ahead, k_layer, v_layer, ks_layer, vs_layer, stride, K, kh);
+      for (int64_t g0 = 0; g0 < G; g0 += kGroupStep<HB>)
+        with_group<HB>(std::min<int64_t>(kGroupStep<HB>, G - g0),
+                       [&](auto gb) { block(kh, g0, gb); });
+    }
+  };
   for (int64_t i = 0; i < kAheadItems; ++i) {
     for (int64_t kh = 0; kh < K; ++kh) ask(ahead, k_layer, v_layer, ks_layer, vs_layer, stride, K, kh);
     ahead.advance();
@@ -677,15 +687,11 @@ void attend_row(const float* q, int64_t K, int64_t G, const T* k_layer, const T*
             v_scales(g)[kh][j] = j < count ? vs_layer[(slot0 + j) * K + kh] : 0.0f;
           }
       }
-      for (int64_t kh = 0; kh < K; ++kh) {
-        ask(ahead, k_layer, v_layer, ks_layer, vs_layer, stride, K, kh);
-        for (int64_t g0 = 0; g0 < G; g0 += kGroupStep<HB>)
-          with_group<HB>(std::min<int64_t>(kGroupStep<HB>, G - g0), [&](auto gb) {
-            qk_block<T, HB, decltype(gb)::value>(q + (kh * G + g0) * H,
-                                                 k_layer + slot0 * stride + kh * H, stride,
-                                                 count, partial + kh * G + g0);
-          });
-      }
+      each_kv_head([&](int64_t kh, int64_t g0, auto gb) {
+        qk_block<T, HB, decltype(gb)::value>(q + (kh * G + g0) * H,
+                                             k_layer + slot0 * stride + kh * H, stride, count,
+                                             partial + kh * G + g0);
+      });
       const __mmask16 live = __mmask16((1u << count) - 1u);
       for (int64_t n = 0; n < NH; ++n) {
         __m512 s = sum_each16(partial[n], count);
@@ -720,15 +726,11 @@ void attend_row(const float* q, int64_t K, int64_t G, const T* k_layer, const T*
     }
     for (int64_t g = 0; g < ng; ++g) {
       const int64_t count = walk.gcount[g], slot0 = walk.gslot[g];
-      for (int64_t kh = 0; kh < K; ++kh) {
-        ask(ahead, k_layer, v_layer, ks_layer, vs_layer, stride, K, kh);
-        for (int64_t g0 = 0; g0 < G; g0 += kGroupStep<HB>)
-          with_group<HB>(std::min<int64_t>(kGroupStep<HB>, G - g0), [&](auto gb) {
-            pv_block<T, HB, decltype(gb)::value>(probs(g) + kh * G + g0,
-                                                 v_layer + slot0 * stride + kh * H, stride,
-                                                 count, acc + kh * G + g0);
-          });
-      }
+      each_kv_head([&](int64_t kh, int64_t g0, auto gb) {
+        pv_block<T, HB, decltype(gb)::value>(probs(g) + kh * G + g0,
+                                             v_layer + slot0 * stride + kh * H, stride, count,
+                                             acc + kh * G + g0);
+      });
       walk.advance();
       ahead.advance();
     }
@@ -737,17 +739,16 @@ void attend_row(const float* q, int64_t K, int64_t G, const T* k_layer, const T*
   const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
   for (int64_t n = 0; n < NH; ++n) {
     const __m512 inv = _mm512_set1_ps(l[n] > 0.0f ? 1.0f / l[n] : 0.0f);
-    for (int b = 0; b < HB; ++b) {
-      const __m512 a = _mm512_mul_ps(_mm512_load_ps(acc[n] + 16 * b), inv);
-      if constexpr (kSplit<T>) {  // b even: elements 16b + 2i, b + 1: 16b + 2i + 1
-        if (b % 2 == 1) {
-          const __m512 even = _mm512_mul_ps(_mm512_load_ps(acc[n] + 16 * (b - 1)), inv);
-          _mm512_storeu_ps(out + n * H + 16 * (b - 1), _mm512_permutex2var_ps(even, first, a));
-          _mm512_storeu_ps(out + n * H + 16 * b, _mm512_permutex2var_ps(even, second, a));
-        }
-      } else {
-        _mm512_storeu_ps(out + n * H + 16 * b, a);
+    if constexpr (kSplit<T>) {  // vectors b, b + 1: elements 16b + 2i and 16b + 2i + 1
+      for (int b = 0; b < HB; b += 2) {
+        const __m512 even = _mm512_mul_ps(_mm512_load_ps(acc[n] + 16 * b), inv);
+        const __m512 odd = _mm512_mul_ps(_mm512_load_ps(acc[n] + 16 * (b + 1)), inv);
+        _mm512_storeu_ps(out + n * H + 16 * b, _mm512_permutex2var_ps(even, first, odd));
+        _mm512_storeu_ps(out + n * H + 16 * (b + 1), _mm512_permutex2var_ps(even, second, odd));
       }
+    } else {
+      for (int b = 0; b < HB; ++b)
+        _mm512_storeu_ps(out + n * H + 16 * b, _mm512_mul_ps(_mm512_load_ps(acc[n] + 16 * b), inv));
     }
   }
 }
