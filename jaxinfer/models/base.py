@@ -290,9 +290,15 @@ class Family:
         """The step's attention context (see Context), once per forward."""
         T, B, Z = batch.num_tokens, cache.batch, cache.page_size
         positions = batch.positions(cache.lengths)                         # [T]
-        kv_lengths = cache.lengths + batch.num_queries
+        # The per-row metadata ([B] ints) is replicated on a mesh: every device builds the same
+        # tiles locally. Left sharded over `data`, the tiles' searches gathered across devices
+        # inside their loops, and XLA:CPU's simulated devices could deadlock on such nested
+        # collectives (each device waiting in a different one).
+        query_start, num_queries, lengths = (sharding.constrain(x, (None,)) for x in (
+            batch.query_start, batch.num_queries, cache.lengths))
+        kv_lengths = lengths + num_queries
         static = cache.block_tables.shape[1] if differentiable else None
-        metas = tuple(ragged_meta(batch.query_start, batch.num_queries, kv_lengths,
+        metas = tuple(ragged_meta(query_start, num_queries, kv_lengths,
                                   num_tokens=T, query_tile=query_tile,
                                   num_tiles=num_tiles or num_tiles_bound(T, query_tile, B),
                                   page_size=Z, sliding_window=w, static_pages=static)
