@@ -340,10 +340,29 @@ def paged_loop_attention(q, k_all, v_all, layer, block_tables, meta: RaggedMeta,
     for tiles in (meta.singles, meta.tiles):
         if tiles is None:
             continue
+        if _native_singles(tiles, meta, k_all, v_all, N):
+            # The native decode kernel (docs/cpu_kernels.md) reads each visible key once, and
+            # takes the queries and gives the outputs in token order: no gather or scatter
+            # around it (it zeroes the tokens of no single tile; the multi-query tiles follow).
+            K = jax.tree.leaves(k_all)[0].shape[-2]
+            o = cpu_kernels.decode_attention(
+                q.reshape(T, K, N // K, H), k_all, v_all, layer, block_tables,
+                tiles.index[:, 0], tiles.row, tiles.pos[:, 0], page_size=page_size, scale=scale,
+                sliding_window=sliding_window, softcap=softcap)
+            out = o.reshape(T, N, H).astype(q.dtype)
+            continue
         o = _tile_attention(q, k_all, v_all, layer, block_tables, tiles, meta, page_size=page_size,
                             sliding_window=sliding_window, softcap=softcap, scale=scale)
         out = out.at[tiles.index.reshape(-1)].set(o.astype(q.dtype), mode="drop")
     return out
+
+
+def _native_singles(tiles: Tiles, meta: RaggedMeta, k_all, v_all, num_heads: int) -> bool:
+    """Whether cpu_kernels.decode_attention serves these tiles: single-query tiles, a dynamic
+    trip count (not a differentiable forward), kernels built and the pools readable by it."""
+    return (tiles.query_tile == 1 and meta.static_pages is None and cpu_kernels.enabled()
+            and cpu_kernels.attention_supports(k_all, num_heads)
+            and cpu_kernels.attention_supports(v_all, num_heads))
 
 
 def _tile_attention(q, k_all, v_all, layer, block_tables, tiles: Tiles, meta: RaggedMeta,
@@ -397,14 +416,6 @@ def _tile_attention(q, k_all, v_all, layer, block_tables, tiles: Tiles, meta: Ra
         return gather_block(jnp.arange(Nt, dtype=jnp.int32), tiles.first_page + i * pb)
 
     static_blocks = None if meta.static_pages is None else -(-meta.static_pages // pb)
-    if (Q == 1 and static_blocks is None and cpu_kernels.enabled()
-            and cpu_kernels.attention_supports(k_all, N)
-            and cpu_kernels.attention_supports(v_all, N)):
-        # The native decode kernel (docs/cpu_kernels.md) reads each visible key once.
-        o = cpu_kernels.decode_attention(qt.reshape(Nt, K, G, H), k_all, v_all, layer, table,
-                                         tiles.pos[:, 0], page_size=Z,
-                                         sliding_window=sliding_window, softcap=softcap)
-        return o.reshape(Nt * Q, N, H)
     mesh_shape = sharding.context_mesh_shape()
     if Q == 1 and (mesh_shape is None or mesh_shape.get("tensor", 1) == 1):
         # Decode keys multiply in bf16 where the pool holds bf16 (single_query_loop).

@@ -226,13 +226,19 @@ ATTENTION_CASES = [(3, 3, 64, 16, None, None), (1, 4, 128, 8, None, 30.0),
 def test_decode_attention_matches_a_float64_reference(pool, K, G, H, Z, window, softcap):
     """Shuffled pages, NaN in every slot no query may see (in an int8 pool, its scales), an
     empty tile (position -1), a row at its first key, one at the last slot of its table, and
-    rows past the table (a ring: logical page j is entry j % M). Tolerance 1e-5 absolute:
-    float32 products, sums and exponentials against float64 over the same keys and values (an
-    int8 pool's codes times their scales)."""
+    rows past the table (a ring: logical page j is entry j % M); tiles in another order than
+    their tokens and rows, a tile of no token and one of no row (both ignored), and tokens of
+    no tile (zeros). Tolerance 1e-5 absolute: float32 products, sums and exponentials against
+    float64 over the same keys and values (an int8 pool's codes times their scales) and the
+    queries times the scale in float32."""
     rng = np.random.default_rng(K * 100 + G * 10 + Z)
     L, P, M, layer = 3, 40, 12, 1
-    pos = np.array([0, 5, Z * M - 1, -1, 37 % (Z * M), Z, Z * M + 3], np.int32)
-    Nt = len(pos)
+    pos = np.array([0, 5, Z * M - 1, -1, 37 % (Z * M), Z, Z * M + 3, 3, 4], np.int32)
+    Nt, T, B = len(pos), len(pos) + 2, len(pos) + 1
+    token = rng.permutation(T)[:Nt].astype(np.int32)
+    row = rng.permutation(B)[:Nt].astype(np.int32)
+    token[-2], row[-1] = T, B          # the last two tiles: no token, no row
+    live = (pos >= 0) & (token < T) & (row < B)
     k = rng.normal(size=(L, P * Z, K, H)).astype(np.float32)
     v = rng.normal(size=(L, P * Z, K, H)).astype(np.float32)
     if pool == "bf16 bits":
@@ -241,17 +247,22 @@ def test_decode_attention_matches_a_float64_reference(pool, K, G, H, Z, window, 
         quantized = [quantize_kv(jnp.asarray(a), jnp.int8) for a in (k, v)]
         k, v = (np.asarray(a.codes, np.float64) * np.asarray(a.scale, np.float64)[..., None]
                 for a in quantized)
-    table = np.stack([rng.permutation(P)[:M] for _ in range(Nt)]).astype(np.int32)
+    tables = np.stack([rng.permutation(P)[:M] for _ in range(B)]).astype(np.int32)
+    table = tables[np.minimum(row, B - 1)]                                 # each tile's
     seen = np.zeros(P * Z, bool)
-    for t in range(Nt):
-        if pos[t] >= 0:
-            p = np.arange(max(0, pos[t] - window + 1) if window else 0, pos[t] + 1)
-            seen[table[t][(p // Z) % M] * Z + p % Z] = True
+    for t in np.flatnonzero(live):
+        p = np.arange(max(0, pos[t] - window + 1) if window else 0, pos[t] + 1)
+        seen[table[t][(p // Z) % M] * Z + p % Z] = True
     kn, vn = k.copy(), v.copy()
     kn[layer][~seen] = np.nan
     vn[layer][~seen] = np.nan
-    q = (rng.normal(size=(Nt, K, G, H)) * H ** -0.5).astype(np.float32)
-    want = attention_reference(q, k, v, layer, table, pos, Z, window, softcap)
+    q = rng.normal(size=(T, K, G, H)).astype(np.float32)
+    scale = np.float32(0.7 * H ** -0.5)
+    tile_pos = np.where(live, pos, -1)
+    per_tile = attention_reference(q[np.minimum(token, T - 1)] * scale, k, v, layer, table,
+                                   tile_pos, Z, window, softcap)
+    want = np.zeros(q.shape)
+    want[token[live]] = per_tile[live]
     if pool == "bf16 bits":
         kp, vp = (Bits16KV(bits=Bits16KV.encode(jnp.asarray(a), "bfloat16")) for a in (kn, vn))
     elif pool == "int8 codes":
@@ -263,13 +274,15 @@ def test_decode_attention_matches_a_float64_reference(pool, K, G, H, Z, window, 
     else:
         kp, vp = jnp.asarray(kn), jnp.asarray(vn)
     assert cpu_kernels.attention_supports(kp, K * G)
-    fn = jax.jit(lambda q, kp, vp, layer, table, pos: cpu_kernels.decode_attention(
-        q, kp, vp, layer, table, pos, page_size=Z, sliding_window=window, softcap=softcap))
-    got = np.asarray(fn(jnp.asarray(q), kp, vp, jnp.int32(layer), jnp.asarray(table),
-                        jnp.asarray(pos)))
+    fn = jax.jit(lambda *a: cpu_kernels.decode_attention(
+        *a, page_size=Z, scale=float(scale), sliding_window=window, softcap=softcap))
+    got = np.asarray(fn(jnp.asarray(q), kp, vp, jnp.int32(layer), jnp.asarray(tables),
+                        jnp.asarray(token), jnp.asarray(row), jnp.asarray(pos)))
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
-    assert (got[pos < 0] == 0).all()
+    named = np.zeros(T, bool)
+    named[token[live]] = True
+    assert (got[~named] == 0).all()
 
 
 def test_decode_attention_supports_only_what_it_reads():

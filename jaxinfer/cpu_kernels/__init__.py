@@ -212,15 +212,18 @@ def attention_supports(pool, num_heads: int) -> bool:
             and num_heads <= ATTENTION_MAX_HEADS)
 
 
-def decode_attention(q: jax.Array, k_pool, v_pool, layer, table: jax.Array, pos: jax.Array, *,
-                     page_size: int, sliding_window: int | None = None,
-                     softcap: float | None = None) -> jax.Array:
-    """One query per tile over its row's paged keys (docs/cpu_kernels.md): q [Nt, K, G, H]
-    float32, already scaled; k_pool, v_pool [L, P * page_size, K, H] (float32, Bits16KV of
-    bf16, or QuantizedKV of int8 codes); layer an int32 scalar; table [Nt, M] int32, logical
-    page j of tile t being table[t, j % M]; pos [Nt] int32, the query's position (its keys are
-    positions 0..pos, or the last sliding_window of them; -1: an empty tile). Returns
-    [Nt, K, G, H] float32, zeros for empty tiles. Not differentiable."""
+def decode_attention(q: jax.Array, k_pool, v_pool, layer, tables: jax.Array, token: jax.Array,
+                     row: jax.Array, pos: jax.Array, *, page_size: int, scale: float,
+                     sliding_window: int | None = None, softcap: float | None = None) -> jax.Array:
+    """Single-query tiles over their rows' paged keys, read and written in the step's token
+    order (docs/cpu_kernels.md): q [T, K, G, H], the step's queries (unscaled: the kernel
+    multiplies each by `scale` in float32); k_pool, v_pool [L, P * page_size, K, H] (float32,
+    Bits16KV of bf16, or QuantizedKV of int8 codes); layer an int32 scalar; tables [B, M] int32,
+    logical page j of row b being tables[b, j % M]; token, row, pos [Nt] int32: tile t is the
+    query of token token[t] (T or more: no tile), of row row[t] (B or more: no tile), at
+    position pos[t] (its keys are positions 0..pos, or the last sliding_window of them; -1: no
+    tile). Returns [T, K, G, H] float32: each tile's output at its token, zeros at tokens no
+    tile names. Not differentiable."""
     from jaxinfer.kv_cache import Bits16KV
     from jaxinfer.quant.kv import QuantizedKV
 
@@ -233,7 +236,8 @@ def decode_attention(q: jax.Array, k_pool, v_pool, layer, table: jax.Array, pos:
     (k, k_scale), (v, v_scale) = split(k_pool), split(v_pool)
     call = jax.ffi.ffi_call(_target("decode_attention"),
                             jax.ShapeDtypeStruct(q.shape, jnp.float32))
-    return call(q.astype(jnp.float32), k, v, k_scale, v_scale,
-                jnp.asarray(layer, jnp.int32), table.astype(jnp.int32), pos.astype(jnp.int32),
-                page_size=int(page_size), window=int(sliding_window or 0),
-                softcap=np.float32(softcap or 0.0))
+    i32 = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
+    return call(q.astype(jnp.float32), k, v, k_scale, v_scale, i32(layer), i32(tables),
+                i32(token), i32(row), i32(pos), page_size=int(page_size),
+                window=int(sliding_window or 0), softcap=np.float32(softcap or 0.0),
+                scale=np.float32(scale))

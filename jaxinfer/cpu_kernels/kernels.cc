@@ -622,9 +622,10 @@ constexpr int64_t kAheadItems = 2;
 // in the pool), so the reads run in memory order within a page; a second walk asks for the
 // groups kAheadItems on.
 template <typename T, int HB>
-void attend_row(const float* q, int64_t K, int64_t G, const T* k_layer, const T* v_layer,
-                const float* ks_layer, const float* vs_layer, const int32_t* table, int64_t M,
-                int64_t Z, int64_t start, int64_t end, float softcap, float* out) {
+void attend_row(const float* q, float scale, int64_t K, int64_t G, const T* k_layer,
+                const T* v_layer, const float* ks_layer, const float* vs_layer,
+                const int32_t* table, int64_t M, int64_t Z, int64_t start, int64_t end,
+                float softcap, float* out) {
   constexpr int64_t H = 16 * HB;
   const int64_t NH = K * G;
   const int64_t stride = K * H;  // between consecutive slots of the pool
@@ -635,19 +636,25 @@ void attend_row(const float* q, int64_t K, int64_t G, const T* k_layer, const T*
     m[n] = -INFINITY;
     l[n] = 0.0f;
   }
-  // The queries in load_row's order where it splits the keys.
-  alignas(64) float q_split[kSplit<T> ? kMaxHeads : 1][H];
-  if constexpr (kSplit<T>) {
-    const __m512i evens = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
-    const __m512i odds = _mm512_add_epi32(evens, _mm512_set1_epi32(1));
-    for (int64_t n = 0; n < NH; ++n)
-      for (int64_t c = 0; c < H; c += 32) {
-        const __m512 lo = _mm512_loadu_ps(q + n * H + c), hi = _mm512_loadu_ps(q + n * H + c + 16);
-        _mm512_store_ps(q_split[n] + c, _mm512_permutex2var_ps(lo, evens, hi));
-        _mm512_store_ps(q_split[n] + c + 16, _mm512_permutex2var_ps(lo, odds, hi));
+  // The queries times scale (one float32 multiply each), in load_row's order where it splits
+  // the keys.
+  alignas(64) float q_scaled[kMaxHeads][H];
+  const __m512 by = _mm512_set1_ps(scale);
+  const __m512i evens = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i odds = _mm512_add_epi32(evens, _mm512_set1_epi32(1));
+  for (int64_t n = 0; n < NH; ++n)
+    for (int64_t c = 0; c < H; c += 32) {
+      const __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(q + n * H + c), by);
+      const __m512 hi = _mm512_mul_ps(_mm512_loadu_ps(q + n * H + c + 16), by);
+      if constexpr (kSplit<T>) {
+        _mm512_store_ps(q_scaled[n] + c, _mm512_permutex2var_ps(lo, evens, hi));
+        _mm512_store_ps(q_scaled[n] + c + 16, _mm512_permutex2var_ps(lo, odds, hi));
+      } else {
+        _mm512_store_ps(q_scaled[n] + c, lo);
+        _mm512_store_ps(q_scaled[n] + c + 16, hi);
       }
-    q = q_split[0];
-  }
+    }
+  q = q_scaled[0];
   alignas(64) float partial[kMaxHeads][16][16];
   // A chunk's scores, then its probabilities: [group][head][key], NH heads a group.
   alignas(64) float probs_all[kChunkGroups * kMaxHeads][16];
@@ -754,45 +761,49 @@ void attend_row(const float* q, int64_t K, int64_t G, const T* k_layer, const T*
 }
 
 template <typename T, int HB>
-void attend_all(ffi::ThreadPool& pool, const float* q, const T* k, const T* v, const float* ks,
-                const float* vs, int64_t layer, int64_t slots, int64_t Nt, int64_t K, int64_t G,
-                const int32_t* table, int64_t M, const int32_t* pos, int64_t Z, int64_t window,
-                float softcap, float* out) {
+void attend_all(ffi::ThreadPool& pool, const float* q, int64_t T_, float scale, const T* k,
+                const T* v, const float* ks, const float* vs, int64_t layer, int64_t slots,
+                int64_t Nt, int64_t K, int64_t G, const int32_t* tables, int64_t B, int64_t M,
+                const int32_t* token, const int32_t* row, const int32_t* pos, int64_t Z,
+                int64_t window, float softcap, float* out) {
   constexpr int64_t H = 16 * HB;
+  const int64_t per_token = K * G * H;
   const T* k_layer = k + layer * slots * K * H;
   const T* v_layer = v + layer * slots * K * H;
   const float* ks_layer = ks ? ks + layer * slots * K : nullptr;
   const float* vs_layer = vs ? vs + layer * slots * K : nullptr;
+  // Tokens that no tile names keep zeros.
+  std::memset(out, 0, sizeof(float) * T_ * per_token);
   parallel_chunks(pool, Nt, helper_count(pool), [=](int64_t t) {
-    const int64_t end = pos[t];
-    float* o = out + t * K * G * H;
-    if (end < 0) {
-      std::memset(o, 0, sizeof(float) * K * G * H);
-      return;
-    }
+    const int64_t end = pos[t], tok = token[t], r = row[t];
+    if (end < 0 || tok < 0 || tok >= T_ || r < 0 || r >= B) return;
     const int64_t start = window > 0 ? std::max<int64_t>(0, end - window + 1) : 0;
-    attend_row<T, HB>(q + t * K * G * H, K, G, k_layer, v_layer, ks_layer, vs_layer, table + t * M,
-                      M, Z, start, end, softcap, o);
+    attend_row<T, HB>(q + tok * per_token, scale, K, G, k_layer, v_layer, ks_layer, vs_layer,
+                      tables + r * M, M, Z, start, end, softcap, out + tok * per_token);
   });
 }
 
-// q [Nt, K, G, H] float32 (scaled); k, v [L, slots, K, H] (bf16 bits as u16, float32, or int8
-// codes); k_scale, v_scale [L, slots, K] float32 for int8 codes (value = code * scale), empty
-// otherwise; layer [] s32; table [Nt, M] s32, the tile's row's pages; pos [Nt] s32, the query's
-// position (-1: an empty tile, whose output is zeros). out [Nt, K, G, H] float32.
+// q [T, K, G, H] float32, the step's queries (unscaled: each is multiplied by `scale` first);
+// k, v [L, slots, K, H] (bf16 bits as u16, float32, or int8 codes); k_scale, v_scale
+// [L, slots, K] float32 for int8 codes (value = code * scale), empty otherwise; layer [] s32;
+// tables [B, M] s32, each row's pages; token, row, pos [Nt] s32: tile t is the query of token
+// token[t] (T or more: none), of row row[t] (B or more: none), at position pos[t] (-1: none).
+// out [T, K, G, H] float32: each tile's attention at its token, zeros for tokens no tile names.
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
                            ffi::AnyBuffer v, ffi::Buffer<ffi::F32> k_scale,
                            ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::S32> layer,
-                           ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> pos,
+                           ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> token,
+                           ffi::Buffer<ffi::S32> row, ffi::Buffer<ffi::S32> pos,
                            ffi::ResultBuffer<ffi::F32> out, int64_t page_size, int64_t window,
-                           float softcap) {
-  const auto qd = q.dimensions(), kd = k.dimensions(), td = table.dimensions();
+                           float softcap, float scale) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), td = tables.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || td.size() != 2)
-    return ffi::Error::InvalidArgument("decode_attention: q [Nt, K, G, H], k/v [L, S, K, H], "
-                                       "table [Nt, M] expected");
-  const int64_t Nt = qd[0], K = qd[1], G = qd[2], H = qd[3];
-  const int64_t L = kd[0], slots = kd[1], M = td[1];
-  if (kd[2] != K || kd[3] != H || td[0] != Nt || pos.element_count() != Nt || K * G > kMaxHeads ||
+    return ffi::Error::InvalidArgument("decode_attention: q [T, K, G, H], k/v [L, S, K, H], "
+                                       "tables [B, M] expected");
+  const int64_t T_ = qd[0], K = qd[1], G = qd[2], H = qd[3];
+  const int64_t L = kd[0], slots = kd[1], B = td[0], M = td[1], Nt = pos.element_count();
+  if (kd[2] != K || kd[3] != H || token.element_count() != Nt || row.element_count() != Nt ||
+      out->element_count() != q.element_count() || K * G > kMaxHeads ||
       k.element_type() != v.element_type() || page_size <= 0 || slots % page_size != 0)
     return ffi::Error::InvalidArgument("decode_attention: inconsistent shapes");
   const auto type = k.element_type();
@@ -806,8 +817,6 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
                                        "codes, and only with them");
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= L) return ffi::Error::InvalidArgument("decode_attention: layer out of range");
-  const int32_t* tp = table.typed_data();
-  const int32_t* pp = pos.typed_data();
   float* op = out->typed_data();
   const float* ks = codes ? k_scale.typed_data() : nullptr;
   const float* vs = codes ? v_scale.typed_data() : nullptr;
@@ -815,8 +824,10 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
     constexpr int HB = decltype(hb)::value;
     auto run = [&](auto* kp) {
       using T = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
-      attend_all<T, HB>(pool, q.typed_data(), kp, static_cast<const T*>(v.untyped_data()), ks,
-                        vs, l, slots, Nt, K, G, tp, M, pp, page_size, window, softcap, op);
+      attend_all<T, HB>(pool, q.typed_data(), T_, scale, kp,
+                        static_cast<const T*>(v.untyped_data()), ks, vs, l, slots, Nt, K, G,
+                        tables.typed_data(), B, M, token.typed_data(), row.typed_data(),
+                        pos.typed_data(), page_size, window, softcap, op);
     };
     if (type == ffi::DataType::U16) run(static_cast<const uint16_t*>(k.untyped_data()));
     else if (type == ffi::DataType::F32) run(static_cast<const float*>(k.untyped_data()));
@@ -859,10 +870,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_decode_attention, DecodeAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("page_size")
                                   .Attr<int64_t>("window")
-                                  .Attr<float>("softcap"));
+                                  .Attr<float>("softcap")
+                                  .Attr<float>("scale"));
 
 JAXINFER_PRODUCT_HANDLER(jaxinfer_rows_times_matrix, RowsTimesMatrix)
 
