@@ -324,7 +324,8 @@ def ragged_attention(q: jax.Array, k_all, v_all, layer, block_tables: jax.Array,
 
 
 def paged_loop_attention(q, k_all, v_all, layer, block_tables, meta: RaggedMeta, *,
-                         page_size: int, sliding_window=None, softcap=None, sm_scale=None):
+                         page_size: int, sliding_window=None, softcap=None, sm_scale=None,
+                         out=None):
     """The jnp ragged attention, written for XLA:CPU: for each set of tiles (meta.singles, then
     meta.tiles), a while loop of dynamic trip count walks a work list of (tile, block of
     pages_per_block pages) pairs, each iteration gathering its pairs' pages straight from the
@@ -333,10 +334,13 @@ def paged_loop_attention(q, k_all, v_all, layer, block_tables, meta: RaggedMeta,
     tiles need, with no static page-count bucket. (On a mesh, multi-query tiles walk every
     tile to the longest row instead, split over devices; so do decode tiles under tensor
     parallelism, their heads split.)
-    Logical page j of a row is table entry j % M, so a wrapping ring reads the same way."""
+    Logical page j of a row is table entry j % M, so a wrapping ring reads the same way.
+    out: the output so far ([T, N, H], zeros by default), each set of tiles written over it at
+    its own tokens."""
     T, N, H = q.shape
     scale = sm_scale if sm_scale is not None else H ** -0.5
-    out = jnp.zeros((T, N, H), q.dtype)
+    if out is None:
+        out = jnp.zeros((T, N, H), q.dtype)
     for tiles in (meta.singles, meta.tiles):
         if tiles is None:
             continue
@@ -344,11 +348,9 @@ def paged_loop_attention(q, k_all, v_all, layer, block_tables, meta: RaggedMeta,
             # The native decode kernel (docs/cpu_kernels.md) reads each visible key once, and
             # takes the queries and gives the outputs in token order: no gather or scatter
             # around it (it zeroes the tokens of no single tile; the multi-query tiles follow).
-            K = jax.tree.leaves(k_all)[0].shape[-2]
-            o = cpu_kernels.decode_attention(
-                q.reshape(T, K, N // K, H), k_all, v_all, layer, block_tables,
-                tiles.index[:, 0], tiles.row, tiles.pos[:, 0], page_size=page_size, scale=scale,
-                sliding_window=sliding_window, softcap=softcap)
+            o = _native_call(cpu_kernels.decode_attention, q, (k_all, v_all, layer,
+                             block_tables), tiles, page_size=page_size, scale=scale,
+                             sliding_window=sliding_window, softcap=softcap)
             out = o.reshape(T, N, H).astype(q.dtype)
             continue
         o = _tile_attention(q, k_all, v_all, layer, block_tables, tiles, meta, page_size=page_size,
@@ -357,12 +359,51 @@ def paged_loop_attention(q, k_all, v_all, layer, block_tables, meta: RaggedMeta,
     return out
 
 
+def write_and_attend(q, k, v, slots, k_all, v_all, layer, block_tables, meta: RaggedMeta, *,
+                     page_size: int, sliding_window=None, softcap=None, sm_scale=None):
+    """The step's new keys and values k, v [T, K, H] written into layer `layer`'s slots [T]
+    of the pools (kv_cache.PagedKVCache.write_layer's effect), then ragged_attention's
+    reference path over them, with the native decode kernel doing the writes and the decode
+    tiles in one call (cpu_kernels.decode_attention_writing: no XLA scatter per pool) where
+    it serves them (_native_singles, float32 or bf16 pools). Returns (out [T, N, H], k_all,
+    v_all), or None where the kernel does not serve them (the caller writes and attends)."""
+    T, N, H = q.shape
+    tiles = meta.singles
+    if (tiles is None or not _native_singles(tiles, meta, k_all, v_all, N)
+            or not cpu_kernels.writing_supports(k_all)
+            or not cpu_kernels.writing_supports(v_all)):
+        return None
+    scale = sm_scale if sm_scale is not None else H ** -0.5
+    o, k_all, v_all = _native_call(
+        functools.partial(cpu_kernels.decode_attention_writing, k_new=k, v_new=v, slots=slots),
+        q, (k_all, v_all, layer, block_tables), tiles, page_size=page_size, scale=scale,
+        sliding_window=sliding_window, softcap=softcap)
+    out = o.reshape(T, N, H).astype(q.dtype)
+    if meta.tiles is not None:
+        out = paged_loop_attention(q, k_all, v_all, layer, block_tables,
+                                   meta.replace(singles=None), page_size=page_size,
+                                   sliding_window=sliding_window, softcap=softcap,
+                                   sm_scale=sm_scale, out=out)
+    return out, k_all, v_all
+
+
 def _native_singles(tiles: Tiles, meta: RaggedMeta, k_all, v_all, num_heads: int) -> bool:
     """Whether cpu_kernels.decode_attention serves these tiles: single-query tiles, a dynamic
     trip count (not a differentiable forward), kernels built and the pools readable by it."""
     return (tiles.query_tile == 1 and meta.static_pages is None and cpu_kernels.enabled()
             and cpu_kernels.attention_supports(k_all, num_heads)
             and cpu_kernels.attention_supports(v_all, num_heads))
+
+
+def _native_call(kernel, q, pools_layer_tables, tiles: Tiles, **kw):
+    """kernel (a cpu_kernels decode attention) over the single-query tiles, q [T, N, H] viewed
+    as [T, K, G, H] with the pools' K."""
+    T, N, H = q.shape
+    k_all, v_all, layer, block_tables = pools_layer_tables
+    K = jax.tree.leaves(k_all)[0].shape[-2]
+    return kernel(q.reshape(T, K, N // K, H), k_pool=k_all, v_pool=v_all, layer=layer,
+                  tables=block_tables, token=tiles.index[:, 0], row=tiles.row,
+                  pos=tiles.pos[:, 0], **kw)
 
 
 def _tile_attention(q, k_all, v_all, layer, block_tables, tiles: Tiles, meta: RaggedMeta,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxinfer import cpu_kernels
-from jaxinfer.kv_cache import Bits16KV
+from jaxinfer.kv_cache import Bits16KV, PagedKVCache
 from jaxinfer.layers import float_matmul
 from jaxinfer.quant.kv import QuantizedKV, quantize_kv
 
@@ -298,3 +298,46 @@ def test_decode_attention_supports_only_what_it_reads():
                                       scale=jnp.ones((1, 16, 3)))
     assert cpu_kernels.attention_supports(codes(jnp.int8), 9)
     assert not cpu_kernels.attention_supports(codes(jnp.float8_e4m3fn), 9)
+
+
+@needs_kernels
+@pytest.mark.parametrize("pool", ["bf16 bits", "float32"])
+def test_decode_attention_writing_equals_xla_write_then_attention(pool):
+    """decode_attention_writing: the pools afterwards equal XLA's scatter of the new keys and
+    values (astype's rounding to bf16) bit for bit, untouched elsewhere, a slot past the pool
+    dropped; its output equals decode_attention's over those pools bit for bit."""
+    rng = np.random.default_rng(7)
+    L, P, Z, K, G, H, M, layer = 2, 12, 8, 3, 3, 64, 4, 1
+    T, B = 5, 4
+    k = rng.normal(size=(L, P * Z, K, H)).astype(np.float32)
+    v = rng.normal(size=(L, P * Z, K, H)).astype(np.float32)
+    tables = np.stack([rng.permutation(P)[:M] for _ in range(B)]).astype(np.int32)
+    lengths = np.array([3, 9, 0, 17], np.int32)           # each row's keys before the step
+    # Tokens 0-3 are rows 3, 0, 2, 1 at their next positions; token 4 is padding (no slot).
+    rows = np.array([3, 0, 2, 1, B], np.int32)
+    pos = np.where(rows < B, lengths[np.minimum(rows, B - 1)], -1).astype(np.int32)
+    slots = np.where(rows < B, tables[np.minimum(rows, B - 1), pos // Z] * Z + pos % Z, P * Z)
+    k_new = rng.normal(size=(T, K, H)).astype(np.float32)
+    v_new = rng.normal(size=(T, K, H)).astype(np.float32)
+    q = rng.normal(size=(T, K, G, H)).astype(np.float32)
+    wrap = ((lambda a: Bits16KV(bits=Bits16KV.encode(jnp.asarray(a), "bfloat16")))
+            if pool == "bf16 bits" else jnp.asarray)
+    token = np.arange(T, dtype=np.int32)
+    kw = dict(page_size=Z, scale=H ** -0.5)
+    common = lambda kp, vp: (kp, vp, jnp.int32(layer), jnp.asarray(tables), jnp.asarray(token),  # noqa: E731
+                             jnp.asarray(rows), jnp.asarray(pos))
+    out, kw_pool, vw_pool = jax.jit(lambda q, kn, vn, s, kp, vp: cpu_kernels.decode_attention_writing(
+        q, kn, vn, s, *common(kp, vp), **kw))(q, k_new, v_new, jnp.asarray(slots, jnp.int32),
+                                              wrap(k), wrap(v))
+    write = lambda a, new: PagedKVCache.write_layer(a, layer, jnp.asarray(new),  # noqa: E731
+                                                    jnp.asarray(slots, jnp.int32))
+    k_want, v_want = write(wrap(k), k_new), write(wrap(v), v_new)
+    leaves = lambda a: np.asarray(jax.tree.leaves(a)[0])  # noqa: E731
+    np.testing.assert_array_equal(leaves(kw_pool), leaves(k_want))
+    np.testing.assert_array_equal(leaves(vw_pool), leaves(v_want))
+    want = jax.jit(lambda q, kp, vp: cpu_kernels.decode_attention(q, *common(kp, vp), **kw))(
+        q, k_want, v_want)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+    assert (np.asarray(out)[rows == B] == 0).all()
+    assert cpu_kernels.writing_supports(wrap(k))
+    assert not cpu_kernels.writing_supports(quantize_kv(jnp.asarray(k), jnp.int8))

@@ -42,6 +42,7 @@ REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl")
 HANDLERS = (("row_times_matrix", "jaxinfer_row_times_matrix"),
             ("matrix_times_row", "jaxinfer_matrix_times_row"),
             ("decode_attention", "jaxinfer_decode_attention"),
+            ("decode_attention_writing", "jaxinfer_decode_attention_writing"),
             ("rows_times_matrix", "jaxinfer_rows_times_matrix"),
             ("matrix_times_rows", "jaxinfer_matrix_times_rows"))
 # The few-row products need AVX512-BF16 (vdpbf16ps), and serve up to MAX_ROWS rows: beyond
@@ -224,20 +225,63 @@ def decode_attention(q: jax.Array, k_pool, v_pool, layer, tables: jax.Array, tok
     position pos[t] (its keys are positions 0..pos, or the last sliding_window of them; -1: no
     tile). Returns [T, K, G, H] float32: each tile's output at its token, zeros at tokens no
     tile names. Not differentiable."""
+    (k, k_scale), (v, v_scale) = _stored(k_pool), _stored(v_pool)
+    call = jax.ffi.ffi_call(_target("decode_attention"),
+                            jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    return call(q.astype(jnp.float32), k, v, k_scale, v_scale,
+                *_i32(layer, tables, token, row, pos),
+                **_attention_attrs(page_size, scale, sliding_window, softcap))
+
+
+def decode_attention_writing(q: jax.Array, k_new: jax.Array, v_new: jax.Array,
+                             slots: jax.Array, k_pool, v_pool, layer, tables: jax.Array,
+                             token: jax.Array, row: jax.Array, pos: jax.Array, *,
+                             page_size: int, scale: float, sliding_window: int | None = None,
+                             softcap: float | None = None):
+    """decode_attention after writing the step's new keys and values (docs/cpu_kernels.md):
+    k_new, v_new [T, K, H] go into layer `layer`'s slots [T] of the pools (a slot outside
+    the pool is dropped), in place: the pools are float32 or Bits16KV of bf16 (rounded to
+    nearest even, as astype does), passed in and returned as the same buffers. Returns
+    (out [T, K, G, H] float32, k_pool, v_pool as written)."""
+    from jaxinfer.kv_cache import Bits16KV
+
+    (k, k_scale), (v, v_scale) = _stored(k_pool), _stored(v_pool)
+    call = jax.ffi.ffi_call(
+        _target("decode_attention_writing"),
+        (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(k.shape, k.dtype),
+         jax.ShapeDtypeStruct(v.shape, v.dtype)),
+        input_output_aliases={1: 1, 2: 2})
+    out, k, v = call(q.astype(jnp.float32), k, v, k_new.astype(jnp.float32),
+                     v_new.astype(jnp.float32), jnp.asarray(slots, jnp.int32), k_scale, v_scale,
+                     *_i32(layer, tables, token, row, pos),
+                     **_attention_attrs(page_size, scale, sliding_window, softcap))
+    wrap = lambda pool, a: pool.replace(bits=a) if isinstance(pool, Bits16KV) else a  # noqa: E731
+    return out, wrap(k_pool, k), wrap(v_pool, v)
+
+
+def writing_supports(pool) -> bool:
+    """Whether decode_attention_writing writes this pool (float32, or bf16 kept as bits)."""
+    from jaxinfer.kv_cache import Bits16KV
+
+    if isinstance(pool, Bits16KV):
+        return pool.float_dtype == "bfloat16"
+    return isinstance(pool, jax.Array) and pool.dtype == jnp.float32
+
+
+def _stored(a):
+    """A pool's stored elements and their scales ([L, P * page_size, K], or empty)."""
     from jaxinfer.kv_cache import Bits16KV
     from jaxinfer.quant.kv import QuantizedKV
 
-    def split(a):
-        """(the stored elements, their scales: [L, P * page_size, K] or empty)."""
-        if isinstance(a, QuantizedKV):
-            return a.codes, a.scale.astype(jnp.float32)
-        return (a.bits if isinstance(a, Bits16KV) else a), jnp.zeros((0,), jnp.float32)
+    if isinstance(a, QuantizedKV):
+        return a.codes, a.scale.astype(jnp.float32)
+    return (a.bits if isinstance(a, Bits16KV) else a), jnp.zeros((0,), jnp.float32)
 
-    (k, k_scale), (v, v_scale) = split(k_pool), split(v_pool)
-    call = jax.ffi.ffi_call(_target("decode_attention"),
-                            jax.ShapeDtypeStruct(q.shape, jnp.float32))
-    i32 = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
-    return call(q.astype(jnp.float32), k, v, k_scale, v_scale, i32(layer), i32(tables),
-                i32(token), i32(row), i32(pos), page_size=int(page_size),
-                window=int(sliding_window or 0), softcap=np.float32(softcap or 0.0),
-                scale=np.float32(scale))
+
+def _i32(*arrays):
+    return tuple(jnp.asarray(a, jnp.int32) for a in arrays)
+
+
+def _attention_attrs(page_size, scale, sliding_window, softcap) -> dict:
+    return dict(page_size=int(page_size), window=int(sliding_window or 0),
+                softcap=np.float32(softcap or 0.0), scale=np.float32(scale))

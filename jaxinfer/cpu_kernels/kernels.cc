@@ -783,30 +783,32 @@ void attend_all(ffi::ThreadPool& pool, const float* q, int64_t T_, float scale, 
   });
 }
 
-// q [T, K, G, H] float32, the step's queries (unscaled: each is multiplied by `scale` first);
-// k, v [L, slots, K, H] (bf16 bits as u16, float32, or int8 codes); k_scale, v_scale
-// [L, slots, K] float32 for int8 codes (value = code * scale), empty otherwise; layer [] s32;
-// tables [B, M] s32, each row's pages; token, row, pos [Nt] s32: tile t is the query of token
-// token[t] (T or more: none), of row row[t] (B or more: none), at position pos[t] (-1: none).
-// out [T, K, G, H] float32: each tile's attention at its token, zeros for tokens no tile names.
-ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
-                           ffi::AnyBuffer v, ffi::Buffer<ffi::F32> k_scale,
-                           ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::S32> layer,
-                           ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> token,
-                           ffi::Buffer<ffi::S32> row, ffi::Buffer<ffi::S32> pos,
-                           ffi::ResultBuffer<ffi::F32> out, int64_t page_size, int64_t window,
-                           float softcap, float scale) {
-  const auto qd = q.dimensions(), kd = k.dimensions(), td = tables.dimensions();
+// The pools as the attention reads them: k and v's elements (in place) and their common
+// element type and dimensions.
+struct Pools {
+  const void* k;
+  const void* v;
+  ffi::DataType type;
+  ffi::AnyBuffer::Dimensions dims;
+};
+
+ffi::Error attend_pools(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, const Pools& kv,
+                        ffi::Buffer<ffi::F32>& k_scale, ffi::Buffer<ffi::F32>& v_scale,
+                        ffi::Buffer<ffi::S32>& layer, ffi::Buffer<ffi::S32>& tables,
+                        ffi::Buffer<ffi::S32>& token, ffi::Buffer<ffi::S32>& row,
+                        ffi::Buffer<ffi::S32>& pos, ffi::ResultBuffer<ffi::F32>& out,
+                        int64_t page_size, int64_t window, float softcap, float scale) {
+  const auto qd = q.dimensions(), kd = kv.dims, td = tables.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || td.size() != 2)
     return ffi::Error::InvalidArgument("decode_attention: q [T, K, G, H], k/v [L, S, K, H], "
                                        "tables [B, M] expected");
   const int64_t T_ = qd[0], K = qd[1], G = qd[2], H = qd[3];
   const int64_t L = kd[0], slots = kd[1], B = td[0], M = td[1], Nt = pos.element_count();
   if (kd[2] != K || kd[3] != H || token.element_count() != Nt || row.element_count() != Nt ||
-      out->element_count() != q.element_count() || K * G > kMaxHeads ||
-      k.element_type() != v.element_type() || page_size <= 0 || slots % page_size != 0)
+      out->element_count() != q.element_count() || K * G > kMaxHeads || page_size <= 0 ||
+      slots % page_size != 0)
     return ffi::Error::InvalidArgument("decode_attention: inconsistent shapes");
-  const auto type = k.element_type();
+  const auto type = kv.type;
   const bool codes = type == ffi::DataType::S8;
   if (type != ffi::DataType::U16 && type != ffi::DataType::F32 && !codes)
     return ffi::Error::InvalidArgument("decode_attention: k/v must be u16 (bf16 bits), f32 or "
@@ -825,13 +827,13 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
     auto run = [&](auto* kp) {
       using T = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
       attend_all<T, HB>(pool, q.typed_data(), T_, scale, kp,
-                        static_cast<const T*>(v.untyped_data()), ks, vs, l, slots, Nt, K, G,
+                        static_cast<const T*>(kv.v), ks, vs, l, slots, Nt, K, G,
                         tables.typed_data(), B, M, token.typed_data(), row.typed_data(),
                         pos.typed_data(), page_size, window, softcap, op);
     };
-    if (type == ffi::DataType::U16) run(static_cast<const uint16_t*>(k.untyped_data()));
-    else if (type == ffi::DataType::F32) run(static_cast<const float*>(k.untyped_data()));
-    else run(static_cast<const int8_t*>(k.untyped_data()));
+    if (type == ffi::DataType::U16) run(static_cast<const uint16_t*>(kv.k));
+    else if (type == ffi::DataType::F32) run(static_cast<const float*>(kv.k));
+    else run(static_cast<const int8_t*>(kv.k));
     return ffi::Error::Success();
   };
   switch (H % 16 == 0 ? H / 16 : 0) {
@@ -842,6 +844,94 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
     default: break;
   }
   return ffi::Error::InvalidArgument("decode_attention: head_dim must be 32, 64, 128 or 256");
+}
+
+// q [T, K, G, H] float32, the step's queries (unscaled: each is multiplied by `scale` first);
+// k, v [L, slots, K, H] (bf16 bits as u16, float32, or int8 codes); k_scale, v_scale
+// [L, slots, K] float32 for int8 codes (value = code * scale), empty otherwise; layer [] s32;
+// tables [B, M] s32, each row's pages; token, row, pos [Nt] s32: tile t is the query of token
+// token[t] (T or more: none), of row row[t] (B or more: none), at position pos[t] (-1: none).
+// out [T, K, G, H] float32: each tile's attention at its token, zeros for tokens no tile names.
+ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
+                           ffi::AnyBuffer v, ffi::Buffer<ffi::F32> k_scale,
+                           ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::S32> layer,
+                           ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> token,
+                           ffi::Buffer<ffi::S32> row, ffi::Buffer<ffi::S32> pos,
+                           ffi::ResultBuffer<ffi::F32> out, int64_t page_size, int64_t window,
+                           float softcap, float scale) {
+  if (k.element_type() != v.element_type() || k.element_count() != v.element_count())
+    return ffi::Error::InvalidArgument("decode_attention: k and v pools differ");
+  return attend_pools(pool, q, Pools{k.untyped_data(), v.untyped_data(), k.element_type(),
+                                     k.dimensions()},
+                      k_scale, v_scale, layer, tables, token, row, pos, out, page_size, window,
+                      softcap, scale);
+}
+
+// One float32 value as bf16 bits, rounded to nearest even (NaN stays a quiet NaN).
+inline uint16_t f32_to_bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40u);
+  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// decode_attention after writing the step's new keys and values: k_new, v_new [T, K, H]
+// float32 go into layer `layer`'s slots[t] of the pools (bf16 bits, rounded to nearest even,
+// or float32; a slot outside the pool is dropped), which are the outputs k_out, v_out, the
+// same buffers as k, v (aliased); then the attention reads them as decode_attention does.
+ffi::Error DecodeAttentionWriting(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                                  ffi::AnyBuffer k, ffi::AnyBuffer v,
+                                  ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
+                                  ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::F32> k_scale,
+                                  ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::S32> layer,
+                                  ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> token,
+                                  ffi::Buffer<ffi::S32> row, ffi::Buffer<ffi::S32> pos,
+                                  ffi::ResultBuffer<ffi::F32> out,
+                                  ffi::Result<ffi::AnyBuffer> k_out,
+                                  ffi::Result<ffi::AnyBuffer> v_out, int64_t page_size,
+                                  int64_t window, float softcap, float scale) {
+  const auto type = k.element_type();
+  const auto kd = k.dimensions();
+  if ((type != ffi::DataType::U16 && type != ffi::DataType::F32) || kd.size() != 4 ||
+      v.element_type() != type || k_out->element_type() != type ||
+      v_out->element_type() != type || v.element_count() != k.element_count() ||
+      k_out->element_count() != k.element_count() ||
+      v_out->element_count() != k.element_count())
+    return ffi::Error::InvalidArgument("decode_attention_writing: k, v and their outputs must "
+                                       "be alike, [L, S, K, H] u16 (bf16 bits) or f32");
+  const int64_t L = kd[0], S = kd[1], KH = kd[2] * kd[3], T_ = slots.element_count();
+  if (k_new.element_count() != T_ * KH || v_new.element_count() != T_ * KH)
+    return ffi::Error::InvalidArgument("decode_attention_writing: k_new, v_new [T, K, H] and "
+                                       "slots [T] expected");
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= L)
+    return ffi::Error::InvalidArgument("decode_attention: layer out of range");
+  const size_t bytes = k.size_bytes();
+  // Aliased, the outputs are the inputs' buffers; should XLA ever hand others, copy first.
+  if (k_out->untyped_data() != k.untyped_data())
+    std::memcpy(k_out->untyped_data(), k.untyped_data(), bytes);
+  if (v_out->untyped_data() != v.untyped_data())
+    std::memcpy(v_out->untyped_data(), v.untyped_data(), bytes);
+  const int32_t* sp = slots.typed_data();
+  auto write = [&](void* pool_data, const float* src) {
+    for (int64_t t = 0; t < T_; ++t) {
+      const int64_t s = sp[t];
+      if (s < 0 || s >= S) continue;
+      const float* x = src + t * KH;
+      const int64_t at = (l * S + s) * KH;
+      if (type == ffi::DataType::F32) {
+        std::memcpy(static_cast<float*>(pool_data) + at, x, sizeof(float) * KH);
+      } else {
+        uint16_t* y = static_cast<uint16_t*>(pool_data) + at;
+        for (int64_t i = 0; i < KH; ++i) y[i] = f32_to_bf16_bits(x[i]);
+      }
+    }
+  };
+  write(k_out->untyped_data(), k_new.typed_data());
+  write(v_out->untyped_data(), v_new.typed_data());
+  return attend_pools(pool, q, Pools{k_out->untyped_data(), v_out->untyped_data(), type, kd},
+                      k_scale, v_scale, layer, tables, token, row, pos, out, page_size, window,
+                      softcap, scale);
 }
 
 }  // namespace
@@ -873,6 +963,30 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_decode_attention, DecodeAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("page_size")
+                                  .Attr<int64_t>("window")
+                                  .Attr<float>("softcap")
+                                  .Attr<float>("scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_decode_attention_writing, DecodeAttentionWriting,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("page_size")
                                   .Attr<int64_t>("window")
                                   .Attr<float>("softcap")

@@ -36,7 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import sharding, tuning
-from jaxinfer.attention import RaggedMeta, num_tiles_bound, ragged_attention, ragged_meta
+from jaxinfer.attention import (RaggedMeta, num_tiles_bound, ragged_attention, ragged_meta,
+                                write_and_attend)
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache import PagedKVCache
 from jaxinfer.layers import float_matmul, rope_angles, rope_inv_freq
@@ -123,12 +124,19 @@ def attend(ctx: Context, cfg: ModelConfig, i: int, q: jax.Array, k: jax.Array,
             cache.local_tables()
     else:
         pools, slots, tables = (ctx.k_all, ctx.v_all), ctx.slots, cache.block_tables
-    k_all, v_all = (cache.write_layer(pool, ctx.layer, new, slots)
-                    for pool, new in zip(pools, (k, v)))
-    o = ragged_attention(q, k_all, v_all, ctx.layer, tables, ctx.meta(cfg, window),
-                         page_size=cache.page_size, sliding_window=window,
-                         sm_scale=cfg.query_scale, implementation=ctx.attn_impl,
-                         wraps=ring or cache.wraps)
+    meta, kw = ctx.meta(cfg, window), dict(page_size=cache.page_size, sliding_window=window,
+                                           sm_scale=cfg.query_scale)
+    # The native decode kernel writes the new keys and values itself where it serves the step
+    # (attention.write_and_attend); otherwise XLA writes them and ragged_attention reads.
+    fused = None if ctx.attn_impl != "reference" else write_and_attend(
+        q, k, v, slots, *pools, ctx.layer, tables, meta, **kw)
+    if fused is not None:
+        o, k_all, v_all = fused
+    else:
+        k_all, v_all = (cache.write_layer(pool, ctx.layer, new, slots)
+                        for pool, new in zip(pools, (k, v)))
+        o = ragged_attention(q, k_all, v_all, ctx.layer, tables, meta,
+                             implementation=ctx.attn_impl, wraps=ring or cache.wraps, **kw)
     if ring:
         return o, ctx.replace(local_k_all=k_all, local_v_all=v_all)
     return o, ctx.replace(k_all=k_all, v_all=v_all)
