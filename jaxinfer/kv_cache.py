@@ -24,7 +24,9 @@ written, in order), so no per-slot position array is kept: attention reads keys 
 position and masks them against the queries' positions (jaxinfer.attention).
 
 The model uses it as: write_slots (once per step) -> write_layer (per layer, in place, before
-the layer attends) -> attention over the pool -> advance.
+the layer attends) -> attention over the pool -> advance. Where the native CPU decode kernel
+serves a layer (attention.write_and_attend), the kernel does write_layer's write itself, with
+the same bits, in the same call as the attention.
 
 Either cache's k and v are float arrays, Bits16KV (16-bit floats as raw bits, where the backend
 scatters 16-bit floats slowly: jaxinfer.tuning), or QuantizedKV (kv_cache_dtype "int8" / "fp8"): codes
