@@ -949,24 +949,25 @@ JAXINFER_PRODUCT_HANDLER(jaxinfer_row_times_matrix, RowTimesMatrix)
 
 JAXINFER_PRODUCT_HANDLER(jaxinfer_matrix_times_row, MatrixTimesRow)
 
+// The attention handlers' operands after the queries, pools and new keys (k_scale, v_scale,
+// layer, tables, token, row, pos), and their attributes.
+#define JAXINFER_ATTENTION_READS                                                       \
+  .Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::S32>>() \
+      .Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>()                         \
+      .Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>()
+#define JAXINFER_ATTENTION_ATTRS                                        \
+  .Attr<int64_t>("page_size").Attr<int64_t>("window").Attr<float>("softcap") \
+      .Attr<float>("scale")
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_decode_attention, DecodeAttention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  JAXINFER_ATTENTION_READS
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("page_size")
-                                  .Attr<int64_t>("window")
-                                  .Attr<float>("softcap")
-                                  .Attr<float>("scale"));
+                                  JAXINFER_ATTENTION_ATTRS);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_decode_attention_writing, DecodeAttentionWriting,
                               ffi::Ffi::Bind()
@@ -977,20 +978,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_decode_attention_writing, DecodeAttention
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  JAXINFER_ATTENTION_READS
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("page_size")
-                                  .Attr<int64_t>("window")
-                                  .Attr<float>("softcap")
-                                  .Attr<float>("scale"));
+                                  JAXINFER_ATTENTION_ATTRS);
 
 JAXINFER_PRODUCT_HANDLER(jaxinfer_rows_times_matrix, RowsTimesMatrix)
 
