@@ -196,20 +196,24 @@ rows_times_matrix = _product("rows_times_matrix", 1, "mk,kn->mn")
 matrix_times_rows = _product("matrix_times_rows", 0, "mk,nk->mn")
 
 
-def attention_supports(pool, num_heads: int) -> bool:
-    """Whether decode_attention reads this pool (float32, bf16 kept as bits, or int8 codes with
-    their scales) with these heads."""
+def _pool_kind(pool) -> str | None:
+    """"bf16" (Bits16KV of bf16), "float32", "int8" (QuantizedKV of int8 codes): the pools the
+    decode kernels read; None for any other."""
     from jaxinfer.kv_cache import Bits16KV
     from jaxinfer.quant.kv import QuantizedKV
 
     if isinstance(pool, Bits16KV):
-        ok = pool.float_dtype == "bfloat16"
-    elif isinstance(pool, QuantizedKV):
-        ok = pool.codes.dtype == jnp.int8
-    else:
-        ok = isinstance(pool, jax.Array) and pool.dtype == jnp.float32
+        return "bf16" if pool.float_dtype == "bfloat16" else None
+    if isinstance(pool, QuantizedKV):
+        return "int8" if pool.codes.dtype == jnp.int8 else None
+    return "float32" if isinstance(pool, jax.Array) and pool.dtype == jnp.float32 else None
+
+
+def attention_supports(pool, num_heads: int) -> bool:
+    """Whether decode_attention reads this pool (float32, bf16 kept as bits, or int8 codes with
+    their scales) with these heads."""
     K, H = pool.shape[-2], pool.shape[-1]
-    return (ok and H in ATTENTION_HEAD_DIMS and num_heads % K == 0
+    return (_pool_kind(pool) is not None and H in ATTENTION_HEAD_DIMS and num_heads % K == 0
             and num_heads <= ATTENTION_MAX_HEADS)
 
 
@@ -261,11 +265,7 @@ def decode_attention_writing(q: jax.Array, k_new: jax.Array, v_new: jax.Array,
 
 def writing_supports(pool) -> bool:
     """Whether decode_attention_writing writes this pool (float32, or bf16 kept as bits)."""
-    from jaxinfer.kv_cache import Bits16KV
-
-    if isinstance(pool, Bits16KV):
-        return pool.float_dtype == "bfloat16"
-    return isinstance(pool, jax.Array) and pool.dtype == jnp.float32
+    return _pool_kind(pool) in ("bf16", "float32")
 
 
 def _stored(a):
