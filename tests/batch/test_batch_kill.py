@@ -7,6 +7,8 @@ import json
 import os
 import random
 import signal
+import statistics
+import threading
 import time
 
 import pytest
@@ -18,6 +20,27 @@ pytestmark = pytest.mark.slow
 def finish(proc, timeout=600):
     out, err = proc.communicate(timeout=timeout)
     return proc.returncode, out, err
+
+
+def finish_timed(proc, out_dir, timeout=600):
+    """finish(), also returning the times (since launch) at which the manifest gained lines."""
+    t0, times, done = time.monotonic(), [], threading.Event()
+
+    def watch():
+        seen = 0
+        while not done.is_set():
+            now = commits(out_dir)
+            times.extend([time.monotonic() - t0] * (now - seen))
+            seen = now
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        return (*finish(proc, timeout), times)
+    finally:
+        done.set()
+        watcher.join()
 
 
 def commits(out_dir):
@@ -55,28 +78,32 @@ def test_kill_at_three_random_points_then_resume(tmp_path):
         return ["--input", path, "--output", output, *MODEL_FLAGS, "--seed", "5",
                 "--commit_every", "2", "--progress=false", "--fail_on_error"]
 
-    t0 = time.monotonic()
-    code, stdout, stderr = finish(launch(*command(want)))
-    whole_s = time.monotonic() - t0
+    code, stdout, stderr, times = finish_timed(launch(*command(want)), want)
     assert code == 1, stderr  # --fail_on_error: two lines got error records
     assert "2 line(s) got an error record" in stderr
     assert stdout.startswith("batch: 32 requests, 30 ok, 2 failed (1 duplicate_custom_id, "
                              "1 invalid_json)"), stdout
     total = commits(want)
+    assert total >= 8 and len(times) == total, (total, times)
+    # The kill delays are sized by the uninterrupted run's pace (a warm compile cache or a quiet
+    # machine makes a launch much faster than a fixed delay assumes): its start-up (the time to
+    # the first commit) and the median time between commits.
+    startup_s, part_s = times[0], statistics.median(b - a for a, b in zip(times, times[1:]))
 
     points = []
-    # 1: any time in the first half of an uninterrupted run's time (start-up included: often
-    # before the first commit, while the model loads).
+    # 1: any time in the start-up of an uninterrupted run (often before the first commit, while
+    # the model loads; after it when this launch starts faster).
     proc = launch(*command(out))
-    time.sleep(rng.uniform(0.05, 0.5) * whole_s)
+    time.sleep(rng.uniform(0.05, 1.0) * startup_s)
     assert proc.poll() is None, f"the job ended before the kill point (seed {seed})"
     os.killpg(proc.pid, signal.SIGKILL)
     proc.communicate()
     points.append(("time", commits(out)))
-    # 2 and 3: a random moment after a random number of further commits.
+    # 2 and 3: a random moment within one part's time after a random number of further commits
+    # (at least three parts are left to write then).
     for _ in range(2):
         target = rng.randint(commits(out) + 1, max(commits(out) + 1, total - 3))
-        got = kill_after(launch(*command(out)), out, target, rng.uniform(0, 1.0))
+        got = kill_after(launch(*command(out)), out, target, rng.uniform(0, 1.0) * part_s)
         assert got is not None, f"the job ended before the kill point (seed {seed})"
         points.append((target, got))
     code, stdout, stderr = finish(launch(*command(out)))
@@ -90,5 +117,5 @@ def test_kill_at_three_random_points_then_resume(tmp_path):
     assert [e["first_line"] for e in entries[1:]] == [e["end_line"] for e in entries[:-1]]
     summary = json.load(open(os.path.join(out, "summary.json")))
     assert summary["runs"] >= 2, (seed, points)  # resumed runs committed parts too
-    print(f"seed {seed}: kill points (after commits, commits at kill) {points}; "
+    print(f"seed {seed}: start-up {startup_s:.1f} s, {part_s:.2f} s a part; kill points (after commits, commits at kill) {points}; "
           f"{summary['runs']} runs committed parts")
