@@ -17,6 +17,11 @@ them alike:
     iterations of the model's linears alone (q, k, v, o, gate, up, down per layer and the
     head, through the same quantization-aware `linear`, no norms, RoPE, attention or
     sampling). Both per step; the ratio step / stack per run, and its median;
+  * the keys and values the --rows-row step reads (each row's context, averaged over a
+    run's steps, times the bytes a key and value take in every layer's pool), that read
+    timed at the read bandwidth sampled beside each run, and (stack + that time) / stack:
+    the step / stack ratio of a step that did nothing but its matmuls and one read of its
+    cache at the bandwidth jnp.sum reaches, a floor for the measured ratio;
   * with --ablate_attention, the same comparison again with the jnp attention replaced by
     zeros (the step's cost beyond its matmuls apart from attention).
 On CPU the engine and the stack use the native CPU kernels where they are built
@@ -70,6 +75,8 @@ def main():
     ap.add_argument("--context_max", type=int, default=384)
     ap.add_argument("--kv_cache_dtype", default=None,
                     help="the LLMs' KV cache dtype (default: the model's dtype)")
+    ap.add_argument("--page_size", type=int, default=None,
+                    help="the LLMs' KV page size (default: the LLM's default)")
     ap.add_argument("--ablate_attention", action="store_true",
                     help="also time the --rows-row step with attention replaced by zeros")
     ap.add_argument("--json", action="store_true", help="print one JSON line instead of text")
@@ -77,8 +84,7 @@ def main():
 
     import jaxinfer as ji
 
-    llm = ji.LLM(args.model, max_num_seqs=1, max_seq_len=1024, dtype=args.dtype,
-                 kv_cache_dtype=args.kv_cache_dtype)
+    llm = ji.LLM(args.model, max_num_seqs=1, max_seq_len=1024, **llm_kwargs(args))
     wbytes = weight_bytes(llm.params)  # as placed
     rng = np.random.default_rng(0)
     prefill_prompt = rng.integers(100, llm.model_config.vocab_size, args.prefill_tokens).tolist()
@@ -140,6 +146,9 @@ def main():
         print(f"{args.rows}-row matmul stack {result['matmul_stack_ms']:8.2f} ms (median)")
         print(f"step / matmul stack   {result['step_over_stack']:8.2f} (median of per-run "
               f"ratios: {', '.join(f'{x:.2f}' for x in result['step_over_stack_runs'])})")
+        print(f"KV read per step      {result['kv_read_MB_per_step']:8.1f} MB (median); "
+              f"(stack + that read at the read bandwidth) / stack "
+              f"{result['stack_plus_kv_read_over_stack']:.2f} (median)")
     if args.rows and args.ablate_attention:
         print(f"without attention     {result['ablated_step_over_stack']:8.2f} (step / matmul "
               f"stack, median; {result['ablated_step_ms']:.2f} against "
@@ -166,12 +175,19 @@ def matmul_stack(params, x, *, num_steps: int, architecture: str = "llama"):
     return jax.lax.fori_loop(0, num_steps, body, x)
 
 
+def llm_kwargs(args) -> dict:
+    kw = dict(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype)
+    if args.page_size is not None:
+        kw["page_size"] = args.page_size
+    return kw
+
+
 def batch_step_vs_matmuls(args) -> dict:
     import jaxinfer as ji
     from jaxinfer import tuning
 
     R = args.rows
-    llm = ji.LLM(args.model, max_num_seqs=R, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype)
+    llm = ji.LLM(args.model, max_num_seqs=R, **llm_kwargs(args))
     steps = llm.engine_config.decode_steps
     rng = np.random.default_rng(1)
     V = llm.model_config.vocab_size
@@ -189,18 +205,48 @@ def batch_step_vs_matmuls(args) -> dict:
     x = jnp.asarray(rng.standard_normal((R, llm.model_config.d_model)), jnp.float32) * 0.01
     params = llm.params  # the LLM's weights as placed
     stack(params, x, num_steps=steps).block_until_ready()
-    step_ms, stack_ms = [], []
+    per_key = kv_bytes_per_key(llm.model_config, llm._engine.kv_dtype)
+    bandwidth = Bandwidth()
+    lengths = {}  # request -> tokens in its cache after the last step (prompt + generated)
+
+    def step_lengths():
+        for out in llm.step():
+            lengths[out.request_id] = len(out.prompt_token_ids) + len(out.token_ids)
+        return sum(lengths.values())
+
+    total = step_lengths()
+    step_ms, stack_ms, kv_mb, floors = [], [], [], []
     for _ in range(args.runs):
+        bw = bandwidth.sample()
         t = time.perf_counter()
-        llm.step()
+        after = step_lengths()
         step_ms.append((time.perf_counter() - t) * 1e3 / steps)
         t = time.perf_counter()
         stack(params, x, num_steps=steps).block_until_ready()
         stack_ms.append((time.perf_counter() - t) * 1e3 / steps)
+        # Step s of the run reads every row's keys up to its new token: on average the rows'
+        # contexts midway between the run's start and end.
+        kv = (total + after) / 2 * per_key
+        total = after
+        bw = (bw + bandwidth.sample()) / 2
+        kv_mb.append(kv / 1e6)
+        floors.append((stack_ms[-1] + kv / bw * 1e3) / stack_ms[-1])
     ratios = [a / b for a, b in zip(step_ms, stack_ms)]
     return {"rows": R, "batch_step_ms": statistics.median(step_ms),
             "matmul_stack_ms": statistics.median(stack_ms),
-            "step_over_stack": statistics.median(ratios), "step_over_stack_runs": ratios}
+            "step_over_stack": statistics.median(ratios), "step_over_stack_runs": ratios,
+            "kv_read_MB_per_step": statistics.median(kv_mb),
+            "stack_plus_kv_read_over_stack": statistics.median(floors)}
+
+
+def kv_bytes_per_key(cfg, kv_dtype) -> int:
+    """Bytes one token's keys and values take over every layer's pool: K * H elements each
+    (and a float32 scale per kv head for int8 / fp8 codes)."""
+    from jaxinfer.kv_cache import KV_MAX
+
+    dtype = jnp.dtype(kv_dtype)
+    per_head = cfg.head_dim * dtype.itemsize + (4 if dtype in KV_MAX else 0)
+    return 2 * cfg.num_layers * cfg.num_kv_heads * per_head
 
 
 def step_without_attention(args) -> dict:

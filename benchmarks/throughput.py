@@ -3,7 +3,7 @@
     pip install -e ".[bench]"   # torch, transformers, llama-cpp-python (compiles llama.cpp)
     python benchmarks/throughput.py [--workloads random,chat] [--num-requests 64]
         [--output-len 128] [--output-len-min N] [--seed 0] [--threads 2]
-        [--peers hf,llamacpp] [--runs 2] [--max-num-seqs 16] [--hf-batch 16]
+        [--peers hf,llamacpp] [--runs 2] [--max-num-seqs 16] [--page-size N] [--hf-batch 16]
         [--dtypes default] [--json PATH]
 
 Workloads (--workloads, each served by every engine, one workload after the other):
@@ -82,8 +82,9 @@ class JaxInfer(Engine):
 
         self.ji = ji
         dtype = None if spec["dtype"] == "default" else spec["dtype"]
+        kw = {} if spec.get("page_size") is None else {"page_size": spec["page_size"]}
         self.llm = ji.LLM(spec["model"], max_seq_len=spec["max_seq_len"],
-                          max_num_seqs=spec["max_num_seqs"], dtype=dtype)
+                          max_num_seqs=spec["max_num_seqs"], dtype=dtype, **kw)
         self.versions = {"jaxinfer_dtype": self.llm.dtype}
         self.versions.update({"jaxinfer": version("jaxinfer"), "jax": jax.__version__,
                               "backend": jax.default_backend()})
@@ -253,7 +254,8 @@ def run_workload(args, name: str, prompt_range: tuple[int, int], out_min: int, p
     out_lens = rng.integers(out_min, args.output_len + 1, args.num_requests).tolist()
     draw = lambda lens: [rng.choice(vocab, n).tolist() for n in lens]  # noqa: E731
     spec = {"model": args.model, "model_path": model_path, "threads": args.threads,
-            "max_num_seqs": args.max_num_seqs, "hf_batch": args.hf_batch, "pad_id": pad_id,
+            "max_num_seqs": args.max_num_seqs, "page_size": args.page_size,
+            "hf_batch": args.hf_batch, "pad_id": pad_id,
             # Room for the longest prompt and output, in whole 16-token pages.
             "max_seq_len": -(-(hi + args.output_len) // 16) * 16,
             "out_lens": out_lens, "warmup_prompts": draw(prompt_lens[:WARMUP_REQUESTS]),
@@ -316,6 +318,8 @@ def main():
     ap.add_argument("--peers", default="hf,llamacpp", help="comma-separated, from: hf, llamacpp")
     ap.add_argument("--runs", type=int, default=2, help="timed runs per engine; the best counts")
     ap.add_argument("--max-num-seqs", type=int, default=16, help="jaxinfer's batch size")
+    ap.add_argument("--page-size", type=int, default=None,
+                    help="jaxinfer's KV page size (default: the LLM's default)")
     ap.add_argument("--hf-batch", type=int, default=16)
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per engine")
     ap.add_argument("--dtypes", default="default",

@@ -320,7 +320,7 @@ def hybrid() -> dict:
     for name, mesh in (("single", None), ("data2_tensor2", ji.MeshConfig(data=2, tensor=2)),
                        ("data2_seq2", ji.MeshConfig(data=2, sequence=2))):
         llm = ji.LLM(path, max_seq_len=64, max_num_seqs=4, prefill_chunk=16, decode_steps=4,
-                     mesh=mesh)
+                     page_size=16, mesh=mesh)  # 16: the ring (2 pages) is below a row's 4
         outs = llm.generate(prompts, params)
         cache = llm._engine.state.cache
         out[name] = {"tokens": [o.token_ids for o in outs],

@@ -172,7 +172,7 @@ def test_bad_arguments_are_refused():
         ji.LLM("smollm2-135m", speculative="ngram")
     with pytest.raises(ValueError, match=r"num_pages=64 cannot hold one max_seq_len \(2048\) "
                                          r"request: it needs 128 pages"):
-        ji.LLM("smollm2-135m", num_pages=64)
+        ji.LLM("smollm2-135m", page_size=16, num_pages=64)
     with pytest.raises(ValueError, match="max_num_batched_tokens must be an int >= 16, got 8"):
         ji.LLM("smollm2-135m", max_num_batched_tokens=8)
 
