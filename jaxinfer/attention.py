@@ -166,15 +166,23 @@ def reference_attention(q, q_positions, segments, *, sliding_window=None, softca
     return out.reshape(B, T, N, H).astype(q.dtype)
 
 
-PAGES_PER_BLOCK = 4  # pages the jnp attention gathers per multi-query tile and loop iteration
-# Pages per loop iteration for single-query (decode) tiles. Their body does little work per
+# Keys the jnp attention gathers per multi-query tile and loop iteration: as many pages as hold
+# them (at least one), so that a larger page_size does not widen the blocks (and the keys
+# short prompts' tiles mask). Measured as 4 pages of 16.
+BLOCK_KEYS = 64
+# Keys per loop iteration for single-query (decode) tiles. Their body does little work per
 # key, so larger blocks amortise the loop's per-iteration cost: over 16 rows of
 # 128-384 tokens at SmolLM2's shapes (30 layers, one jitted program, a loop to the longest row),
-# 8 pages took 44.3 ms against 49.6 for 4 and 65.0 for 16 with a float32 pool, 37.7 against
-# 44.4 and 61.9 with a bf16 one (a one-off sweep of the benchmarks/attention_gather.py setup);
-# with the work list, the engine's 16-row float32 step ran 1.99x its matmul stack with 8 pages,
-# 2.08x with 4 and 2.28x with 16 (one run each).
-SINGLE_PAGES_PER_BLOCK = 8
+# 8 pages of 16 took 44.3 ms against 49.6 for 4 and 65.0 for 16 with a float32 pool, 37.7
+# against 44.4 and 61.9 with a bf16 one (a one-off sweep of the benchmarks/attention_gather.py
+# setup); with the work list, the engine's 16-row float32 step ran 1.99x its matmul stack with
+# 8 pages, 2.08x with 4 and 2.28x with 16 (one run each).
+SINGLE_BLOCK_KEYS = 128
+
+
+def block_pages(page_size: int, keys: int) -> int:
+    """Pages of page_size tokens that hold `keys` keys (at least one)."""
+    return max(1, keys // page_size)
 
 
 @flax.struct.dataclass
@@ -191,7 +199,7 @@ class Tiles:
     first_page: jax.Array
     num_blocks: jax.Array
     blocks: jax.Array
-    pages_per_block: int = flax.struct.field(pytree_node=False, default=PAGES_PER_BLOCK)
+    pages_per_block: int = flax.struct.field(pytree_node=False)
 
     @property
     def query_tile(self) -> int:
@@ -209,7 +217,7 @@ class RaggedMeta:
     feeds one token (decode), and `tiles`, the rows that feed several (prefill chunks,
     verification), in tiles of query_tile queries. Either is None when no row can have it.
     Each set walks its pages in blocks of its own pages_per_block (singles:
-    SINGLE_PAGES_PER_BLOCK; tiles: the pages_per_block given to ragged_meta).
+    the pages of SINGLE_BLOCK_KEYS keys; tiles: the pages_per_block given to ragged_meta).
     """
 
     query_start: jax.Array
@@ -252,13 +260,18 @@ def _tiles(query_start, counts, kv_lengths, num_queries, *, num_tokens: int, que
 
 def ragged_meta(query_start: jax.Array, num_queries: jax.Array, kv_lengths: jax.Array, *,
                 num_tokens: int, query_tile: int, num_tiles: int, page_size: int,
-                sliding_window: int | None = None, pages_per_block: int = PAGES_PER_BLOCK,
-                single_pages_per_block: int = SINGLE_PAGES_PER_BLOCK,
+                sliding_window: int | None = None, pages_per_block: int | None = None,
+                single_pages_per_block: int | None = None,
                 static_pages: int | None = None) -> RaggedMeta:
     """RaggedMeta of a step (see there); num_tiles must cover sum_b ceil(num_queries[b] /
     query_tile) (num_tiles_bound gives a safe value). query_tile 1: every query is a single
-    (no multi-query tiles). pages_per_block: pages per loop iteration of the multi-query tiles,
-    single_pages_per_block of the singles. static_pages: see RaggedMeta."""
+    (no multi-query tiles). pages_per_block: pages per loop iteration of the multi-query tiles
+    (None: the pages of BLOCK_KEYS keys), single_pages_per_block of the singles (None: of
+    SINGLE_BLOCK_KEYS). static_pages: see RaggedMeta."""
+    if pages_per_block is None:
+        pages_per_block = block_pages(page_size, BLOCK_KEYS)
+    if single_pages_per_block is None:
+        single_pages_per_block = block_pages(page_size, SINGLE_BLOCK_KEYS)
     B = query_start.shape[0]
     kw = dict(num_tokens=num_tokens, page_size=page_size, sliding_window=sliding_window)
     args = (query_start, kv_lengths, num_queries)

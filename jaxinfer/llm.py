@@ -69,8 +69,7 @@ class LLM:
     """A model ready to generate. See the README for the arguments; each is checked here."""
 
     def __init__(self, model: str = "smollm2-135m", *, dtype: Optional[str] = None,
-                 max_seq_len: Optional[int] = None, max_num_seqs: int = 16,
-                 page_size: Optional[int] = None,
+                 max_seq_len: Optional[int] = None, max_num_seqs: int = 16, page_size: int = 16,
                  num_pages: Optional[int] = None, quantization: Optional[str] = None,
                  kv_cache_dtype: Optional[str] = None, speculative=None,
                  mesh: Optional[MeshConfig] = None, attention: str = "auto",
@@ -98,8 +97,6 @@ class LLM:
         if attention not in _ATTENTION:
             raise ValueError(f"attention must be one of {_ATTENTION}, got {attention!r}")
         dtype = dtype or _default_dtype()
-        if page_size is None:
-            page_size = tuning.for_backend().default_page_size
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         for name, v, lo in (("max_num_seqs", max_num_seqs, 1), ("prefill_chunk", prefill_chunk, 1),

@@ -64,17 +64,6 @@ CPU (XLA:CPU, jax 0.10.2, the 2-core development machine), the reasons for each 
   grouped_matmul             the experts' grouped matmul (jaxinfer.models.moe): "tiles" on CPU,
                              whose lax.ragged_dot multiplies every row by every expert
                              (a dense all-experts product), jax.lax.ragged_dot elsewhere
-  default_page_size          page_size=None. CPU: 64 tokens. The decode attention reads each
-                             row's keys page by page, and a longer run of contiguous keys
-                             streams faster: 16 rows of SmolLM2 at 128-384 tokens, 30 layers'
-                             decode attention over pages scattered through the pool, took
-                             7.2 / 5.9 / 4.9 / 4.8 ms at 16 / 32 / 64 / 128 tokens a page;
-                             the engine's 16-row decode step, all four page sizes side by side
-                             in one process, 27.0 / 26.7 / 26.2 / 26.4 ms against a 22.4 ms
-                             matmul stack, and 30.6 against 29.1 ms at 16 / 64 after 48 other
-                             requests had come and gone. The price: prefix caching shares
-                             whole pages only, so a common prefix shorter than 64 tokens is
-                             not reused. Elsewhere 16 (unmeasured)
 
 One setting is process-wide, an XLA flag, so it cannot wait for a program's backend: importing
 jaxinfer adds CPU_XLA_FLAGS to the environment variable XLA_FLAGS (set_cpu_xla_flags), which
@@ -121,7 +110,6 @@ class StepTuning:
     default_dtype: str = "bfloat16"
     default_attention: str = "pallas"
     grouped_matmul: str = "ragged_dot"
-    default_page_size: int = 16
 
 
 TUNING = {
@@ -131,7 +119,7 @@ TUNING = {
         loop_compiler_options=(("xla_disable_hlo_passes", "while-loop-invariant-code-motion"),),
         pad_single_row_16bit_dots=True, float32_activations=True, kv_16bit_as_bits=True,
         cpu_kernels=True, default_dtype="bfloat16",
-        default_attention="reference", grouped_matmul="tiles", default_page_size=64),
+        default_attention="reference", grouped_matmul="tiles"),
     "gpu": StepTuning(),
 }
 

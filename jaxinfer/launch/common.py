@@ -62,8 +62,7 @@ flags.DEFINE_string("quantization", LLM_DEFAULTS["quantization"],
 flags.DEFINE_string("kv_cache_dtype", LLM_DEFAULTS["kv_cache_dtype"],
                     "KV cache storage: int8 | fp8 (default: the model's dtype).")
 flags.DEFINE_string("attention", LLM_DEFAULTS["attention"], "auto | reference | pallas.")
-flags.DEFINE_integer("page_size", LLM_DEFAULTS["page_size"], "Tokens per KV page (default: "
-                     "64 on CPU, 16 elsewhere).")
+flags.DEFINE_integer("page_size", LLM_DEFAULTS["page_size"], "Tokens per KV page.")
 flags.DEFINE_integer("num_pages", LLM_DEFAULTS["num_pages"], "KV pages in the pool "
                      "(default: from device memory, or room for every slot at max_seq_len).")
 flags.DEFINE_integer("prefill_chunk", LLM_DEFAULTS["prefill_chunk"],
