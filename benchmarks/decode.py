@@ -1,7 +1,8 @@
 """Batch-1 decode and 512-token prefill throughput against the weight-bandwidth roofline.
 
     python benchmarks/decode.py [--model smollm2-135m] [--dtype D] [--kv_cache_dtype int8]
-                                [--runs 5] [--decode_tokens 128] [--ablate_attention]
+                                [--runs 5] [--decode_tokens 128] [--page_size N]
+                                [--ablate_attention]
 
 Prints, all measured in this one process, interleaved run by run so that machine noise hits
 them alike:
