@@ -28,10 +28,13 @@ def finish_timed(proc, out_dir, timeout=600):
 
     def watch():
         seen = 0
-        while not done.is_set():
+        while True:
+            stop = done.is_set()  # set once the job has exited: this last read sees every line
             now = commits(out_dir)
             times.extend([time.monotonic() - t0] * (now - seen))
             seen = now
+            if stop:
+                return
             time.sleep(0.02)
 
     watcher = threading.Thread(target=watch, daemon=True)
