@@ -3,7 +3,7 @@ a step's tiles need their own numbers of blocks of pages, and a while loop walks
 (tile, block) pairs, folding each iteration's pairs into their tiles' online softmax.
 docs/architecture.md ("Attention") has the measurements behind the shapes chosen here.
 
-The loops take `tiles` (jaxinfer.attention.Tiles) and gather_block(t, j0, key_dtype=float32)
+The loops take `tiles` (jaxinfer.ragged_meta.Tiles) and gather_block(t, j0, key_dtype=float32)
 -> (k, v, visible): keys (in key_dtype) and values (float32) [C, S, K, H] and visible
 [C, Q, S] of the block of pages from logical page j0[c] of tile t[c].
 """

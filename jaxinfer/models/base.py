@@ -36,13 +36,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import sharding, tuning
-from jaxinfer.attention import (RaggedMeta, num_tiles_bound, ragged_attention, ragged_meta,
-                                write_and_attend)
+from jaxinfer.attention import ragged_attention, write_and_attend
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache import PagedKVCache
 from jaxinfer.layers import float_matmul, rope_angles, rope_inv_freq
 from jaxinfer.quant import QuantizedWeight, matmul, take_rows
 from jaxinfer.quant import logical_axes as quant_logical_axes
+from jaxinfer.ragged_meta import RaggedMeta, num_tiles_bound, ragged_meta
 from jaxinfer.token_batch import TokenBatch
 
 Specs = dict[str, tuple[tuple[int, ...], tuple[Optional[str], ...]]]
