@@ -223,16 +223,23 @@ def sample(logits: jax.Array, sp: SamplingArrays, seen: jax.Array,
            token_index: jax.Array) -> jax.Array:
     """Draws one token per row. logits [B, V]; seen [B, V] bool; token_index [B] int32 (index of
     the token being drawn within its request's output). Returns [B] int32."""
-    logits = apply_repetition_penalty(logits.astype(jnp.float32), seen, sp.repetition_penalty)
-    greedy = argmax(logits)
+    def full(logits):
+        logits = apply_repetition_penalty(logits, seen, sp.repetition_penalty)
+        greedy = argmax(logits)
 
-    def stochastic(logits):
-        drawn = draw(filtered_weights(logits, sp), uniforms(sp.seed, token_index))
-        return jnp.where(sp.temperature > 0, drawn, greedy)
+        def stochastic(logits):
+            drawn = draw(filtered_weights(logits, sp), uniforms(sp.seed, token_index))
+            return jnp.where(sp.temperature > 0, drawn, greedy)
 
-    # The sort behind top-k/top-p costs more than a decode step's matmuls on small models; skip
-    # it entirely when every row is greedy.
-    return jax.lax.cond(jnp.any(sp.temperature > 0), stochastic, lambda _: greedy, logits)
+        # The sort behind top-k/top-p costs more than a decode step's matmuls on small models;
+        # skip it entirely when every row is greedy.
+        return jax.lax.cond(jnp.any(sp.temperature > 0), stochastic, lambda _: greedy, logits)
+
+    # Every row greedy without a penalty (the common case) takes the argmax alone: the penalty's
+    # cond, skipped, still copied the [B, V] logits through its identity branch (0.15 ms of a
+    # 16-row decode step of SmolLM2 on the development CPU).
+    plain = jnp.all(sp.temperature <= 0) & jnp.all(sp.repetition_penalty == 1.0)
+    return jax.lax.cond(plain, argmax, full, logits.astype(jnp.float32))
 
 
 def sampling_probs(logits: jax.Array, sp: SamplingArrays, seen: jax.Array) -> jax.Array:
