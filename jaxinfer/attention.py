@@ -97,7 +97,7 @@ def _split_scales(k, v, axes):
         return k.dequantize(k.dtype), v.dequantize(v.dtype), (), ()
     if not isinstance(k, QuantizedKV):
         return k, v, (), ()
-    return k.codes, v.codes, (k.scale, v.scale), (axes[:-1], axes[:-1])
+    return k.typed_codes, v.typed_codes, (k.scale, v.scale), (axes[:-1], axes[:-1])
 
 
 def _scale_kw(scales: tuple) -> dict:

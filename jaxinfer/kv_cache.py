@@ -81,12 +81,17 @@ class Bits16KV:
         return jax.lax.bitcast_convert_type(x.astype(float_dtype), jnp.uint16)
 
 
-def kv_buffer(shape: tuple[int, ...], dtype, zeros=jnp.zeros, bits16: bool = False):
+def kv_buffer(shape: tuple[int, ...], dtype, zeros=jnp.zeros, bits16: bool = False,
+              fp8_bits: bool = False):
     """An empty K or V buffer of `shape` [..., K, H]: a float array of `dtype`, for a dtype in
-    KV_DTYPES' values a QuantizedKV, and with bits16 a 16-bit float dtype as Bits16KV.
-    zeros(shape, dtype) makes each array."""
+    KV_DTYPES' values a QuantizedKV (with fp8_bits, float8 codes kept as uint8 bits), and with
+    bits16 a 16-bit float dtype as Bits16KV. zeros(shape, dtype) makes each array."""
     if jnp.dtype(dtype) in KV_MAX:
-        return QuantizedKV(codes=zeros(shape, dtype), scale=zeros(shape[:-1], jnp.float32))
+        scale = zeros(shape[:-1], jnp.float32)
+        if fp8_bits and jnp.dtype(dtype).itemsize == 1 and jnp.dtype(dtype) != jnp.int8:
+            return QuantizedKV(codes=zeros(shape, jnp.uint8), scale=scale,
+                               code_dtype=jnp.dtype(dtype).name)
+        return QuantizedKV(codes=zeros(shape, dtype), scale=scale)
     if bits16 and jnp.dtype(dtype).itemsize == 2:
         return Bits16KV(bits=zeros(shape, jnp.uint16), float_dtype=jnp.dtype(dtype).name)
     return zeros(shape, dtype)
@@ -95,7 +100,7 @@ def kv_buffer(shape: tuple[int, ...], dtype, zeros=jnp.zeros, bits16: bool = Fal
 def kv_axes(buf, axes: tuple):
     """The logical axes of a K or V buffer whose arrays (codes) have `axes`."""
     if isinstance(buf, QuantizedKV):
-        return QuantizedKV.logical_axes(axes)
+        return QuantizedKV.logical_axes(axes, buf.code_dtype)
     if isinstance(buf, Bits16KV):
         return Bits16KV(bits=axes, float_dtype=buf.float_dtype)
     return axes
@@ -109,8 +114,8 @@ def dense(kv, dtype) -> jax.Array:
 def _set(buf, index, new: jax.Array):
     """buf.at[index].set(new, mode="drop"), new [..., K, H] float quantized first when buf is."""
     if isinstance(buf, QuantizedKV):
-        q = quantize_kv(new, buf.codes.dtype)
-        return QuantizedKV(codes=buf.codes.at[index].set(q.codes, mode="drop"),
+        q = quantize_kv(new, buf.dtype)
+        return buf.replace(codes=buf.codes.at[index].set(buf.stored(q), mode="drop"),
                            scale=buf.scale.at[index].set(q.scale, mode="drop"))
     if isinstance(buf, Bits16KV):
         return buf.replace(bits=buf.bits.at[index].set(Bits16KV.encode(new, buf.dtype),

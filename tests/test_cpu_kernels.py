@@ -221,15 +221,15 @@ ATTENTION_CASES = [(3, 3, 64, 16, None, None), (1, 4, 128, 8, None, 30.0),
 
 
 @needs_kernels
-@pytest.mark.parametrize("pool", ["bf16 bits", "float32", "int8 codes"])
+@pytest.mark.parametrize("pool", ["bf16 bits", "float32", "int8 codes", "fp8 codes"])
 @pytest.mark.parametrize("K,G,H,Z,window,softcap", ATTENTION_CASES)
 def test_decode_attention_matches_a_float64_reference(pool, K, G, H, Z, window, softcap):
-    """Shuffled pages, NaN in every slot no query may see (in an int8 pool, its scales), an
+    """Shuffled pages, NaN in every slot no query may see (in a pool of codes, its scales), an
     empty tile (position -1), a row at its first key, one at the last slot of its table, and
     rows past the table (a ring: logical page j is entry j % M); tiles in another order than
     their tokens and rows, a tile of no token and one of no row (both ignored), and tokens of
     no tile (zeros). Tolerance 1e-5 absolute: float32 products, sums and exponentials against
-    float64 over the same keys and values (an int8 pool's codes times their scales) and the
+    float64 over the same keys and values (a pool's codes times their scales) and the
     queries times the scale in float32."""
     rng = np.random.default_rng(K * 100 + G * 10 + Z)
     L, P, M, layer = 3, 40, 12, 1
@@ -243,10 +243,11 @@ def test_decode_attention_matches_a_float64_reference(pool, K, G, H, Z, window, 
     v = rng.normal(size=(L, P * Z, K, H)).astype(np.float32)
     if pool == "bf16 bits":
         k, v = (np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32)) for a in (k, v))
-    if pool == "int8 codes":
-        quantized = [quantize_kv(jnp.asarray(a), jnp.int8) for a in (k, v)]
-        k, v = (np.asarray(a.codes, np.float64) * np.asarray(a.scale, np.float64)[..., None]
-                for a in quantized)
+    codes = {"int8 codes": jnp.int8, "fp8 codes": jnp.float8_e4m3fn}.get(pool)
+    if codes is not None:
+        quantized = [quantize_kv(jnp.asarray(a), codes) for a in (k, v)]
+        k, v = (np.asarray(a.codes.astype(jnp.float32), np.float64)
+                * np.asarray(a.scale, np.float64)[..., None] for a in quantized)
     tables = np.stack([rng.permutation(P)[:M] for _ in range(B)]).astype(np.int32)
     table = tables[np.minimum(row, B - 1)]                                 # each tile's
     seen = np.zeros(P * Z, bool)
@@ -265,7 +266,7 @@ def test_decode_attention_matches_a_float64_reference(pool, K, G, H, Z, window, 
     want[token[live]] = per_tile[live]
     if pool == "bf16 bits":
         kp, vp = (Bits16KV(bits=Bits16KV.encode(jnp.asarray(a), "bfloat16")) for a in (kn, vn))
-    elif pool == "int8 codes":
+    elif codes is not None:
         def unseen_scales_nan(a):
             scale = np.array(a.scale)
             scale[layer][~seen] = np.nan
@@ -297,7 +298,32 @@ def test_decode_attention_supports_only_what_it_reads():
     codes = lambda dtype: QuantizedKV(codes=jnp.zeros((1, 16, 3, 64), dtype),  # noqa: E731
                                       scale=jnp.ones((1, 16, 3)))
     assert cpu_kernels.attention_supports(codes(jnp.int8), 9)
-    assert not cpu_kernels.attention_supports(codes(jnp.float8_e4m3fn), 9)
+    assert cpu_kernels.attention_supports(codes(jnp.float8_e4m3fn), 9)
+    assert not cpu_kernels.attention_supports(codes(jnp.float8_e5m2), 9)
+
+
+@needs_kernels
+def test_decode_attention_reads_every_fp8_code_exactly():
+    """Each of the 256 float8 e4m3fn codes as a value with scale 1, under a single visible key
+    (its probability is exactly 1): the output is the code's value as float32, exactly as
+    jnp converts it (subnormals and NaN included; -0 reads as 0)."""
+    L, K, G, H, Z = 1, 1, 1, 32, 4
+    Nt = 256 // H                                   # one tile per 32 codes, each its own row
+    every = np.arange(256, dtype=np.uint8).reshape(Nt, H)
+    v_codes = np.zeros((L, Nt * Z, K, H), np.uint8)
+    v_codes[0, ::Z, 0] = every                      # slot 0 of page t holds codes 32t..32t+31
+    v = QuantizedKV(codes=jnp.asarray(v_codes).view(jnp.float8_e4m3fn),
+                    scale=jnp.ones((L, Nt * Z, K)))
+    k = QuantizedKV(codes=jnp.zeros((L, Nt * Z, K, H), jnp.float8_e4m3fn),
+                    scale=jnp.ones((L, Nt * Z, K)))
+    tables = np.arange(Nt, dtype=np.int32)[:, None]
+    ar = jnp.arange(Nt, dtype=jnp.int32)
+    got = cpu_kernels.decode_attention(
+        jnp.ones((Nt, K, G, H), jnp.float32), k, v, jnp.int32(0), jnp.asarray(tables), ar, ar,
+        jnp.zeros(Nt, jnp.int32), page_size=Z, scale=1.0)
+    want = jnp.asarray(every).view(jnp.float8_e4m3fn).astype(jnp.float32)
+    # Values, not bits: the weighted sum starts from +0, so the code -0 comes out as +0.
+    np.testing.assert_array_equal(np.asarray(got).reshape(Nt, H), np.asarray(want))
 
 
 @needs_kernels

@@ -15,7 +15,7 @@ import pytest
 from jaxinfer.attention import attention, ragged_attention, ragged_meta, reference_attention
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import memory
-from jaxinfer.kv_cache import KV_DTYPES, PagedKVCache, QuantizedKV, quantize_kv
+from jaxinfer.kv_cache import KV_DTYPES, PagedKVCache, QuantizedKV, kv_buffer, quantize_kv
 from jaxinfer.models import llama
 from jaxinfer.token_batch import host_batch
 
@@ -172,7 +172,8 @@ def _chunked_run(params, prompts, steps, cache, flat=False, **kw):
 
 
 @pytest.mark.parametrize("kv", ["int8", "fp8"])
-@pytest.mark.parametrize("layout", ["ring", "paged", "paged-flat", "paged-pallas"])
+@pytest.mark.parametrize("layout", ["ring", "paged", "paged-flat", "paged-flat-bits",
+                                    "paged-pallas"])
 def test_quantized_cache_under_the_model(kv, layout):
     """Chunked prefill and decode over a quantized ring or paged cache (reference attention,
     flat ragged token batches, or the Pallas ragged kernel) against the one-shot forward with
@@ -180,7 +181,9 @@ def test_quantized_cache_under_the_model(kv, layout):
     way in both, so they agree to 1e-3 (float32; a key computed in another order may round to
     the neighbouring code, so not to float32's 1e-5), and against the float cache within the
     quantization's error (measured max |logit diff| over all rows and layouts: int8 0.021, fp8
-    0.098, on logits up to ~3 in magnitude; bounds about 3x: 0.06 and 0.3)."""
+    0.098, on logits up to ~3 in magnitude; bounds about 3x: 0.06 and 0.3). paged-flat-bits:
+    the pool as the CPU engine makes it (kv_buffer(fp8_bits=True): float8 codes kept as their
+    uint8 bits), whose logits equal paged-flat's exactly."""
     if layout == "paged-pallas" and not _ragged_kernel_importable():
         pytest.skip("pallas_kernels.ragged_paged_attention is not importable yet")
     dtype = KV_DTYPES[kv]
@@ -193,10 +196,20 @@ def test_quantized_cache_under_the_model(kv, layout):
         assert cache.wraps
     else:
         cache = _paged(CFG, 3, 16, dtype, rng)
-        kw = {"paged": {}, "paged-flat": dict(flat=True),
+        kw = {"paged": {}, "paged-flat": dict(flat=True), "paged-flat-bits": dict(flat=True),
               "paged-pallas": dict(attn_impl="pallas")}[layout]
-    assert isinstance(cache.k, QuantizedKV) and cache.k.codes.dtype == dtype
+    if layout == "paged-flat-bits":
+        typed = cache
+        cache = cache.replace(**{n: kv_buffer(getattr(cache, n).shape, dtype, fp8_bits=True)
+                                 for n in ("k", "v")})
+        stored = {"int8": jnp.int8, "fp8": jnp.uint8}[kv]
+        assert cache.k.codes.dtype == stored and cache.k.dtype == dtype
+    assert isinstance(cache.k, QuantizedKV) and cache.k.dtype == dtype
     got, seqs, cache = _chunked_run(params, prompts, 5, cache, **kw)
+    if layout == "paged-flat-bits":
+        want, _, _ = _chunked_run(params, prompts, 5, typed, flat=True)
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(a, b)
     assert isinstance(cache.k, QuantizedKV)
     assert np.asarray(cache.lengths).tolist() == [len(s) for s in seqs]
     bound = {"int8": 0.06, "fp8": 0.3}[kv]

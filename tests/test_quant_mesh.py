@@ -32,6 +32,7 @@ VARIANTS = {"int8": {"quantization": "int8"},
 # Float weights (the default dtype) with an int8 KV cache: the cache's path without quantized
 # weights, on one mesh only (each run compiles an LLM of its own).
 KV_ONLY, KV_ONLY_MESH = {"kv_cache_dtype": "int8"}, "2,1,2"
+KV_FP8 = {"kv_cache_dtype": "fp8"}  # the same with float8 codes (kept as uint8 bits on CPU)
 
 
 def _spec(array) -> str:
@@ -88,6 +89,7 @@ def worker() -> dict:
         runs = [(variant, kw, name) for variant, kw in VARIANTS.items()
                 for name in ("single", *MESHES)]
         runs += [("float_kv8", KV_ONLY, name) for name in ("single", KV_ONLY_MESH)]
+        runs += [("float_kv_fp8", KV_FP8, name) for name in ("single", KV_ONLY_MESH)]
         for variant, kw, mesh_name in runs:
             mesh_kw = {}
             if mesh_name in MESHES:
@@ -144,16 +146,19 @@ def test_quantized_model_on_a_mesh_gives_one_devices_tokens(runs, variant, mesh)
         assert got["cache"] == {"codes": [pool, "int8"], "scale": [pool, "float32"]}
 
 
-def test_int8_kv_cache_with_float_weights_on_a_mesh_gives_one_devices_tokens(runs):
-    one, got = runs["float_kv8 single"], runs[f"float_kv8 {KV_ONLY_MESH}"]
+@pytest.mark.parametrize("kv,stored", [("kv8", "int8"), ("kv_fp8", "uint8")])
+def test_quantized_kv_cache_with_float_weights_on_a_mesh_gives_one_devices_tokens(runs, kv,
+                                                                                   stored):
+    """int8 codes, and float8 codes kept as their uint8 bits (the CPU backend's storage)."""
+    one, got = runs[f"float_{kv} single"], runs[f"float_{kv} {KV_ONLY_MESH}"]
     assert got["kinds"] == one["kinds"] == [None, None]  # float weights
     assert got["wq"] == {"w": "()"}                       # replicated: no tensor axis
     assert got["tokens"] == one["tokens"]
     for a, b in zip(got["logprobs"], one["logprobs"]):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
     pool = "(None, ('data', 'sequence'))"
-    assert got["cache"] == {"codes": [pool, "int8"], "scale": [pool, "float32"]}
-    assert one["cache"]["codes"][1] == "int8"
+    assert got["cache"] == {"codes": [pool, stored], "scale": [pool, "float32"]}
+    assert one["cache"]["codes"][1] == stored
 
 
 if __name__ == "__main__":

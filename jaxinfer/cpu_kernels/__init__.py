@@ -197,21 +197,22 @@ matrix_times_rows = _product("matrix_times_rows", 0, "mk,nk->mn")
 
 
 def _pool_kind(pool) -> str | None:
-    """"bf16" (Bits16KV of bf16), "float32", "int8" (QuantizedKV of int8 codes): the pools the
-    decode kernels read; None for any other."""
+    """"bf16" (Bits16KV of bf16), "float32", "int8" or "fp8" (QuantizedKV of int8 or float8
+    e4m3fn codes): the pools the decode kernels read; None for any other."""
     from jaxinfer.kv_cache import Bits16KV
     from jaxinfer.quant.kv import QuantizedKV
 
     if isinstance(pool, Bits16KV):
         return "bf16" if pool.float_dtype == "bfloat16" else None
     if isinstance(pool, QuantizedKV):
-        return "int8" if pool.codes.dtype == jnp.int8 else None
+        return {jnp.dtype(jnp.int8): "int8",
+                jnp.dtype(jnp.float8_e4m3fn): "fp8"}.get(jnp.dtype(pool.dtype))
     return "float32" if isinstance(pool, jax.Array) and pool.dtype == jnp.float32 else None
 
 
 def attention_supports(pool, num_heads: int) -> bool:
-    """Whether decode_attention reads this pool (float32, bf16 kept as bits, or int8 codes with
-    their scales) with these heads."""
+    """Whether decode_attention reads this pool (float32, bf16 kept as bits, or int8 or float8
+    e4m3fn codes with their scales) with these heads."""
     K, H = pool.shape[-2], pool.shape[-1]
     return (_pool_kind(pool) is not None and H in ATTENTION_HEAD_DIMS and num_heads % K == 0
             and num_heads <= ATTENTION_MAX_HEADS)
@@ -223,11 +224,11 @@ def decode_attention(q: jax.Array, k_pool, v_pool, layer, tables: jax.Array, tok
     """Single-query tiles over their rows' paged keys, read and written in the step's token
     order (docs/cpu_kernels.md): q [T, K, G, H], the step's queries (unscaled: the kernel
     multiplies each by `scale` in float32); k_pool, v_pool [L, P * page_size, K, H] (float32,
-    Bits16KV of bf16, or QuantizedKV of int8 codes); layer an int32 scalar; tables [B, M] int32,
-    logical page j of row b being tables[b, j % M]; token, row, pos [Nt] int32: tile t is the
-    query of token token[t] (T or more: no tile), of row row[t] (B or more: no tile), at
-    position pos[t] (its keys are positions 0..pos, or the last sliding_window of them; -1: no
-    tile). Returns [T, K, G, H] float32: each tile's output at its token, zeros at tokens no
+    Bits16KV of bf16, or QuantizedKV of int8 or float8 e4m3fn codes); layer an int32 scalar;
+    tables [B, M] int32, logical page j of row b being tables[b, j % M]; token, row, pos [Nt]
+    int32: tile t is the query of token token[t] (T or more: no tile), of row row[t] (B or
+    more: no tile), at position pos[t] (its keys are positions 0..pos, or the last
+    sliding_window of them; -1: no tile). Returns [T, K, G, H] float32: each tile's output at its token, zeros at tokens no
     tile names. Not differentiable."""
     (k, k_scale), (v, v_scale) = _stored(k_pool), _stored(v_pool)
     call = jax.ffi.ffi_call(_target("decode_attention"),

@@ -457,6 +457,30 @@ inline __m512 load_key16<int8_t>(const int8_t* p) {  // int8 codes, their scale 
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
+// A float8 e4m3fn code (1 sign, 4 exponent bits of bias 7, 3 mantissa bits; no infinities,
+// S.1111.111 is NaN), as the pool holds it.
+struct E4M3 {
+  uint8_t bits;
+};
+
+// 16 e4m3fn codes as float32, exactly (their scale applied later). A normal code's exponent
+// and mantissa, moved into float32's fields, need 120 added to the exponent; a subnormal one
+// (exponent 0) is its mantissa times 2^-9, computed apart (as a float32 it would be subnormal,
+// which XLA's threads flush to zero); NaN codes give NaN.
+template <>
+inline __m512 load_key16<E4M3>(const E4M3* p) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7F));
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+  __m512 x = _mm512_castsi512_ps(
+      _mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23)));
+  const __mmask16 sub = _mm512_testn_epi32_mask(mag, _mm512_set1_epi32(0x78));
+  x = _mm512_mask_mul_ps(x, sub, _mm512_cvtepi32_ps(mag), _mm512_set1_ps(1.0f / 512));
+  x = _mm512_mask_mov_ps(x, _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7F)),
+                         _mm512_set1_ps(NAN));
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(x), sign));
+}
+
 
 // r[j] = the sum of the 16 lanes of v[j] for j < n (r[j] = 0 beyond): a transposing tree of
 // shuffles and adds, 45 instructions for 16 vectors where one horizontal sum each takes 128.
@@ -560,7 +584,7 @@ constexpr int64_t kChunkGroups = 8;
 // Whether the pool holds codes with scales (int8), and the groups whose value scales are kept:
 // the chunk's for codes, none otherwise.
 template <typename T>
-constexpr bool kScaled = std::is_same_v<T, int8_t>;
+constexpr bool kScaled = std::is_same_v<T, int8_t> || std::is_same_v<T, E4M3>;
 template <typename T>
 constexpr int64_t kScaledChunkGroups = kScaled<T> ? kChunkGroups : 1;
 
@@ -809,14 +833,16 @@ ffi::Error attend_pools(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, const P
       slots % page_size != 0)
     return ffi::Error::InvalidArgument("decode_attention: inconsistent shapes");
   const auto type = kv.type;
-  const bool codes = type == ffi::DataType::S8;
+  const bool codes = type == ffi::DataType::S8 || type == ffi::DataType::F8E4M3FN ||
+                     type == ffi::DataType::U8;
   if (type != ffi::DataType::U16 && type != ffi::DataType::F32 && !codes)
-    return ffi::Error::InvalidArgument("decode_attention: k/v must be u16 (bf16 bits), f32 or "
-                                       "s8 (int8 codes)");
+    return ffi::Error::InvalidArgument("decode_attention: k/v must be u16 (bf16 bits), f32, "
+                                       "s8 (int8 codes), f8e4m3fn or u8 (float8 e4m3fn codes, "
+                                       "or their bits)");
   const int64_t scales = codes ? L * slots * K : 0;
   if (k_scale.element_count() != scales || v_scale.element_count() != scales)
     return ffi::Error::InvalidArgument("decode_attention: k/v scales [L, S, K] go with int8 "
-                                       "codes, and only with them");
+                                       "or float8 codes, and only with them");
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= L) return ffi::Error::InvalidArgument("decode_attention: layer out of range");
   float* op = out->typed_data();
@@ -833,7 +859,8 @@ ffi::Error attend_pools(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, const P
     };
     if (type == ffi::DataType::U16) run(static_cast<const uint16_t*>(kv.k));
     else if (type == ffi::DataType::F32) run(static_cast<const float*>(kv.k));
-    else run(static_cast<const int8_t*>(kv.k));
+    else if (type == ffi::DataType::S8) run(static_cast<const int8_t*>(kv.k));
+    else run(static_cast<const E4M3*>(kv.k));
     return ffi::Error::Success();
   };
   switch (H % 16 == 0 ? H / 16 : 0) {
@@ -847,8 +874,9 @@ ffi::Error attend_pools(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, const P
 }
 
 // q [T, K, G, H] float32, the step's queries (unscaled: each is multiplied by `scale` first);
-// k, v [L, slots, K, H] (bf16 bits as u16, float32, or int8 codes); k_scale, v_scale
-// [L, slots, K] float32 for int8 codes (value = code * scale), empty otherwise; layer [] s32;
+// k, v [L, slots, K, H] (bf16 bits as u16, float32, int8 codes, or float8 e4m3fn codes as
+// f8e4m3fn or as their bits in u8); k_scale, v_scale [L, slots, K] float32 for codes (value =
+// code * scale), empty otherwise; layer [] s32;
 // tables [B, M] s32, each row's pages; token, row, pos [Nt] s32: tile t is the query of token
 // token[t] (T or more: none), of row row[t] (B or more: none), at position pos[t] (-1: none).
 // out [T, K, G, H] float32: each tile's attention at its token, zeros for tokens no tile names.

@@ -104,12 +104,13 @@ class Runner:
     def _zeros(self, shape: tuple[int, ...]):
         """An empty K or V buffer: on the host (placed with the rest of the state), or made
         shard by shard on the mesh."""
-        bits16 = tuning.for_backend().kv_16bit_as_bits
+        tune = tuning.for_backend()
+        bits = dict(bits16=tune.kv_16bit_as_bits, fp8_bits=tune.kv_fp8_as_bits)
         if self.partitioner is None:
-            return kv_buffer(shape, self.kv_dtype, np.zeros, bits16=bits16)
+            return kv_buffer(shape, self.kv_dtype, np.zeros, **bits)
         axes = PagedKVCache.KV_AXES
         return kv_buffer(shape, self.kv_dtype, lambda sh, dt: self.partitioner.zeros(
-            sh, dt, tuple(axes)[:len(sh)]), bits16=bits16)
+            sh, dt, tuple(axes)[:len(sh)]), **bits)
 
     def new_state(self) -> decode.DecodeState:
         """The device state: the page pool (or one ring per slot), the sliding-window layers'

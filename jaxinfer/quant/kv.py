@@ -1,10 +1,15 @@
 """Quantized KV cache entries: int8 or float8 e4m3 codes with one float32 scale per slot and
 kv head, written as each token's keys and values are quantized (jaxinfer.kv_cache) and read as
 codes plus scales, so whatever attends (the reference or the Pallas kernels) dequantizes what it
-reads and the cache never holds a float copy.
+reads and the cache never holds a float copy. Where XLA scatters into a float8 array by
+converting the whole array (XLA:CPU: about 0.2 s per layer's write into SmolLM2's pool), the
+float8 codes are kept as their uint8 bits (code_dtype names what they are) and read back as
+float8 after each gather (tuning.StepTuning.kv_fp8_as_bits).
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import flax.struct
 import jax
@@ -19,8 +24,10 @@ class QuantizedKV:
     """Quantized keys or values: value = codes * scale[..., None], one scale per kv head of
     each slot (symmetric, scale = max |x| over the head dim / the code range's max)."""
 
-    codes: jax.Array  # [..., K, H] int8 | float8_e4m3fn
+    codes: jax.Array  # [..., K, H] int8 | float8_e4m3fn (| uint8: the bits of code_dtype)
     scale: jax.Array  # [..., K] float32
+    # Set where codes holds the raw uint8 bits of float8 codes: their dtype's name.
+    code_dtype: Optional[str] = flax.struct.field(pytree_node=False, default=None)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -28,21 +35,36 @@ class QuantizedKV:
 
     @property
     def dtype(self):
-        return self.codes.dtype
+        """The codes' dtype (int8 or float8_e4m3fn), however they are stored."""
+        return jnp.dtype(self.code_dtype) if self.code_dtype else self.codes.dtype
+
+    @property
+    def typed_codes(self) -> jax.Array:
+        """The codes as their dtype (a bitcast of stored bits: take it after a gather, not of a
+        whole pool)."""
+        if not self.code_dtype:
+            return self.codes
+        return jax.lax.bitcast_convert_type(self.codes, self.code_dtype)
+
+    def stored(self, q: "QuantizedKV") -> jax.Array:
+        """q's codes as this buffer stores them (as bits where it keeps bits)."""
+        if not self.code_dtype:
+            return q.codes
+        return jax.lax.bitcast_convert_type(q.codes, self.codes.dtype)
 
     @property
     def nbytes(self) -> int:
         return self.codes.nbytes + self.scale.nbytes
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
-        return (self.codes.astype(jnp.float32) * self.scale[..., None]).astype(dtype)
+        return (self.typed_codes.astype(jnp.float32) * self.scale[..., None]).astype(dtype)
 
     @staticmethod
-    def logical_axes(axes: tuple) -> "QuantizedKV":
+    def logical_axes(axes: tuple, code_dtype: Optional[str] = None) -> "QuantizedKV":
         """The logical axes of codes with `axes` [..., kv_heads, head_dim]: the scales drop the
         head dim and split like the codes (jaxinfer.sharding), so a device holds the scales of
-        its own slots and heads."""
-        return QuantizedKV(codes=tuple(axes), scale=tuple(axes)[:-1])
+        its own slots and heads. code_dtype: the buffer's (the trees' structures match)."""
+        return QuantizedKV(codes=tuple(axes), scale=tuple(axes)[:-1], code_dtype=code_dtype)
 
 
 def quantize_kv(x: jax.Array, dtype) -> QuantizedKV:
