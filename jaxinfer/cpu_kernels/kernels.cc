@@ -463,22 +463,29 @@ struct E4M3 {
   uint8_t bits;
 };
 
-// 16 e4m3fn codes as float32, exactly (their scale applied later). A normal code's exponent
-// and mantissa, moved into float32's fields, need 120 added to the exponent; a subnormal one
-// (exponent 0) is its mantissa times 2^-9, computed apart (as a float32 it would be subnormal,
-// which XLA's threads flush to zero); NaN codes give NaN.
+// 16 e4m3fn codes as float32, exactly (their scale applied later). The code's sign moved to
+// bit 31 and its exponent and mantissa into float32's fields (one shift of the sign-extended
+// byte and a mask), then 120 added to the exponent: that is a normal code's value. A subnormal
+// code (exponent 0) is m * 2^-9 = (1 + m/8) * 2^-6 - 2^-6 (its sign on both), computed by
+// rebiasing by 121 and subtracting the value with its mantissa cleared (exact); NaN codes give
+// NaN. Neither is in most groups of 16, which then skip both.
 template <>
 inline __m512 load_key16<E4M3>(const E4M3* p) {
-  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m512i mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7F));
-  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
-  __m512 x = _mm512_castsi512_ps(
-      _mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23)));
-  const __mmask16 sub = _mm512_testn_epi32_mask(mag, _mm512_set1_epi32(0x78));
-  x = _mm512_mask_mul_ps(x, sub, _mm512_cvtepi32_ps(mag), _mm512_set1_ps(1.0f / 512));
-  x = _mm512_mask_mov_ps(x, _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7F)),
-                         _mm512_set1_ps(NAN));
-  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(x), sign));
+  const __m512i b = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i x = _mm512_add_epi32(
+      _mm512_and_si512(_mm512_slli_epi32(b, 20), _mm512_set1_epi32(int32_t(0x87F00000u))),
+      _mm512_set1_epi32(120 << 23));
+  const __mmask16 sub = _mm512_testn_epi32_mask(b, _mm512_set1_epi32(0x78));
+  const __mmask16 nan = _mm512_cmpeq_epi32_mask(_mm512_and_si512(b, _mm512_set1_epi32(0x7F)),
+                                                _mm512_set1_epi32(0x7F));
+  __m512 v = _mm512_castsi512_ps(x);
+  if (__builtin_expect((sub | nan) != 0, 0)) {
+    const __m512i up = _mm512_add_epi32(x, _mm512_set1_epi32(1 << 23));
+    const __m512i lead = _mm512_and_si512(up, _mm512_set1_epi32(int32_t(0xFF800000u)));
+    v = _mm512_mask_sub_ps(v, sub, _mm512_castsi512_ps(up), _mm512_castsi512_ps(lead));
+    v = _mm512_mask_mov_ps(v, nan, _mm512_set1_ps(NAN));
+  }
+  return v;
 }
 
 
