@@ -228,8 +228,8 @@ def decode_attention(q: jax.Array, k_pool, v_pool, layer, tables: jax.Array, tok
     tables [B, M] int32, logical page j of row b being tables[b, j % M]; token, row, pos [Nt]
     int32: tile t is the query of token token[t] (T or more: no tile), of row row[t] (B or
     more: no tile), at position pos[t] (its keys are positions 0..pos, or the last
-    sliding_window of them; -1: no tile). Returns [T, K, G, H] float32: each tile's output at its token, zeros at tokens no
-    tile names. Not differentiable."""
+    sliding_window of them; -1: no tile). Returns [T, K, G, H] float32: each tile's output at
+    its token, zeros at tokens no tile names. Not differentiable."""
     (k, k_scale), (v, v_scale) = _stored(k_pool), _stored(v_pool)
     call = jax.ffi.ffi_call(_target("decode_attention"),
                             jax.ShapeDtypeStruct(q.shape, jnp.float32))

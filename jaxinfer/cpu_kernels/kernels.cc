@@ -588,8 +588,8 @@ constexpr int kMaxHeads = 64;  // kv heads x G queries of one row
 // at a time, each group's keys then values, the next group asked for), alternating in one
 // process; 8 and 16 groups a chunk, and 1 to 3 items ahead, were alike.
 constexpr int64_t kChunkGroups = 8;
-// Whether the pool holds codes with scales (int8), and the groups whose value scales are kept:
-// the chunk's for codes, none otherwise.
+// Whether the pool holds codes with scales (int8 or float8), and the groups whose value scales
+// are kept: the chunk's for codes, none otherwise.
 template <typename T>
 constexpr bool kScaled = std::is_same_v<T, int8_t> || std::is_same_v<T, E4M3>;
 template <typename T>
