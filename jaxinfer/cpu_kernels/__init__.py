@@ -1,8 +1,9 @@
-"""Native CPU kernels: XLA FFI handlers (kernels.cc) that XLA:CPU calls inside jitted programs.
+"""Native CPU kernels: XLA FFI handlers that XLA:CPU calls inside jitted programs (the products
+in products.cc, the decode attention in attention.cc, their shared parts in headers).
 
-The source ships with the package and is compiled on first use, on the machine that runs it
-(`c++ -O3 -march=native`, or `$CXX`), into `<cache dir>/cpu_kernels/<digest>.so`, the digest
-covering the source, the compiler, its flags, jaxlib's version and the CPU's instruction set
+The sources ship with the package and are compiled on first use, on the machine that runs them
+(`c++ -O3 -march=native`, or `$CXX`), into one `<cache dir>/cpu_kernels/<digest>.so`, the
+digest covering the sources and headers, the compiler, its flags, jaxlib's version and the CPU's instruction set
 flags; later processes load the built file (about 3 s to build, once). The handlers are
 registered with jax under names that carry the digest, so a program compiled against one build
 (and kept in JAX's or jaxinfer's caches) never runs another.
@@ -35,7 +36,10 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-SOURCE = os.path.join(os.path.dirname(__file__), "kernels.cc")
+_HERE = os.path.dirname(__file__)
+# The files compiled into the library, and the headers they include.
+SOURCES = tuple(os.path.join(_HERE, f) for f in ("products.cc", "attention.cc"))
+HEADERS = tuple(os.path.join(_HERE, f) for f in ("common.h", "attention_blocks.h"))
 CXX_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl")
 # (python name, exported symbol) of each handler.
@@ -75,8 +79,9 @@ def _compiler() -> str | None:
 
 def _digest(cxx: str, cpu_flags: set[str]) -> str:
     h = hashlib.sha256()
-    with open(SOURCE, "rb") as f:
-        h.update(f.read())
+    for path in SOURCES + HEADERS:
+        with open(path, "rb") as f:
+            h.update(os.path.basename(path).encode() + b"\0" + f.read())
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30)
     for part in (version.stdout, " ".join(CXX_FLAGS), importlib.metadata.version("jaxlib"),
                  " ".join(sorted(cpu_flags)), platform.machine()):
@@ -85,13 +90,13 @@ def _digest(cxx: str, cpu_flags: set[str]) -> str:
 
 
 def _build(cxx: str, target: str) -> None:
-    """Compiles SOURCE into target (atomically: a concurrent process's build is never half
-    read)."""
+    """Compiles SOURCES into one library, target (atomically: a concurrent process's build is
+    never half read)."""
     os.makedirs(os.path.dirname(target), exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(target))
     os.close(fd)
     try:
-        cmd = [cxx, *CXX_FLAGS, "-I", jax.ffi.include_dir(), SOURCE, "-o", tmp]
+        cmd = [cxx, *CXX_FLAGS, "-I", jax.ffi.include_dir(), *SOURCES, "-o", tmp]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
