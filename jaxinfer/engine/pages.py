@@ -6,9 +6,18 @@ registered in a prefix cache under a chained hash of their contents, so a later 
 the same prefix shares them instead of recomputing.
 
 Page states (each page is in exactly one): *fresh* (free, never cached or its cache entry
-dropped), *cached* (free, refcount 0, still in the prefix cache, evictable in LRU order) and
-*used* (refcount >= 1). Page 0 is reserved as `null_page`: it is never handed out, so fixed-shape
-block tables can be padded with it and padded writes never land in a live page.
+dropped; handed out lowest id first), *set aside* (free, refcount 0, held for one sequence's
+growth, see below), *cached* (free, refcount 0, still in the prefix cache, evictable in LRU
+order) and *used* (refcount >= 1). Page 0 is reserved as `null_page`: it is never handed out, so
+fixed-shape block tables can be padded with it and padded writes never land in a live page.
+
+Growth in runs: when a sequence takes a fresh page, up to `growth_run - 1` fresh pages right
+after it are set aside for that sequence, and its next pages come from them. Sequences that
+decode side by side each take one page at a time, so without this their pages would interleave
+(row a: 40, 42, 44; row b: 41, 43, 45), and the decode attention, which reads a row's keys page
+by page, would jump across the pool at every page. Set-aside pages count as free: an
+allocation that finds no fresh page takes them back (the ones set aside last first) before it
+evicts a cached page, and a sequence's leftovers are fresh again when it is freed.
 
 Data parallelism: with num_partitions > 1 the pool is split into that many equal, contiguous
 ranges, one per replica (the range whose K/V live on that replica's devices), and a sequence
@@ -30,11 +39,14 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import heapq
 from typing import Sequence
 
 import numpy as np
 
 _ROOT_HASH = b""  # parent of a sequence's first page
+# A sequence's pages come in runs of up to this many consecutive page ids (PageAllocator).
+GROWTH_RUN = 4
 
 
 def page_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
@@ -45,6 +57,40 @@ def page_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
     collisions, which would silently serve another prompt's KV, out of reach.
     """
     return hashlib.sha256(parent + np.asarray(token_ids, dtype=np.int64).tobytes()).digest()
+
+
+class _FreshPages:
+    """A partition's fresh pages, handed out lowest id first (so pages freed in any order are
+    reused in runs), with membership tests and removal of any one of them."""
+
+    def __init__(self, pages):
+        self._set = set(pages)
+        self._heap = sorted(self._set)  # may also hold pages removed since (skipped on pop)
+
+    def __len__(self) -> int:
+        return len(self._set)
+
+    def __iter__(self):
+        return iter(sorted(self._set))
+
+    def __contains__(self, page: int) -> bool:
+        return page in self._set
+
+    def pop(self) -> int:
+        while True:
+            page = heapq.heappop(self._heap)
+            if page in self._set:
+                self._set.remove(page)
+                return page
+
+    def remove(self, page: int) -> None:
+        self._set.remove(page)
+        if len(self._heap) > 2 * len(self._set) + 64:  # drop the removed pages' entries
+            self._heap = sorted(self._set)
+
+    def add(self, page: int) -> None:
+        self._set.add(page)
+        heapq.heappush(self._heap, page)
 
 
 class OutOfPages(RuntimeError):
@@ -68,19 +114,24 @@ class PageAllocator:
     """Allocates KV pages to sequences, with optional prefix caching.
 
     num_pages: pages in the pool, including the reserved `null_page` (so num_pages - 1 are
-    usable). page_size: token slots per page. Token counts are in tokens, page counts in pages.
+    usable). page_size: token slots per page. growth_run: a sequence's pages come in runs of up
+    to this many consecutive ids (module docstring; 1: no pages set aside). Token counts are in
+    tokens, page counts in pages.
     """
 
     null_page = 0
 
     def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True,
-                 num_partitions: int = 1):
+                 num_partitions: int = 1, growth_run: int = GROWTH_RUN):
         if num_pages < 2 or page_size < 1:
             raise ValueError(f"need num_pages >= 2 and page_size >= 1, "
                              f"got {num_pages} and {page_size}")
         if num_partitions < 1 or num_pages % num_partitions or num_pages // num_partitions < 2:
             raise ValueError(f"{num_pages} pages do not split into {num_partitions} partitions "
                              "of at least 2 pages each")
+        if growth_run < 1:
+            raise ValueError(f"growth_run must be >= 1, got {growth_run}")
+        self.growth_run = growth_run
         self.num_pages, self.page_size = num_pages, page_size
         self.num_partitions = num_partitions
         self.partition_size = num_pages // num_partitions
@@ -88,8 +139,13 @@ class PageAllocator:
         self.enable_prefix_caching = enable_prefix_caching
         self._refcount = [0] * num_pages
         # Per partition: fresh pages, and cached-but-evictable ones in LRU order.
-        self._fresh = [collections.deque(p for p in self._range(i) if p != self.null_page)
+        self._fresh = [_FreshPages(p for p in self._range(i) if p != self.null_page)
                        for i in range(num_partitions)]
+        # Pages set aside: per sequence in the order it takes them, and per partition every
+        # set-aside page -> its sequence, in the order they were set aside.
+        self._aside: dict[object, collections.deque[int]] = {}
+        self._aside_pages: list[collections.OrderedDict[int, object]] = [
+            collections.OrderedDict() for _ in range(num_partitions)]
         self._evictable: list[collections.OrderedDict[int, None]] = [
             collections.OrderedDict() for _ in range(num_partitions)]
         self._hash_to_page: dict[bytes, int] = {}
@@ -101,12 +157,14 @@ class PageAllocator:
     # ---- queries -------------------------------------------------------------------------
     @property
     def num_free_pages(self) -> int:
-        """Free pages over all partitions: fresh plus cached-but-evictable."""
+        """Free pages over all partitions: fresh, set aside and cached-but-evictable."""
         return sum(self.free_pages(i) for i in range(self.num_partitions))
 
     def free_pages(self, partition: int = 0) -> int:
-        """Pages an allocation in `partition` may take: fresh plus cached-but-evictable."""
-        return len(self._fresh[partition]) + len(self._evictable[partition])
+        """Pages an allocation in `partition` may take: fresh, set aside (for any sequence)
+        and cached-but-evictable."""
+        return (len(self._fresh[partition]) + len(self._aside_pages[partition])
+                + len(self._evictable[partition]))
 
     def partition(self, page: int) -> int:
         """The partition (data replica) a page belongs to."""
@@ -193,7 +251,7 @@ class PageAllocator:
             if self._refcount[page] == 0:
                 del self._evictable[partition][page]
             self._refcount[page] += 1
-        pages = hits + self._take(needed, partition)
+        pages = hits + self._take(needed, partition, seq_id)
         num_cached = len(hits) * ps
         if self.enable_prefix_caching:
             self._queries += len(tokens)
@@ -220,7 +278,7 @@ class PageAllocator:
             self._refcount[page] += 1
         pages, copies = list(shared), []
         if partial:
-            pages += self._take(1, src.partition)
+            pages += self._take(1, src.partition, seq_id)
             copies.append((src.pages[full], pages[-1]))
         self._seqs[seq_id] = _Seq(src.tokens[:num_tokens], pages, src.hashes[:full],
                                   num_tokens, src.partition)
@@ -236,7 +294,7 @@ class PageAllocator:
             raise OutOfPages(f"growing {seq_id!r} to {num_tokens} tokens", needed,
                              self.free_pages(partition))
         if needed > 0:
-            seq.pages += self._take(needed, partition)
+            seq.pages += self._take(needed, partition, seq_id)
 
     def append(self, seq_id, token_ids: Sequence[int]) -> None:
         """Record new tokens of the sequence (e.g. sampled ones), taking pages as needed.
@@ -290,21 +348,35 @@ class PageAllocator:
                 if page in self._page_to_hash:
                     self._evictable[self.partition(page)][page] = None
                 else:
-                    self._fresh[self.partition(page)].append(page)
+                    self._fresh[self.partition(page)].add(page)
+        for page in self._aside.pop(seq_id, ()):
+            del self._aside_pages[seq.partition][page]
+            self._fresh[seq.partition].add(page)
 
     @staticmethod
     def _root(partition: int) -> bytes:
         """The parent hash of a sequence's first page: partitions never share pages."""
         return _ROOT_HASH if partition == 0 else b"partition %d" % partition
 
-    def _take(self, n: int, partition: int) -> list[int]:
-        """Take n free pages of a partition (caller checked they exist): fresh ones first, then
-        evict cached ones in LRU order, dropping their prefix-cache entries."""
+    def _take(self, n: int, partition: int, seq_id) -> list[int]:
+        """Take n free pages of a partition for seq_id (caller checked they exist): the ones
+        set aside for it first, then fresh ones (each setting aside the fresh pages right after
+        it), then ones set aside for other sequences, last evicting cached ones in LRU order
+        (dropping their prefix-cache entries)."""
         fresh, evictable = self._fresh[partition], self._evictable[partition]
+        aside_pages = self._aside_pages[partition]
+        own = self._aside.get(seq_id)
         out = []
         for _ in range(n):
-            if fresh:
-                page = fresh.popleft()
+            if own:
+                page = own.popleft()
+                del aside_pages[page]
+            elif fresh:
+                page = fresh.pop()
+                own = self._set_aside(seq_id, page, partition)
+            elif aside_pages:
+                page, owner = aside_pages.popitem(last=True)
+                self._aside[owner].remove(page)
             else:
                 page, _ = evictable.popitem(last=False)
                 del self._hash_to_page[self._page_to_hash.pop(page)]
@@ -313,3 +385,16 @@ class PageAllocator:
             out.append(page)
         self._peak_used = max(self._peak_used, self.num_usable_pages - self.num_free_pages)
         return out
+
+    def _set_aside(self, seq_id, page: int, partition: int):
+        """Sets the fresh pages right after `page` (up to growth_run - 1) aside for seq_id;
+        its set-aside pages."""
+        own = self._aside.setdefault(seq_id, collections.deque())
+        fresh = self._fresh[partition]
+        for nxt in range(page + 1, page + self.growth_run):
+            if nxt not in fresh:
+                break
+            fresh.remove(nxt)
+            own.append(nxt)
+            self._aside_pages[partition][nxt] = seq_id
+        return own

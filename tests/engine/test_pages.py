@@ -13,7 +13,19 @@ PS = 4
 def _snapshot(a):
     return (a.stats(), {s: a.block_table(s) for s in list(a._seqs)},
             [a.refcount(p) for p in range(a.num_pages)], a.cached_pages(),
-            [list(f) for f in a._fresh], [list(e) for e in a._evictable])
+            [list(f) for f in a._fresh], [list(e) for e in a._evictable],
+            {s: list(q) for s, q in a._aside.items()}, [dict(d) for d in a._aside_pages])
+
+
+def _runs(table):
+    """A block table's runs of consecutive page ids, as their lengths."""
+    runs = [1]
+    for prev, page in zip(table, table[1:]):
+        if page == prev + 1:
+            runs[-1] += 1
+        else:
+            runs.append(1)
+    return runs
 
 
 def test_allocation_sizes_and_block_tables():
@@ -157,10 +169,18 @@ def test_lru_eviction_order_and_refresh_on_hit():
 def _check(a, seqs, shadow, ever_used):
     fresh = [p for f in a._fresh for p in f]
     evict = [p for e in a._evictable for p in e]
+    aside = [p for d in a._aside_pages for p in d]
     used = [p for p in range(1, a.num_pages) if a.refcount(p) > 0]
-    states = fresh + evict + used
+    states = fresh + evict + aside + used
     assert sorted(states) == list(range(1, a.num_pages)), "each page in exactly one state"
-    assert all(a.refcount(p) == 0 for p in fresh + evict)
+    assert all(a.refcount(p) == 0 for p in fresh + evict + aside)
+    # Set-aside pages: each sequence's follow its newest page (in order), of its partition.
+    assert sorted(p for q in a._aside.values() for p in q) == sorted(aside)
+    for sid, q in a._aside.items():
+        assert sid in seqs and all(a._aside_pages[a.partition(p)][p] == sid for p in q)
+        if q:
+            assert list(q) == list(range(a.block_table(sid)[-1] + 1,
+                                         a.block_table(sid)[-1] + 1 + len(q)))
     counts = [0] * a.num_pages
     for sid in seqs:
         bt = a.block_table(sid)
@@ -310,3 +330,60 @@ def test_partitions_keep_each_sequence_in_its_own_range():
         PageAllocator(16, PS, num_partitions=3)
     with pytest.raises(ValueError, match=r"partition 2 outside \[0, 2\)"):
         a.allocate("e", [1], partition=2)
+
+
+# ---- growth in runs ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("run", [1, 2, 4])
+def test_sequences_growing_side_by_side_take_runs_of_pages(run):
+    """Four sequences taking a page each in turn (decode rows crossing page boundaries) get
+    their pages in runs of `run` consecutive ids; with run 1 they interleave."""
+    a = PageAllocator(64, PS, growth_run=run)
+    for sid in range(4):
+        a.allocate(sid, [sid])
+    for n in range(2, 13):  # every sequence grows to 12 pages, one page at a time
+        for sid in range(4):
+            a.ensure_capacity(sid, n * PS)
+    for sid in range(4):
+        assert _runs(a.block_table(sid)) == [run] * (12 // run)
+    assert a.num_free_pages == 63 - 48
+    for sid in range(4):
+        a.free(sid)
+    assert a.num_free_pages == 63 and not a._aside and not any(a._aside_pages)
+    assert list(a._fresh[0]) == list(range(1, 64))
+
+
+def test_set_aside_pages_are_free_and_taken_back_before_cached_ones():
+    a = PageAllocator(12, PS)  # 11 usable, runs of 4
+    a.allocate("c", list(range(2 * PS)))  # 2 pages, cached once computed and freed
+    a.mark_computed("c", 2 * PS)
+    a.free("c")
+    a.allocate("g", [1])  # takes page 3 and sets aside 4, 5, 6
+    assert a.block_table("g") == [3] and list(a._aside["g"]) == [4, 5, 6]
+    assert a.num_free_pages == 10 and a.stats()["used"] == 1 and a.stats()["cached"] == 2
+    a.ensure_capacity("g", PS + 1)  # its next page is the one set aside after its last
+    assert a.block_table("g") == [3, 4] and list(a._aside["g"]) == [5, 6]
+    # 7 pages for a new prompt: fresh 7..11 first, then g's set-aside pages (the last set
+    # aside first), and no cached page is evicted while set-aside ones remain.
+    a.allocate("p", list(range(100, 100 + 7 * PS)))
+    assert a.block_table("p") == [7, 8, 9, 10, 11, 6, 5]
+    assert a.stats()["evictions"] == 0 and a.stats()["cached"] == 2 and not a._aside["g"]
+    a.ensure_capacity("g", 2 * PS + 1)  # nothing fresh or set aside: evicts a cached page
+    assert a.stats()["evictions"] == 1
+    with pytest.raises(OutOfPages, match="needs 2 free KV pages, only 1 free"):
+        a.ensure_capacity("g", 5 * PS)
+
+
+def test_freed_pages_are_reused_lowest_first():
+    a = PageAllocator(16, PS, growth_run=1)
+    for sid in range(5):
+        a.allocate(sid, list(range(2 * PS)))  # pages 2s+1, 2s+2
+    for sid in (3, 0, 4, 1):
+        a.free(sid)
+    a.allocate("n", list(range(5 * PS)))
+    assert a.block_table("n") == [1, 2, 3, 4, 7]
+
+
+def test_growth_run_is_checked():
+    with pytest.raises(ValueError, match="growth_run must be >= 1, got 0"):
+        PageAllocator(8, PS, growth_run=0)
