@@ -59,18 +59,24 @@ struct E4M3 {
   uint8_t bits;
 };
 
-// 16 e4m3fn codes as float32, exactly (their scale applied later). The code's sign moved to
-// bit 31 and its exponent and mantissa into float32's fields (one shift of the sign-extended
-// byte and a mask), then 120 added to the exponent: that is a normal code's value. A subnormal
-// code (exponent 0) is m * 2^-9 = (1 + m/8) * 2^-6 - 2^-6 (its sign on both), computed by
-// rebiasing by 121 and subtracting the value with its mantissa cleared (exact); NaN codes give
-// NaN. Neither is in most groups of 16, which then skip both.
+// 16 e4m3fn codes known to be normal (no subnormal, zero or NaN among them) as float32: the
+// code's sign moved to bit 31 and its exponent and mantissa into float32's fields (one shift of
+// the sign-extended byte and a mask), then 120 added to the exponent.
+inline __m512 load_normal_e4m3(const E4M3* p) {
+  const __m512i b = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_castsi512_ps(_mm512_add_epi32(
+      _mm512_and_si512(_mm512_slli_epi32(b, 20), _mm512_set1_epi32(int32_t(0x87F00000u))),
+      _mm512_set1_epi32(120 << 23)));
+}
+
+// 16 e4m3fn codes as float32, exactly (their scale applied later). load_normal_e4m3 gives a
+// normal code's value. A subnormal code (exponent 0) is m * 2^-9 = (1 + m/8) * 2^-6 - 2^-6 (its
+// sign on both), computed by rebiasing by 121 and subtracting the value with its mantissa
+// cleared (exact); NaN codes give NaN. Neither is in most groups of 16, which then skip both.
 template <>
 inline __m512 load_key16<E4M3>(const E4M3* p) {
   const __m512i b = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m512i x = _mm512_add_epi32(
-      _mm512_and_si512(_mm512_slli_epi32(b, 20), _mm512_set1_epi32(int32_t(0x87F00000u))),
-      _mm512_set1_epi32(120 << 23));
+  const __m512i x = _mm512_castps_si512(load_normal_e4m3(p));
   const __mmask16 sub = _mm512_testn_epi32_mask(b, _mm512_set1_epi32(0x78));
   const __mmask16 nan = _mm512_cmpeq_epi32_mask(_mm512_and_si512(b, _mm512_set1_epi32(0x7F)),
                                                 _mm512_set1_epi32(0x7F));
@@ -110,7 +116,24 @@ constexpr bool kSplit = std::is_same_v<T, uint16_t>;
 
 template <typename T, int HB>
 inline void load_row(const T* p, __m512* out) {
-  if constexpr (kSplit<T>) {
+  if constexpr (std::is_same_v<T, E4M3>) {
+    // e4m3fn codes 64 at a time: whether any is subnormal, zero or NaN is asked of all 64
+    // bytes at once, and a chunk with none converts each 16 without load_key16's own checks.
+    for (int c = 0; c < HB; c += 4) {
+      const int n = std::min(4, HB - c);
+      const __mmask64 bytes = n == 4 ? ~__mmask64(0) : (__mmask64(1) << (16 * n)) - 1;
+      const __m512i raw = _mm512_maskz_loadu_epi8(bytes, p + 16 * c);
+      const __mmask64 special =
+          (_mm512_testn_epi8_mask(raw, _mm512_set1_epi8(0x78)) |
+           _mm512_cmpeq_epi8_mask(_mm512_and_si512(raw, _mm512_set1_epi8(0x7F)),
+                                  _mm512_set1_epi8(0x7F))) & bytes;
+      if (__builtin_expect(special == 0, 1)) {
+        for (int i = 0; i < n; ++i) out[c + i] = load_normal_e4m3(p + 16 * (c + i));
+      } else {
+        for (int i = 0; i < n; ++i) out[c + i] = load_key16<E4M3>(p + 16 * (c + i));
+      }
+    }
+  } else if constexpr (kSplit<T>) {
     const __m512i high = _mm512_set1_epi32(int32_t(0xFFFF0000u));
     for (int c = 0; c < HB / 2; ++c) {
       const __m512i w = _mm512_loadu_si512(p + 32 * c);
