@@ -2,7 +2,8 @@
 
     python benchmarks/decode.py [--model smollm2-135m] [--dtype D] [--kv_cache_dtype int8]
                                 [--runs 5] [--decode_tokens 128] [--page_size N]
-                                [--ablate_attention]
+                                [--rows 16] [--context_min 128] [--context_max 384]
+                                [--generated 0] [--ablate_attention]
 
 Prints, all measured in this one process, interleaved run by run so that machine noise hits
 them alike:
@@ -13,7 +14,8 @@ them alike:
     per run, and the median of those;
   * a --rows-row decode step against the bare matmul stack of the same model for as many rows:
     --rows requests with prompts of --context_min..--context_max tokens (seeded) are prefilled,
-    then each run times one engine step (LLM.step(): a dispatch of decode_steps decode steps
+    and decode --generated tokens each untimed (their pages taken step by step, as a long
+    output's are), then each run times one engine step (LLM.step(): a dispatch of decode_steps decode steps
     for every row, host booking included) and one call of a jitted loop of decode_steps
     iterations of the model's linears alone (q, k, v, o, gate, up, down per layer and the
     head, through the same quantization-aware `linear`, no norms, RoPE, attention or
@@ -74,6 +76,8 @@ def main():
                     "compared with the matmul stack (0: skip)")
     ap.add_argument("--context_min", type=int, default=128)
     ap.add_argument("--context_max", type=int, default=384)
+    ap.add_argument("--generated", type=int, default=0,
+                    help="tokens each of the --rows rows decodes before the timed runs")
     ap.add_argument("--kv_cache_dtype", default=None,
                     help="the LLMs' KV cache dtype (default: the model's dtype)")
     ap.add_argument("--page_size", type=int, default=None,
@@ -82,6 +86,8 @@ def main():
                     help="also time the --rows-row step with attention replaced by zeros")
     ap.add_argument("--json", action="store_true", help="print one JSON line instead of text")
     args = ap.parse_args()
+    if args.rows:
+        check_generated(args)
 
     import jaxinfer as ji
 
@@ -143,7 +149,8 @@ def main():
           f"fractions: {', '.join(f'{x:.2f}' for x in fractions)})")
     if args.rows:
         print(f"{args.rows}-row decode step  {result['batch_step_ms']:8.2f} ms (median; "
-              f"contexts {args.context_min}-{args.context_max} tokens)")
+              f"contexts {args.context_min}-{args.context_max} tokens"
+              f"{f' + {args.generated} generated' if args.generated else ''})")
         print(f"{args.rows}-row matmul stack {result['matmul_stack_ms']:8.2f} ms (median)")
         print(f"step / matmul stack   {result['step_over_stack']:8.2f} (median of per-run "
               f"ratios: {', '.join(f'{x:.2f}' for x in result['step_over_stack_runs'])})")
@@ -183,11 +190,25 @@ def llm_kwargs(args) -> dict:
     return kw
 
 
+def check_generated(args) -> None:
+    """--generated must leave its rows room (2048 tokens each at the LLM's defaults) for the
+    timed runs' dispatches."""
+    from jaxinfer.config import EngineConfig
+
+    steps = EngineConfig.decode_steps
+    room = 2048 - args.context_max - 1 - (args.runs + 2) * steps
+    if not 0 <= args.generated <= room:
+        raise SystemExit(f"--generated {args.generated}: must be in [0, {room}] (2048-token rows "
+                         f"holding prompts of up to --context_max {args.context_max} tokens and "
+                         f"{args.runs + 2} more dispatches of {steps} steps)")
+
+
 def batch_step_vs_matmuls(args) -> dict:
     import jaxinfer as ji
     from jaxinfer import tuning
 
     R = args.rows
+    check_generated(args)
     llm = ji.LLM(args.model, max_num_seqs=R, **llm_kwargs(args))
     steps = llm.engine_config.decode_steps
     rng = np.random.default_rng(1)
@@ -201,6 +222,9 @@ def batch_step_vs_matmuls(args) -> dict:
     while waiting:
         waiting -= {out.request_id for out in llm.step() if out.token_ids}
     llm.step()      # compiles the R-row decode loop
+    generated = 0
+    while generated < args.generated:
+        generated = min(len(out.token_ids) for out in llm.step())
     stack = tuning.loop_jit(functools.partial(matmul_stack, architecture=llm.model_config.architecture),
                             static_argnames="num_steps")
     x = jnp.asarray(rng.standard_normal((R, llm.model_config.d_model)), jnp.float32) * 0.01
