@@ -15,11 +15,11 @@ them alike:
   * a --rows-row decode step against the bare matmul stack of the same model for as many rows:
     --rows requests with prompts of --context_min..--context_max tokens (seeded) are prefilled,
     and decode --generated tokens each untimed (their pages taken step by step, as a long
-    output's are), then each run times one engine step (LLM.step(): a dispatch of decode_steps decode steps
-    for every row, host booking included) and one call of a jitted loop of decode_steps
-    iterations of the model's linears alone (q, k, v, o, gate, up, down per layer and the
-    head, through the same quantization-aware `linear`, no norms, RoPE, attention or
-    sampling). Both per step; the ratio step / stack per run, and its median;
+    output's are), then each run times one engine step (LLM.step(): a dispatch of
+    decode_steps decode steps for every row, host booking included) and one call of a jitted
+    loop of decode_steps iterations of the model's linears alone (q, k, v, o, gate, up, down
+    per layer and the head, through the same quantization-aware `linear`, no norms, RoPE,
+    attention or sampling). Both per step; the ratio step / stack per run, and its median;
   * the keys and values the --rows-row step reads (each row's context, averaged over a
     run's steps, times the bytes a key and value take in every layer's pool), that read
     timed at the read bandwidth sampled beside each run, and (stack + that time) / stack:
@@ -224,7 +224,7 @@ def batch_step_vs_matmuls(args) -> dict:
     llm.step()      # compiles the R-row decode loop
     generated = 0
     while generated < args.generated:
-        generated = min(len(out.token_ids) for out in llm.step())
+        generated = min((len(out.token_ids) for out in llm.step()), default=generated)
     stack = tuning.loop_jit(functools.partial(matmul_stack, architecture=llm.model_config.architecture),
                             static_argnames="num_steps")
     x = jnp.asarray(rng.standard_normal((R, llm.model_config.d_model)), jnp.float32) * 0.01
