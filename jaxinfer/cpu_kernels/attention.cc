@@ -234,7 +234,18 @@ void attend_all(ffi::ThreadPool& pool, const float* q, int64_t T_, float scale, 
   const float* vs_layer = vs ? vs + layer * slots * K : nullptr;
   // Tokens that no tile names keep zeros.
   std::memset(out, 0, sizeof(float) * T_ * per_token);
-  parallel_chunks(pool, Nt, helper_count(pool), [=](int64_t t) {
+  // Tiles longest first, so that the last ones the threads claim are the shortest and they
+  // finish close together.
+  std::vector<int32_t> order(Nt);
+  for (int64_t t = 0; t < Nt; ++t) order[t] = int32_t(t);
+  auto keys = [=](int64_t t) {
+    return pos[t] < 0 ? int64_t(0) : window > 0 ? std::min<int64_t>(pos[t] + 1, window) : pos[t] + 1;
+  };
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int32_t a, int32_t b) { return keys(a) > keys(b); });
+  const int32_t* op = order.data();
+  parallel_chunks(pool, Nt, helper_count(pool), [=](int64_t c) {
+    const int64_t t = op[c];
     const int64_t end = pos[t], tok = token[t], r = row[t];
     if (end < 0 || tok < 0 || tok >= T_ || r < 0 || r >= B) return;
     const int64_t start = window > 0 ? std::max<int64_t>(0, end - window + 1) : 0;
