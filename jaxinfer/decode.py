@@ -161,9 +161,10 @@ def _put(x: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Array:
 
 def _sample_rows(logits, state: DecodeState, rows: jax.Array, index: jax.Array):
     """Samples a token for each listed row from its logits [R, V] with the row's parameters,
-    seen mask and token index [R]."""
+    seen mask and token index [R]. The rows' seen masks ([R, V]) are gathered only where a
+    repetition penalty applies: gathered every step, they cost a copy of R x V bools."""
     sp = jax.tree.map(lambda x: _take(x, rows), state.rows.sampling)
-    return sample(logits, sp, _take(state.seen, rows), index)
+    return sample(logits, sp, lambda: _take(state.seen, rows), index)
 
 
 @flax.struct.dataclass

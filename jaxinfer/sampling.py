@@ -19,6 +19,7 @@ row cost more than the rest of the sampler.
 from __future__ import annotations
 
 import functools
+from typing import Callable, Union
 
 import flax.struct
 import jax
@@ -35,14 +36,19 @@ class SamplingArrays:
     seed: jax.Array                # [B] uint32
 
 
-def apply_repetition_penalty(logits: jax.Array, seen: jax.Array, penalty: jax.Array) -> jax.Array:
-    """logits [B, V] float32; seen [B, V] bool (token occurred in prompt or output); penalty [B].
-    Skipped when every row's penalty is 1 (the result would be logits exactly): XLA:CPU makes
-    five passes over [B, V] for it, about 0.5 ms of a 16-row decode step of SmolLM2."""
+Seen = Union[jax.Array, Callable[[], jax.Array]]
+
+
+def apply_repetition_penalty(logits: jax.Array, seen: Seen, penalty: jax.Array) -> jax.Array:
+    """logits [B, V] float32; seen [B, V] bool (token occurred in prompt or output), or a
+    function giving it, called only where a penalty applies (the decode loop gathers its rows'
+    masks there, not every step); penalty [B]. Skipped when every row's penalty is 1 (the result
+    would be logits exactly): XLA:CPU makes five passes over [B, V] for it, about 0.5 ms of a
+    16-row decode step of SmolLM2."""
     def penalize(logits):
         pen = penalty[:, None]
         penalized = jnp.where(logits > 0, logits / pen, logits * pen)
-        return jnp.where(seen, penalized, logits)
+        return jnp.where(seen() if callable(seen) else seen, penalized, logits)
     return jax.lax.cond(jnp.any(penalty != 1.0), penalize, lambda logits: logits, logits)
 
 
@@ -219,9 +225,10 @@ def uniforms(seed: jax.Array, token_index: jax.Array, stream: int | None = None)
     return jax.vmap(one)(seed, token_index)
 
 
-def sample(logits: jax.Array, sp: SamplingArrays, seen: jax.Array,
+def sample(logits: jax.Array, sp: SamplingArrays, seen: Seen,
            token_index: jax.Array) -> jax.Array:
-    """Draws one token per row. logits [B, V]; seen [B, V] bool; token_index [B] int32 (index of
+    """Draws one token per row. logits [B, V]; seen [B, V] bool (or a function giving it, as
+    apply_repetition_penalty takes); token_index [B] int32 (index of
     the token being drawn within its request's output). Returns [B] int32."""
     def full(logits):
         logits = apply_repetition_penalty(logits, seen, sp.repetition_penalty)
