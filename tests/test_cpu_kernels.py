@@ -367,3 +367,43 @@ def test_decode_attention_writing_equals_xla_write_then_attention(pool):
     assert (np.asarray(out)[rows == B] == 0).all()
     assert cpu_kernels.writing_supports(wrap(k))
     assert not cpu_kernels.writing_supports(quantize_kv(jnp.asarray(k), jnp.int8))
+
+
+def argmax_rows(V: int, seed: int = 0) -> np.ndarray:
+    """12 rows of V float32 values: random ones, and rows with ties, -inf, NaN and +inf where
+    the first index of the maximum (NaN counting as the maximum) must win."""
+    rng = np.random.default_rng(seed + V)
+    x = rng.standard_normal((12, V)).astype(np.float32)
+    x[3] = -np.inf                                  # nothing beats -inf: index 0
+    x[6] = 1.0                                      # all equal: index 0
+    if V > 2:
+        x[1, [0, V - 1]] = 9.0                      # a tie, first and last entries
+        x[2, [V // 3, (V // 3 + 16) % V]] = 9.0     # a tie 16 apart (one lane, two blocks)
+        x[4, [V // 2, V - 2]] = np.nan              # NaN wins, the first one
+        x[5, V - 1] = 50.0                          # the maximum in the last (partial) block
+        x[7, :] = -np.inf
+        x[7, V - 1] = -1e30                         # the only finite entry is the last
+        x[8, [1, V - 1]] = [np.inf, np.nan]         # +inf before a NaN: the NaN wins
+        x[9, [V - 2, 2]] = np.inf                   # two +inf: the first
+        x[10, 1:] = -np.inf                         # -inf after the maximum
+        x[10, 0] = -np.inf
+        x[10, V - 1] = -5.0
+        x[11, [V - 1, V - 2]] = -0.0, 0.0           # -0.0 == 0.0: the first of them
+        x[11, :V - 2] = -1.0
+    return x
+
+
+@needs_kernels
+@pytest.mark.parametrize("V", [1, 5, 16, 17, 64, 100, 1000, 49152])
+def test_argmax_equals_numpy(V):
+    """cpu_kernels.argmax against numpy's argmax, exactly: the first index of each row's
+    maximum, NaN counting as the maximum; leading axes, and under vmap."""
+    x = argmax_rows(V)
+    f = jax.jit(cpu_kernels.argmax)
+    got = f(jnp.asarray(x))
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(got), np.argmax(x, axis=-1))
+    x3 = x.reshape(3, 4, V)
+    np.testing.assert_array_equal(np.asarray(f(jnp.asarray(x3))), np.argmax(x3, axis=-1))
+    np.testing.assert_array_equal(np.asarray(jax.vmap(f)(jnp.asarray(x3))),
+                                  np.argmax(x3, axis=-1))

@@ -337,12 +337,14 @@ def _reference_draw(probs, seed, index):
     return int(np.argmax(cum > u))
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["two levels", "native where built"])
 @pytest.mark.parametrize("V,block", [(1000, 64), (4096, 1024), (1030, 256), (50, 1024)])
-def test_blocked_argmax_equals_numpy(V, block):
+def test_blocked_argmax_equals_numpy(V, block, native):
     """sampling.argmax against numpy's argmax (first index of the maximum; NaN counts as the
     maximum, its first occurrence wins) on random rows, ties inside a block and across blocks,
     rows of -inf, rows with NaN, a V that is not a multiple of the block (padded), leading axes,
-    and bf16 input."""
+    and bf16 input; in two levels, and through the native CPU kernel where it is built (float32
+    rows longer than a block)."""
     from jaxinfer.sampling import argmax
     rng = np.random.default_rng(V)
     x = rng.standard_normal((12, V)).astype(np.float32)
@@ -356,7 +358,7 @@ def test_blocked_argmax_equals_numpy(V, block):
     x[7, V - 1] = -1e30                             # the only finite entry is the last
     x[8, [10, V - 3]] = [np.inf, np.nan]            # +inf before a NaN: the NaN wins
     x[9, [V - 4, 2]] = np.inf                       # two +inf: the first
-    f = jax.jit(lambda a: argmax(a, block))
+    f = jax.jit(lambda a: argmax(a, block, native))
     np.testing.assert_array_equal(np.asarray(f(jnp.asarray(x))), np.argmax(x, axis=-1))
     x3 = x.reshape(3, 4, V)
     np.testing.assert_array_equal(np.asarray(f(jnp.asarray(x3))), np.argmax(x3, axis=-1))

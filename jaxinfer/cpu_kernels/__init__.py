@@ -1,5 +1,6 @@
 """Native CPU kernels: XLA FFI handlers that XLA:CPU calls inside jitted programs (the products
-in products.cc, the decode attention in attention.cc, their shared parts in headers).
+in products.cc, the decode attention in attention.cc, the logits' argmax in sampling.cc, their
+shared parts in headers).
 
 The sources ship with the package and are compiled on first use, on the machine that runs them
 (`c++ -O3 -march=native`, or `$CXX`), into one `<cache dir>/cpu_kernels/<digest>.so`, the
@@ -38,7 +39,7 @@ log = logging.getLogger(__name__)
 
 _HERE = os.path.dirname(__file__)
 # The files compiled into the library, and the headers they include.
-SOURCES = tuple(os.path.join(_HERE, f) for f in ("products.cc", "attention.cc"))
+SOURCES = tuple(os.path.join(_HERE, f) for f in ("products.cc", "attention.cc", "sampling.cc"))
 HEADERS = tuple(os.path.join(_HERE, f) for f in ("common.h", "attention_blocks.h"))
 CXX_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl")
@@ -48,7 +49,8 @@ HANDLERS = (("row_times_matrix", "jaxinfer_row_times_matrix"),
             ("decode_attention", "jaxinfer_decode_attention"),
             ("decode_attention_writing", "jaxinfer_decode_attention_writing"),
             ("rows_times_matrix", "jaxinfer_rows_times_matrix"),
-            ("matrix_times_rows", "jaxinfer_matrix_times_rows"))
+            ("matrix_times_rows", "jaxinfer_matrix_times_rows"),
+            ("argmax", "jaxinfer_argmax"))
 # The few-row products need AVX512-BF16 (vdpbf16ps), and serve up to MAX_ROWS rows: beyond
 # that XLA's dot, whose repacking of the weights is then shared by enough rows, is as fast.
 ROWS_CPU_FLAG = "avx512_bf16"
@@ -199,6 +201,14 @@ matrix_times_row = _product("matrix_times_row", 0, "k,nk->n")
 rows_times_matrix = _product("rows_times_matrix", 1, "mk,kn->mn")
 # x [M, K] @ w [N, K]^T for bf16 x and w, 2 <= M: float32 [M, N] (vdpbf16ps pairs, float32 sums).
 matrix_times_rows = _product("matrix_times_rows", 0, "mk,nk->mn")
+
+
+def argmax(x: jax.Array) -> jax.Array:
+    """jnp.argmax(x, axis=-1) for float32 x [..., V] (V >= 1), as int32 [...]: the first index
+    of each row's largest value, the first NaN where a row has one, 0 for a row of -inf. One
+    pass over each row, the rows shared among the threads."""
+    out = jax.ShapeDtypeStruct(x.shape[:-1], jnp.int32)
+    return jax.ffi.ffi_call(_target("argmax"), out, vmap_method="broadcast_all")(x)
 
 
 def _pool_kind(pool) -> str | None:
