@@ -160,11 +160,12 @@ def argmax(x: jax.Array, block: int = ARGMAX_BLOCK, native: bool = True) -> jax.
     per row, the rows shared among the threads; docs/cpu_kernels.md): 0.04 against 0.10 ms
     for the two-level form below over a 16-row step's logits of SmolLM2 in cache. Otherwise
     in two levels: each block's maximum (a plain max reduction, which XLA:CPU vectorises), the
-    first block holding the largest, then the first index of its maximum within that block. The result equals jnp.argmax's on every input:
-    the first index of the maximum, the first NaN where there is one (jnp.argmax takes NaN as
-    the maximum), index 0 for a row of -inf. XLA:CPU lowers jnp.argmax to a (value, index)
-    reduction that it does not vectorise: over 16 rows of Gemma 3's 262,144 entries it took
-    9.4 ms against 0.67 ms this way (SmolLM2's 49,152: 1.84 against 0.37 ms)."""
+    first block holding the largest, then the first index of its maximum within that block.
+    The result equals jnp.argmax's on every input: the first index of the maximum, the first
+    NaN where there is one (jnp.argmax takes NaN as the maximum), index 0 for a row of -inf.
+    XLA:CPU lowers jnp.argmax to a (value, index) reduction that it does not vectorise: over 16
+    rows of Gemma 3's 262,144 entries it took 9.4 ms against 0.67 ms this way (SmolLM2's
+    49,152: 1.84 against 0.37 ms)."""
     V = x.shape[-1]
     if native and V > block and x.dtype == jnp.float32 and cpu_kernels.enabled():
         return cpu_kernels.argmax(x)

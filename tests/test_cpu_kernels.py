@@ -385,9 +385,8 @@ def argmax_rows(V: int, seed: int = 0) -> np.ndarray:
         x[7, V - 1] = -1e30                         # the only finite entry is the last
         x[8, [1, V - 1]] = [np.inf, np.nan]         # +inf before a NaN: the NaN wins
         x[9, [V - 2, 2]] = np.inf                   # two +inf: the first
-        x[10, 1:] = -np.inf                         # -inf after the maximum
-        x[10, 0] = -np.inf
-        x[10, V - 1] = -5.0
+        x[10, 1:] = -np.inf                         # the maximum first, -inf after it
+        x[10, 0] = -5.0
         x[11, [V - 1, V - 2]] = -0.0, 0.0           # -0.0 == 0.0: the first of them
         x[11, :V - 2] = -1.0
     return x

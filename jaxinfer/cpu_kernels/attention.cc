@@ -239,7 +239,8 @@ void attend_all(ffi::ThreadPool& pool, const float* q, int64_t T_, float scale, 
   std::vector<int32_t> order(Nt);
   for (int64_t t = 0; t < Nt; ++t) order[t] = int32_t(t);
   auto keys = [=](int64_t t) {
-    return pos[t] < 0 ? int64_t(0) : window > 0 ? std::min<int64_t>(pos[t] + 1, window) : pos[t] + 1;
+    if (pos[t] < 0) return int64_t(0);
+    return window > 0 ? std::min<int64_t>(pos[t] + 1, window) : int64_t(pos[t]) + 1;
   };
   std::stable_sort(order.begin(), order.end(),
                    [&](int32_t a, int32_t b) { return keys(a) > keys(b); });

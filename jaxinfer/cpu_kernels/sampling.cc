@@ -60,15 +60,17 @@ int32_t argmax_row(const float* x, int64_t V) {
 
 // x [..., V] float32 -> out [...] int32: each row's argmax (argmax_row). Rows are shared
 // among the threads.
-ffi::Error Argmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::S32> out) {
+ffi::Error Argmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                  ffi::ResultBuffer<ffi::S32> out) {
   const auto dims = x.dimensions();
-  if (dims.size() < 1 || dims.back() < 1 || dims.back() > INT32_MAX ||
+  if (dims.size() < 1 || dims.back() < 1 || dims.back() > INT32_MAX - 16 ||
       out->element_count() * dims.back() != x.element_count())
     return ffi::Error::InvalidArgument("argmax: x [..., V] with V >= 1 and out [...] expected");
   const int64_t V = dims.back(), R = out->element_count();
   const float* xp = x.typed_data();
   int32_t* op = out->typed_data();
-  parallel_chunks(pool, R, helper_count(pool), [=](int64_t r) { op[r] = argmax_row(xp + r * V, V); });
+  parallel_chunks(pool, R, helper_count(pool),
+                  [=](int64_t r) { op[r] = argmax_row(xp + r * V, V); });
   return ffi::Error::Success();
 }
 
