@@ -234,14 +234,15 @@ void attend_all(ffi::ThreadPool& pool, const float* q, int64_t T_, float scale, 
   const float* vs_layer = vs ? vs + layer * slots * K : nullptr;
   // Tokens that no tile names keep zeros.
   std::memset(out, 0, sizeof(float) * T_ * per_token);
+  // A tile's first key: the window's first position, or 0.
+  auto first_key = [=](int64_t end) {
+    return window > 0 ? std::max<int64_t>(0, end - window + 1) : int64_t(0);
+  };
   // Tiles longest first, so that the last ones the threads claim are the shortest and they
   // finish close together.
   std::vector<int32_t> order(Nt);
   for (int64_t t = 0; t < Nt; ++t) order[t] = int32_t(t);
-  auto keys = [=](int64_t t) {
-    if (pos[t] < 0) return int64_t(0);
-    return window > 0 ? std::min<int64_t>(pos[t] + 1, window) : int64_t(pos[t]) + 1;
-  };
+  auto keys = [=](int64_t t) { return pos[t] < 0 ? int64_t(0) : pos[t] + 1 - first_key(pos[t]); };
   std::stable_sort(order.begin(), order.end(),
                    [&](int32_t a, int32_t b) { return keys(a) > keys(b); });
   const int32_t* op = order.data();
@@ -249,7 +250,7 @@ void attend_all(ffi::ThreadPool& pool, const float* q, int64_t T_, float scale, 
     const int64_t t = op[c];
     const int64_t end = pos[t], tok = token[t], r = row[t];
     if (end < 0 || tok < 0 || tok >= T_ || r < 0 || r >= B) return;
-    const int64_t start = window > 0 ? std::max<int64_t>(0, end - window + 1) : 0;
+    const int64_t start = first_key(end);
     attend_row<T, HB>(q + tok * per_token, scale, K, G, k_layer, v_layer, ks_layer, vs_layer,
                       tables + r * M, M, Z, start, end, softcap, out + tok * per_token);
   });
