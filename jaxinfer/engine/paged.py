@@ -72,9 +72,13 @@ class PagedSlots:
         """num_tokens of req (prefill ids, then generated) now have K/V in their pages."""
         have = self.allocator.num_tokens(req.seq_id)
         if num_tokens > have:
-            # The cache holds prompt + generated tokens (a recompute re-prefills the same).
-            total = req.prompt_ids + req.token_ids
-            self.allocator.append(req.seq_id, total[have:num_tokens])
+            # The cache holds prompt + generated tokens (a recompute re-prefills the same):
+            # the new ones sliced from each list, not from the two joined (a copy of the
+            # whole context per row and step).
+            P = len(req.prompt_ids)
+            new = (req.prompt_ids[have:num_tokens]
+                   + req.token_ids[max(have - P, 0):max(num_tokens - P, 0)])
+            self.allocator.append(req.seq_id, new)
             self._sync(req)
         self.allocator.mark_computed(req.seq_id, num_tokens)
 
