@@ -11,9 +11,11 @@ baseline is written here: argmax(filtered + Gumbel(fold_in(key(seed), index))).
 
 With --top_p, two more draws are timed beside them, on logits shaped like a language model's
 (log-probabilities of a Zipf law with exponent --zipf over the vocabulary, shuffled per row) at
---temperature: the filter as `sample` runs it (top-p among the lax.top_k candidates, tiers
-sampling.SORT_CANDIDATES) and the same filter over the fully sorted vocabulary
-(candidates=()), each followed by the inverse-CDF draw.
+--temperature: the filter as `sample` runs it (top-p among the lax.top_k candidates, the
+default tiers: sampling.NATIVE_SORT_CANDIDATES where the native CPU sort serves the full sort,
+else sampling.SORT_CANDIDATES) and the same filter over the fully sorted vocabulary
+(candidates=()), each followed by the inverse-CDF draw. On CPU the full sort is the native
+kernel's (jaxinfer.cpu_kernels.sort_descending); JAXINFER_CPU_KERNELS=0 times XLA's argsort.
 
 argparse, like every script under benchmarks/.
 """
@@ -81,7 +83,7 @@ def main(argv=None) -> dict:
         zipf = jnp.asarray(np.stack([rng.permutation(law) for _ in range(B)]), jnp.float32)
         sp_p = sp.replace(temperature=jnp.full((B,), args.temperature),
                           top_p=jnp.full((B,), args.top_p))
-        runs["top_p_candidates"] = (looped(filtered_draw(sampling.SORT_CANDIDATES)), zipf, sp_p)
+        runs["top_p_candidates"] = (looped(filtered_draw(None)), zipf, sp_p)
         runs["top_p_full_sort"] = (looped(filtered_draw(())), zipf, sp_p)
     fns = {name: (lambda f=f, x=x, p=p: f(x, p, seen)) for name, (f, x, p) in runs.items()}
     ms = {name: [] for name in fns}

@@ -406,3 +406,33 @@ def test_argmax_equals_numpy(V):
     np.testing.assert_array_equal(np.asarray(f(jnp.asarray(x3))), np.argmax(x3, axis=-1))
     np.testing.assert_array_equal(np.asarray(jax.vmap(f)(jnp.asarray(x3))),
                                   np.argmax(x3, axis=-1))
+
+
+@needs_kernels
+@pytest.mark.parametrize("V", [1, 2, 17, 1000, 49152])
+def test_sort_descending_equals_numpy(V):
+    """cpu_kernels.sort_descending against numpy's stable argsort of -x, exactly: descending
+    values, equal values (many ties, -0.0 with 0.0) in index order, +inf first, -inf before the
+    NaNs, NaN last; the sorted values bit for bit; leading axes, and under vmap."""
+    rng = np.random.default_rng(V)
+    x = rng.integers(-3, 4, (6, V)).astype(np.float32)  # ties
+    x[1] = rng.standard_normal(V)
+    special = rng.random((6, V))
+    x[special < 0.05] = np.inf
+    x[(special >= 0.05) & (special < 0.1)] = -np.inf
+    x[(special >= 0.1) & (special < 0.15)] = np.nan
+    x[(special >= 0.15) & (special < 0.2)] = -0.0
+    # numpy's stable argsort of -x: NaN last, -0.0 equal to 0.0.
+    want = np.argsort(-x, axis=-1, kind="stable")
+    f = jax.jit(cpu_kernels.sort_descending)
+    values, order = f(jnp.asarray(x))
+    assert order.dtype == jnp.int32 and values.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(order), want)
+    np.testing.assert_array_equal(np.asarray(values).view(np.uint32),
+                                  np.take_along_axis(x, want, -1).view(np.uint32))
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda x: jnp.argsort(-x, axis=-1))(x)),
+                                  want)  # the order jnp gives too
+    x3 = x.reshape(2, 3, V)
+    np.testing.assert_array_equal(np.asarray(f(jnp.asarray(x3))[1]), want.reshape(2, 3, V))
+    np.testing.assert_array_equal(np.asarray(jax.vmap(f)(jnp.asarray(x3))[1]),
+                                  want.reshape(2, 3, V))

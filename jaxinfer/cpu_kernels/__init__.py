@@ -1,6 +1,6 @@
 """Native CPU kernels: XLA FFI handlers that XLA:CPU calls inside jitted programs (the products
-in products.cc, the decode attention in attention.cc, the logits' argmax in sampling.cc, their
-shared parts in headers).
+in products.cc, the decode attention in attention.cc, the logits' argmax and descending sort
+in sampling.cc, their shared parts in headers).
 
 The sources ship with the package and are compiled on first use, on the machine that runs them
 (`c++ -O3 -march=native`, or `$CXX`), into one `<cache dir>/cpu_kernels/<digest>.so`, the
@@ -50,7 +50,8 @@ HANDLERS = (("row_times_matrix", "jaxinfer_row_times_matrix"),
             ("decode_attention_writing", "jaxinfer_decode_attention_writing"),
             ("rows_times_matrix", "jaxinfer_rows_times_matrix"),
             ("matrix_times_rows", "jaxinfer_matrix_times_rows"),
-            ("argmax", "jaxinfer_argmax"))
+            ("argmax", "jaxinfer_argmax"),
+            ("sort_descending", "jaxinfer_sort_descending"))
 # The few-row products need AVX512-BF16 (vdpbf16ps), and serve up to MAX_ROWS rows: beyond
 # that XLA's dot, whose repacking of the weights is then shared by enough rows, is as fast.
 ROWS_CPU_FLAG = "avx512_bf16"
@@ -209,6 +210,16 @@ def argmax(x: jax.Array) -> jax.Array:
     pass over each row, the rows shared among the threads."""
     out = jax.ShapeDtypeStruct(x.shape[:-1], jnp.int32)
     return jax.ffi.ffi_call(_target("argmax"), out, vmap_method="broadcast_all")(x)
+
+
+def sort_descending(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Each row of float32 x [..., V] (V >= 1) sorted by descending value: (sorted [..., V]
+    float32, order [..., V] int32) with sorted = take_along_axis(x, order) and order equal to
+    jnp.argsort(-x, axis=-1) (stable): equal values in index order, -0.0 equal to 0.0, NaN
+    last. A radix sort of each row, the rows shared among the threads."""
+    out = (jax.ShapeDtypeStruct(x.shape, jnp.float32), jax.ShapeDtypeStruct(x.shape, jnp.int32))
+    return tuple(jax.ffi.ffi_call(_target("sort_descending"), out,
+                                  vmap_method="broadcast_all")(x))
 
 
 def _pool_kind(pool) -> str | None:

@@ -1,8 +1,8 @@
 // jaxinfer's CPU kernels, the parts the products (products.cc), the decode attention
-// (attention.cc) and the argmax (sampling.cc) share: XLA FFI handlers for XLA:CPU, built on the
-// machine that runs them (jaxinfer/cpu_kernels/__init__.py compiles the three files with
-// -march=native into one library and registers the handlers). See docs/cpu_kernels.md for the
-// contract of each handler.
+// (attention.cc) and the argmax and sort (sampling.cc) share: XLA FFI handlers for XLA:CPU,
+// built on the machine that runs them (jaxinfer/cpu_kernels/__init__.py compiles the three
+// files with -march=native into one library and registers the handlers). See
+// docs/cpu_kernels.md for the contract of each handler.
 
 #pragma once
 

@@ -1,5 +1,5 @@
-// jaxinfer's CPU kernels: the argmax of each row of a step's logits (see common.h and
-// docs/cpu_kernels.md).
+// jaxinfer's CPU kernels: the argmax of each row of a step's logits, and the descending sort
+// that top-k and top-p filtering fall back to (see common.h and docs/cpu_kernels.md).
 
 #include "common.h"
 
@@ -74,7 +74,80 @@ ffi::Error Argmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   return ffi::Error::Success();
 }
 
+// A float's sort key for descending order: keys ascend as the values descend. -x's bits made
+// monotone as unsigned integers (negatives flipped whole, positives with the sign bit set),
+// -0.0 taken as 0.0, and every NaN the largest key (sorted last, as jnp.argsort puts NaN).
+inline uint32_t descending_key(float x) {
+  if (std::isnan(x)) return UINT32_MAX;
+  const float y = x == 0.0f ? 0.0f : -x;
+  uint32_t u;
+  std::memcpy(&u, &y, sizeof u);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// Radix digits of the keys: three passes of 11 bits.
+constexpr int kDigitBits = 11;
+constexpr int kPasses = 3;
+
+// order[0..V) = the indices of x[0..V) by descending value, equal values (and NaNs, last) in
+// index order; sorted[i] = x[order[i]]. A least-significant-digit radix sort of the keys,
+// stable in each pass, so ties keep the indices' order; a pass whose digit every key shares is
+// skipped. items and spare hold V entries each.
+void sort_row(const float* x, int64_t V, float* sorted, int32_t* order, uint64_t* items,
+              uint64_t* spare) {
+  // An item is (key << 32) | index: sorting by the key's digits moves the index with it.
+  for (int64_t i = 0; i < V; ++i) items[i] = (uint64_t(descending_key(x[i])) << 32) | uint64_t(i);
+  constexpr int64_t kBuckets = int64_t(1) << kDigitBits;
+  std::vector<int64_t> count(kBuckets);
+  for (int pass = 0; pass < kPasses; ++pass) {
+    const int shift = 32 + pass * kDigitBits;
+    std::fill(count.begin(), count.end(), 0);
+    for (int64_t i = 0; i < V; ++i) ++count[(items[i] >> shift) & (kBuckets - 1)];
+    if (count[(items[0] >> shift) & (kBuckets - 1)] == V) continue;  // one digit throughout
+    int64_t total = 0;
+    for (auto& c : count) {
+      const int64_t n = c;
+      c = total;
+      total += n;
+    }
+    for (int64_t i = 0; i < V; ++i) spare[count[(items[i] >> shift) & (kBuckets - 1)]++] = items[i];
+    std::swap(items, spare);
+  }
+  for (int64_t i = 0; i < V; ++i) {
+    order[i] = int32_t(items[i] & 0xFFFFFFFFu);
+    sorted[i] = x[order[i]];
+  }
+}
+
+// x [..., V] float32 -> (sorted [..., V] float32, order [..., V] int32): each row sorted by
+// descending value (sort_row), as jnp.argsort(-x) orders it. Rows are shared among the
+// threads.
+ffi::Error SortDescending(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                          ffi::ResultBuffer<ffi::F32> sorted, ffi::ResultBuffer<ffi::S32> order) {
+  const auto dims = x.dimensions();
+  if (dims.size() < 1 || dims.back() < 1 || dims.back() > INT32_MAX ||
+      sorted->element_count() != x.element_count() || order->element_count() != x.element_count())
+    return ffi::Error::InvalidArgument(
+        "sort_descending: x [..., V] with V >= 1, sorted and order like x expected");
+  const int64_t V = dims.back(), R = x.element_count() / V;
+  const float* xp = x.typed_data();
+  float* sp = sorted->typed_data();
+  int32_t* op = order->typed_data();
+  parallel_chunks(pool, R, helper_count(pool), [=](int64_t r) {
+    std::vector<uint64_t> items(V), spare(V);
+    sort_row(xp + r * V, V, sp + r * V, op + r * V, items.data(), spare.data());
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_sort_descending, SortDescending,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_argmax, Argmax,
                               ffi::Ffi::Bind()
