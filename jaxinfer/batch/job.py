@@ -17,9 +17,10 @@ import sys
 import time
 from typing import Callable, Optional
 
-from jaxinfer.batch import inputs, merge
+from jaxinfer.batch import inputs
 from jaxinfer.batch.engine_loop import EngineFeeder
 from jaxinfer.batch.inputs import IdSet, ShardReader, TextDefaults, Work
+from jaxinfer.batch.merge import merge
 from jaxinfer.batch.records import Result
 from jaxinfer.batch.store import ShardStore
 
@@ -168,7 +169,7 @@ def finish(spec: JobSpec, store: ShardStore) -> dict:
     """The shard's summary.json, and for a one-shard job the merged output.jsonl."""
     summary = store.finish(spec.max_lines)
     if spec.num_shards == 1 and store.writer:
-        return merge.merge(spec.output_dir)
+        return merge(spec.output_dir)
     return summary
 
 
@@ -181,7 +182,7 @@ def run_local(llm, spec: JobSpec, *, writer: bool = True,
     store, fmt = open_store(spec, writer)
     done = store.completed(spec.max_lines)
     if done is not None:  # finished before: (re)merge a one-shard job, which is idempotent
-        return merge.merge(spec.output_dir) if spec.num_shards == 1 and writer else done
+        return merge(spec.output_dir) if spec.num_shards == 1 and writer else done
     seen = IdSet() if fmt == "jsonl" else None
     lines = inputs.read_lines(spec.input_path)
     store.resume(lines, seen)

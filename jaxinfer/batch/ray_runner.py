@@ -209,12 +209,13 @@ def run_ray(spec: JobSpec, *, num_workers: int = 1, address: Optional[str] = Non
 
     if num_workers < 1:
         raise ValueError(f"--num_workers must be >= 1, got {num_workers}")
-    from jaxinfer.batch import merge
+    # The function: jaxinfer.batch's `merge` attribute is merge.merge, not the module.
+    from jaxinfer.batch.merge import merge
 
     store, fmt = open_store(spec, writer=True)
     done = store.completed(spec.max_lines)
     if done is not None:
-        return merge.merge(spec.output_dir) if spec.num_shards == 1 else done
+        return merge(spec.output_dir) if spec.num_shards == 1 else done
     seen = IdSet() if fmt == "jsonl" else None
     store.resume(inputs.read_lines(spec.input_path), seen)
     # Ranges of max_num_seqs of this shard's lines on average: an actor works on

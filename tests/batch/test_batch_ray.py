@@ -97,3 +97,22 @@ def test_a_killed_ray_driver_resumes_to_the_local_output(local, tmp_path):
     assert json.load(open(f"{out}/summary.json"))["runs"] == 2
     assert stdout.startswith("batch: 23 requests, 21 ok, 2 failed (1 duplicate_custom_id, "
                              "1 invalid_json)")  # "[]" and the second r3; n = 3 is answered
+
+
+def test_the_ray_runner_on_a_finished_job_merges_it_again(local, tmp_path):
+    """A one-shard job whose shard is already complete (its driver killed after the last
+    commit, before the merge) is merged by the rerun without starting Ray, to the same output
+    and summary counts as the local runner's."""
+    import shutil
+
+    from jaxinfer.batch.ray_runner import run_ray
+
+    spec, want = local
+    out = str(tmp_path / "ray")
+    shutil.copytree(spec.output_dir, out)
+    os.remove(f"{out}/output.jsonl")
+    got = run_ray(JobSpec(spec.input_path, out, LLM_KWARGS, seed=SEED, commit_every=3,
+                          progress=False), num_workers=1)
+    assert_same_output(f"{out}/output.jsonl", f"{spec.output_dir}/output.jsonl")
+    for key in ("requests", "succeeded", "failed", "completion_tokens"):
+        assert got[key] == want[key], key
