@@ -76,8 +76,7 @@ def filtered_logits(logits: jax.Array, sp: SamplingArrays,
     survivors the full sort gives. candidates=None: NATIVE_SORT_CANDIDATES where the native
     sort serves the full sort, else SORT_CANDIDATES."""
     if candidates is None:
-        native = logits.dtype == jnp.float32 and cpu_kernels.enabled()
-        candidates = NATIVE_SORT_CANDIDATES if native else SORT_CANDIDATES
+        candidates = NATIVE_SORT_CANDIDATES if _sorts_natively(logits) else SORT_CANDIDATES
     temp = jnp.where(sp.temperature > 0, sp.temperature, 1.0)
     scaled = logits / temp[:, None]
     # Only top-k and top-p need the vocabulary ordered; min-p is relative to the maximum.
@@ -148,12 +147,17 @@ def _candidate_filter(scaled: jax.Array, sp: SamplingArrays, candidates: tuple[i
                         functools.partial(_candidate_filter, candidates=caps[1:]), scaled, sp)
 
 
+def _sorts_natively(x: jax.Array) -> bool:
+    """Whether the full sort of x's rows is the native one (float32, the kernels enabled)."""
+    return x.dtype == jnp.float32 and cpu_kernels.enabled()
+
+
 def _sorted_filter(scaled: jax.Array, sp: SamplingArrays) -> jax.Array:
     """filtered_logits by sorting each row's whole vocabulary: on CPU where the kernels are
     enabled with the native radix sort (jaxinfer.cpu_kernels.sort_descending, the same order:
     2.6 ms against 173 ms for XLA:CPU's argsort over 16 rows of SmolLM2's 49,152)."""
     B, V = scaled.shape
-    if scaled.dtype == jnp.float32 and cpu_kernels.enabled():
+    if _sorts_natively(scaled):
         sorted_logits, order = cpu_kernels.sort_descending(scaled)
     else:
         order = jnp.argsort(-scaled, axis=-1)                            # [B, V] descending

@@ -101,16 +101,17 @@ void sort_row(const float* x, int64_t V, float* sorted, int32_t* order, uint64_t
   std::vector<int64_t> count(kBuckets);
   for (int pass = 0; pass < kPasses; ++pass) {
     const int shift = 32 + pass * kDigitBits;
+    auto digit = [shift](uint64_t item) { return (item >> shift) & (kBuckets - 1); };
     std::fill(count.begin(), count.end(), 0);
-    for (int64_t i = 0; i < V; ++i) ++count[(items[i] >> shift) & (kBuckets - 1)];
-    if (count[(items[0] >> shift) & (kBuckets - 1)] == V) continue;  // one digit throughout
+    for (int64_t i = 0; i < V; ++i) ++count[digit(items[i])];
+    if (count[digit(items[0])] == V) continue;  // one digit throughout
     int64_t total = 0;
     for (auto& c : count) {
       const int64_t n = c;
       c = total;
       total += n;
     }
-    for (int64_t i = 0; i < V; ++i) spare[count[(items[i] >> shift) & (kBuckets - 1)]++] = items[i];
+    for (int64_t i = 0; i < V; ++i) spare[count[digit(items[i])]++] = items[i];
     std::swap(items, spare);
   }
   for (int64_t i = 0; i < V; ++i) {
