@@ -72,6 +72,100 @@ def test_rows_kernel_matches_a_float64_product(K, N, transposed):
         assert np.all(np.abs(got - want) <= 1e-5 * scale + 1e-6), M
 
 
+def gated_operands(M, K, F, seed=0):
+    """x [M, K], w_gate, w_up [K, F] (bf16), the float64 silu(x @ w_gate) * (x @ w_up) and a
+    bound on the kernel's error: float32 products as above, silu's slope (below 1.1) and the
+    product carrying them, and the rounding to bf16 (half an ulp, 2^-9 of the value's binade,
+    within 2^-8 of the value)."""
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
+    wg, wu = (jnp.asarray(rng.normal(size=(K, F)) / np.sqrt(K) * 3, jnp.bfloat16)
+              for _ in range(2))
+    x64, g64, u64 = (np.asarray(a, np.float64) for a in (x, wg, wu))
+    g, u = x64 @ g64, x64 @ u64
+    eg = 1e-5 * (np.abs(x64) @ np.abs(g64)) + 1e-6
+    eu = 1e-5 * (np.abs(x64) @ np.abs(u64)) + 1e-6
+    silu = g / (1 + np.exp(-g))
+    want = silu * u
+    bound = 2.0 ** -8 * np.abs(want) + 1.1 * eg * (np.abs(u) + eu) + np.abs(silu) * eu + 1e-30
+    return x, wg, wu, want, bound
+
+
+@needs_rows_kernels
+@pytest.mark.parametrize("K,F", [(576, 1536), (577, 33), (33, 70), (1, 1), (64, 2049)])
+def test_gated_kernel_matches_a_float64_reference(K, F):
+    kernel = jax.jit(cpu_kernels.gated_rows_times_matrices)
+    for M in (2, 5, 9, cpu_kernels.MAX_ROWS):
+        x, wg, wu, want, bound = gated_operands(M, K, F, seed=M)
+        got = kernel(x, wg, wu)
+        assert got.dtype == jnp.bfloat16 and got.shape == (M, F)
+        assert np.all(np.abs(np.asarray(got, np.float64) - want) <= bound), (M, K, F)
+
+
+@needs_rows_kernels
+def test_gated_kernel_at_the_edges_of_exp():
+    # x = [1, 1] picks each gate column as it is: silu(g) * 1 for g where exp(-g) overflows,
+    # underflows, is infinite or NaN, as g / (1 + exp(-g)) gives them in float32 (where exp(-g)
+    # overflows, below about -88.7, silu is -0.0, as XLA's is).
+    g = np.array([np.inf, -np.inf, np.nan, -100.0, 100.0, 0.0, -87.0, -90.0, 88.0, 3e38,
+                  -3e38, 1e-3, -1e-3, 20.0, -20.0], np.float32)
+    wg = jnp.asarray(g[None], jnp.bfloat16)
+    got = np.asarray(cpu_kernels.gated_rows_times_matrices(
+        jnp.ones((2, 1), jnp.bfloat16), wg, jnp.ones_like(wg)), np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        g32 = np.asarray(wg, np.float32)[0]
+        want = np.asarray(jnp.asarray(g32 / (1 + np.exp(-g32)), jnp.bfloat16), np.float64)
+    for row in got:
+        np.testing.assert_array_equal(row, want)
+
+
+@needs_rows_kernels
+def test_swiglu_mlp_calls_the_gated_kernel_for_float32_rows_against_bf16_weights():
+    from jaxinfer.layers import swiglu_mlp
+
+    D, F = 64, 96
+    rng = np.random.default_rng(3)
+    w = [jnp.asarray(rng.normal(size=s) / 8, jnp.bfloat16) for s in ((D, F), (D, F), (F, D))]
+    fn = jax.jit(swiglu_mlp)
+    gated = lambda x, *w: fn.lower(x, *w).as_text().count(  # noqa: E731
+        "jaxinfer_gated_rows_times_matrices")
+    assert gated(jnp.ones((2, 3, D)), *w) == 1
+    assert gated(jnp.ones((cpu_kernels.MAX_ROWS, D)), *w) == 1
+    assert gated(jnp.ones((1, D)), *w) == 0
+    assert gated(jnp.ones((cpu_kernels.MAX_ROWS + 1, D)), *w) == 0
+    assert gated(jnp.ones((4, D), jnp.bfloat16), *w) == 0
+    assert gated(jnp.ones((4, D)), *(a.astype(jnp.float32) for a in w)) == 0
+    # The same MLP as XLA's (silu of float32 products, the hidden rounded to bf16 by the down
+    # product): every hidden value within one bf16 rounding, so the outputs agree to about
+    # 2^-8 of the terms' magnitude.
+    x = jnp.asarray(rng.normal(size=(2, 3, D)), jnp.float32)
+    got = fn(x, *w)
+    ref = jax.jit(lambda x, wg, wu, wd: jnp.einsum(
+        "...f,fd->...d", (jax.nn.silu(jnp.einsum("...d,df->...f", x.astype(jnp.bfloat16), wg,
+                                                 preferred_element_type=jnp.float32))
+                          * jnp.einsum("...d,df->...f", x.astype(jnp.bfloat16), wu,
+                                       preferred_element_type=jnp.float32)
+                          ).astype(jnp.bfloat16), wd, preferred_element_type=jnp.float32))
+    assert got.dtype == jnp.float32 and got.shape == (2, 3, D)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref(x, *w)), rtol=0, atol=2e-2)
+
+
+@needs_rows_kernels
+def test_gated_kernel_under_vmap_and_grad():
+    x, wg, wu, want, bound = gated_operands(3, 48, 40)
+    got = jax.jit(jax.vmap(cpu_kernels.gated_rows_times_matrices, in_axes=(0, None, None)))(
+        jnp.stack([x, x]), wg, wu)
+    for rows in np.asarray(got, np.float64):
+        assert np.all(np.abs(rows - want) <= bound)
+    loss = lambda x, g, u: jnp.sum(  # noqa: E731
+        cpu_kernels.gated_rows_times_matrices(x, g, u).astype(jnp.float32) ** 2)
+    ref = lambda x, g, u: jnp.sum(  # noqa: E731
+        cpu_kernels._gated_reference(x, g, u).astype(jnp.float32) ** 2)
+    for g, r in zip(jax.grad(loss, (0, 1, 2))(x, wg, wu), jax.grad(ref, (0, 1, 2))(x, wg, wu)):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
+                                   rtol=2e-2, atol=1e-2)
+
+
 def custom_calls(fn, *args) -> int:
     return fn.lower(*args).as_text().count("jaxinfer_")
 

@@ -51,7 +51,8 @@ HANDLERS = (("row_times_matrix", "jaxinfer_row_times_matrix"),
             ("rows_times_matrix", "jaxinfer_rows_times_matrix"),
             ("matrix_times_rows", "jaxinfer_matrix_times_rows"),
             ("argmax", "jaxinfer_argmax"),
-            ("sort_descending", "jaxinfer_sort_descending"))
+            ("sort_descending", "jaxinfer_sort_descending"),
+            ("gated_rows_times_matrices", "jaxinfer_gated_rows_times_matrices"))
 # The few-row products need AVX512-BF16 (vdpbf16ps), and serve up to MAX_ROWS rows: beyond
 # that XLA's dot, whose repacking of the weights is then shared by enough rows, is as fast.
 ROWS_CPU_FLAG = "avx512_bf16"
@@ -202,6 +203,27 @@ matrix_times_row = _product("matrix_times_row", 0, "k,nk->n")
 rows_times_matrix = _product("rows_times_matrix", 1, "mk,kn->mn")
 # x [M, K] @ w [N, K]^T for bf16 x and w, 2 <= M: float32 [M, N] (vdpbf16ps pairs, float32 sums).
 matrix_times_rows = _product("matrix_times_rows", 0, "mk,nk->mn")
+
+
+@jax.custom_jvp
+def gated_rows_times_matrices(x: jax.Array, w_gate: jax.Array, w_up: jax.Array) -> jax.Array:
+    """silu(x @ w_gate) * (x @ w_up) for bf16 x [M, K] (2 <= M <= MAX_ROWS) and w_gate, w_up
+    [K, F], rounded to bf16 [M, F]: a SwiGLU MLP's hidden activations, the products as
+    rows_times_matrix computes them and the gate applied before they leave the kernel. Its JVP
+    is XLA's (gradients never enter the kernel)."""
+    out = jax.ShapeDtypeStruct(x.shape[:-1] + w_gate.shape[-1:], jnp.bfloat16)
+    return jax.ffi.ffi_call(_target("gated_rows_times_matrices"), out,
+                            vmap_method="sequential")(x, w_gate, w_up)
+
+
+def _gated_reference(x, w_gate, w_up):
+    dot = functools.partial(jnp.einsum, "mk,kf->mf", preferred_element_type=jnp.float32)
+    return (jax.nn.silu(dot(x, w_gate)) * dot(x, w_up)).astype(jnp.bfloat16)
+
+
+@gated_rows_times_matrices.defjvp
+def _gated_jvp(primals, tangents):
+    return gated_rows_times_matrices(*primals), jax.jvp(_gated_reference, primals, tangents)[1]
 
 
 def argmax(x: jax.Array) -> jax.Array:

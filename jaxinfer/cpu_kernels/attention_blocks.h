@@ -12,22 +12,7 @@ namespace {
 inline __m512 exp16(__m512 x) {
   const __m512 lo = _mm512_set1_ps(-87.0f);
   const __mmask16 tiny = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-  x = _mm512_max_ps(x, lo);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  // r = x - n ln2 in two steps (Cody-Waite), |r| <= ln2 / 2.
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  // e^r by its Taylor series to r^7 (relative error below 1e-8 for |r| <= 0.347).
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_maskz_mov_ps(~tiny, _mm512_scalef_ps(p, n));
+  return _mm512_maskz_mov_ps(~tiny, exp16_in_range(_mm512_max_ps(x, lo)));
 }
 
 // softcap * tanh(s / softcap), tanh(y) = sign(y) (1 - e) / (1 + e) with e = exp(-2 |y|).
