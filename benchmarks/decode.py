@@ -25,8 +25,9 @@ them alike:
     timed at the read bandwidth sampled beside each run, and (stack + that time) / stack:
     the step / stack ratio of a step that did nothing but its matmuls and one read of its
     cache at the bandwidth jnp.sum reaches, a floor for the measured ratio;
-  * with --ablate_attention, the same comparison again with the jnp attention replaced by
-    zeros (the step's cost beyond its matmuls apart from attention).
+  * with --ablate_attention, the same comparison again with the attention (the jnp path and
+    the native decode kernel) replaced by zeros (the step's cost beyond its matmuls apart from
+    attention).
 On CPU the engine and the stack use the native CPU kernels where they are built
 (docs/cpu_kernels.md: batch-1 bf16 products, decode attention); JAXINFER_CPU_KERNELS=0 measures
 XLA's code alone.
@@ -275,27 +276,31 @@ def kv_bytes_per_key(cfg, kv_dtype) -> int:
 
 
 def step_without_attention(args) -> dict:
-    """batch_step_vs_matmuls with the jnp attention (the CPU path) replaced by zeros: what the
-    rest of the step (norms, RoPE, cache writes, sampling, host booking) costs beyond the
-    matmuls. Compiled programs are dropped first, so the step is traced again with the
-    replacement, and again after it is undone; the programs cache is off meanwhile (its key is
-    the code as written, so it would hand back the step with attention)."""
+    """batch_step_vs_matmuls with the CPU's attention replaced by zeros: what the rest of the
+    step (norms, RoPE, cache writes, sampling, host booking) costs beyond the matmuls. Both
+    CPU paths are replaced: the jnp attention, and the native decode kernel that writes the
+    step's keys and values and attends in one call (docs/cpu_kernels.md), whose writes then go
+    through XLA's scatter. Compiled programs are dropped first, so the step is traced again with
+    the replacement, and again after it is undone; the programs cache is off meanwhile (its key
+    is the code as written, so it would hand back the step with attention)."""
     import os
 
     from jaxinfer import attention, tuning
+    from jaxinfer.models import base
 
     if tuning.for_backend().default_attention != "reference":
         raise SystemExit(f"--ablate_attention replaces the jnp attention, which backend "
                          f"{jax.default_backend()!r} does not use by default")
-    real = attention.paged_loop_attention
+    real, real_fused = attention.paged_loop_attention, base.write_and_attend
     cache_setting = os.environ.get("JAXINFER_PROGRAM_CACHE")
     jax.clear_caches()
     attention.paged_loop_attention = lambda q, *a, **kw: jnp.zeros_like(q)
+    base.write_and_attend = lambda *a, **kw: None  # the caller writes, then attends (zeros)
     os.environ["JAXINFER_PROGRAM_CACHE"] = "0"
     try:
         return batch_step_vs_matmuls(args)
     finally:
-        attention.paged_loop_attention = real
+        attention.paged_loop_attention, base.write_and_attend = real, real_fused
         if cache_setting is None:
             del os.environ["JAXINFER_PROGRAM_CACHE"]
         else:
