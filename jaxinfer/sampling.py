@@ -70,8 +70,9 @@ def filtered_logits(logits: jax.Array, sp: SamplingArrays,
     """Temperature-scaled logits [B, V] with tokens outside top-k / top-p / min-p at -inf.
 
     Rows with top-k or top-p are filtered over their `candidates[0]` most likely tokens
-    (lax.top_k) when every such row's survivors are certain to lie among them: top_k at most
-    that many, or (top-k off) the candidates' probability mass reaching top_p. Otherwise the
+    (lax.top_k, or on CPU cpu_kernels.top_descending) when every such row's survivors are
+    certain to lie among them: top_k at most that many, or (top-k off) the candidates'
+    probability mass reaching top_p. Otherwise the
     next candidate count is tried, and last the whole vocabulary is sorted; each gives the
     survivors the full sort gives. candidates=None: NATIVE_SORT_CANDIDATES where the native
     sort serves the full sort, else SORT_CANDIDATES."""
@@ -132,7 +133,10 @@ def _candidate_filter(scaled: jax.Array, sp: SamplingArrays, candidates: tuple[i
     if not caps:
         return _sorted_filter(scaled, sp)
     C = caps[0]
-    vals, idx = jax.lax.top_k(scaled, C)          # descending; equal values: lower index first
+    # Descending; equal values: lower index first. The native top (CPU, float32) is the full
+    # native sort's first C: 0.35-0.42 against 2.8 ms for lax.top_k over 16 rows of 49,152.
+    vals, idx = (cpu_kernels.top_descending(scaled, C) if _sorts_natively(scaled)
+                 else jax.lax.top_k(scaled, C))
     keep, probs = _keep_sorted(vals, sp, V, jax.nn.logsumexp(scaled, axis=-1, keepdims=True))
     k = _top_k_size(sp, V)
     # Every token past the candidates is cut: top-k stops within them, or (top-k off) the

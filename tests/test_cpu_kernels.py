@@ -530,3 +530,40 @@ def test_sort_descending_equals_numpy(V):
     np.testing.assert_array_equal(np.asarray(f(jnp.asarray(x3))[1]), want.reshape(2, 3, V))
     np.testing.assert_array_equal(np.asarray(jax.vmap(f)(jnp.asarray(x3))[1]),
                                   want.reshape(2, 3, V))
+
+
+@needs_kernels
+@pytest.mark.parametrize("V", [1, 15, 17, 1000, 49152])
+def test_top_descending_is_the_sorts_first_k(V):
+    """cpu_kernels.top_descending(x, k) against numpy's stable argsort of -x cut to k, exactly
+    (as sort_descending: ties in index order, +inf first, NaN last, -0.0 equal to 0.0), for k
+    of 1, inside and at the edge of a bucket of its histogram, and V; rows of ties, of one value,
+    of specials and of many values in the top buckets; leading axes and vmap."""
+    rng = np.random.default_rng(V)
+    x = rng.integers(-3, 4, (6, V)).astype(np.float32)  # ties
+    x[1] = rng.standard_normal(V)
+    x[2] = 1.5  # one value throughout: every key in one bucket
+    x[3] = rng.standard_normal(V) * 1e-3 + 7.0  # all in one or two buckets
+    special = rng.random(V)
+    x[4] = rng.standard_normal(V)
+    x[4, special < 0.05] = np.inf
+    x[4, (special >= 0.05) & (special < 0.1)] = -np.inf
+    x[4, (special >= 0.1) & (special < 0.15)] = np.nan
+    x[4, (special >= 0.15) & (special < 0.2)] = -0.0
+    x[5, : V // 2] = np.nan
+    want = np.argsort(-x, axis=-1, kind="stable")
+    for k in sorted({1, min(7, V), min(256, V), V}):
+        values, order = jax.jit(cpu_kernels.top_descending, static_argnums=1)(jnp.asarray(x), k)
+        assert order.shape == values.shape == (6, k) and order.dtype == jnp.int32
+        np.testing.assert_array_equal(np.asarray(order), want[:, :k])
+        np.testing.assert_array_equal(np.asarray(values).view(np.uint32),
+                                      np.take_along_axis(x, want[:, :k], -1).view(np.uint32))
+    k = min(5, V)
+    x3 = jnp.asarray(x.reshape(2, 3, V))
+    np.testing.assert_array_equal(np.asarray(cpu_kernels.top_descending(x3, k)[1]),
+                                  want[:, :k].reshape(2, 3, k))
+    np.testing.assert_array_equal(
+        np.asarray(jax.vmap(lambda r: cpu_kernels.top_descending(r, k))(x3)[1]),
+        want[:, :k].reshape(2, 3, k))
+    with pytest.raises(ValueError, match=f"k={V + 1} must be in \\[1, {V}\\]"):
+        cpu_kernels.top_descending(jnp.asarray(x), V + 1)

@@ -52,7 +52,8 @@ HANDLERS = (("row_times_matrix", "jaxinfer_row_times_matrix"),
             ("matrix_times_rows", "jaxinfer_matrix_times_rows"),
             ("argmax", "jaxinfer_argmax"),
             ("sort_descending", "jaxinfer_sort_descending"),
-            ("gated_rows_times_matrices", "jaxinfer_gated_rows_times_matrices"))
+            ("gated_rows_times_matrices", "jaxinfer_gated_rows_times_matrices"),
+            ("top_descending", "jaxinfer_top_descending"))
 # The few-row products need AVX512-BF16 (vdpbf16ps), and serve up to MAX_ROWS rows: beyond
 # that XLA's dot, whose repacking of the weights is then shared by enough rows, is as fast.
 ROWS_CPU_FLAG = "avx512_bf16"
@@ -241,6 +242,20 @@ def sort_descending(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     last. A radix sort of each row, the rows shared among the threads."""
     out = (jax.ShapeDtypeStruct(x.shape, jnp.float32), jax.ShapeDtypeStruct(x.shape, jnp.int32))
     return tuple(jax.ffi.ffi_call(_target("sort_descending"), out,
+                                  vmap_method="broadcast_all")(x))
+
+
+def top_descending(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """The first k (1 <= k <= V) of sort_descending(x)'s outputs, [..., k] each: each row's k
+    largest values in descending order and their indices, equal values in index order (NaN
+    after every number). One pass over each row, then a sort of only the values that can be
+    among the k."""
+    V = x.shape[-1]
+    if not 1 <= k <= V:
+        raise ValueError(f"top_descending: k={k} must be in [1, {V}] (the rows' length)")
+    shape = x.shape[:-1] + (k,)
+    out = (jax.ShapeDtypeStruct(shape, jnp.float32), jax.ShapeDtypeStruct(shape, jnp.int32))
+    return tuple(jax.ffi.ffi_call(_target("top_descending"), out,
                                   vmap_method="broadcast_all")(x))
 
 
