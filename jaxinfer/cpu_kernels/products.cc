@@ -160,8 +160,9 @@ inline void unscramble(__m512 lo, __m512 hi, __m512* first, __m512* second) {
 // sums went through memory and that kernel took 450 against 240 us for SmolLM2's gate and
 // up at 16 rows (and the whole library's products changed speed with how it was placed).
 template <int RB>
-__attribute__((always_inline)) inline void rows_strip(const uint16_t* x, const uint16_t* w, int64_t K, int64_t N, int64_t m0,
-                int64_t n0, int64_t width, float* y, int64_t ldy) {
+__attribute__((always_inline)) inline void rows_strip(const uint16_t* x, const uint16_t* w,
+                                                     int64_t K, int64_t N, int64_t m0, int64_t n0,
+                                                     int64_t width, float* y, int64_t ldy) {
   const __mmask32 cols = width >= 32 ? ~__mmask32(0) : __mmask32((1ull << width) - 1);
   __m512 lo[RB], hi[RB];
   for (int r = 0; r < RB; ++r) lo[r] = hi[r] = _mm512_setzero_ps();

@@ -129,10 +129,6 @@ void sort_row(const float* x, int64_t V, float* sorted, int32_t* order, uint64_t
   }
 }
 
-// The first k of sort_row's order and values, without sorting the rest: one pass keys the row
-// and counts the keys' top 11 bits; the buckets up to the one that completes k hold every key
-// of the first k; only those items are gathered (in index order) and sorted. keys holds V
-// entries, items and spare as many as those buckets hold (V at most).
 constexpr int kTopBits = 11;
 
 // descending_key of 16 floats at once.
@@ -148,6 +144,10 @@ inline __m512i descending_keys16(__m512 x) {
   return _mm512_mask_mov_epi32(key, nan, _mm512_set1_epi32(-1));
 }
 
+// The first k of sort_row's order and values, without sorting the rest: one pass keys the row
+// and counts the keys' top 11 bits; the buckets up to the one that completes k hold every key
+// of the first k; only those items are gathered (in index order) and sorted. keys holds V
+// entries, items and spare as many as those buckets hold (V at most).
 void top_row(const float* x, int64_t V, int64_t k, float* top, int32_t* order, uint32_t* keys,
              uint64_t* items, uint64_t* spare) {
   constexpr int64_t kBuckets = int64_t(1) << kTopBits;
@@ -192,24 +192,6 @@ void top_row(const float* x, int64_t V, int64_t k, float* top, int32_t* order, u
   }
 }
 
-// The sorts' working buffers, one set per thread, kept between calls and grown as rows grow:
-// fresh buffers of a row's size cost more than the sort (their pages faulted in and zeroed on
-// every call: the top 256 of 16 rows of 49,152 took 3.2 ms with them, 0.7 ms without).
-struct Scratch {
-  std::vector<uint32_t> keys;
-  std::vector<uint64_t> items, spare;
-};
-
-Scratch& thread_scratch(int64_t V) {
-  thread_local Scratch scratch;
-  if (int64_t(scratch.items.size()) < V) {
-    scratch.keys.resize(V);
-    scratch.items.resize(V);
-    scratch.spare.resize(V);
-  }
-  return scratch;
-}
-
 // x [..., V] float32 -> (sorted [..., V] float32, order [..., V] int32): each row sorted by
 // descending value (sort_row), as jnp.argsort(-x) orders it. Rows are shared among the
 // threads.
@@ -225,8 +207,8 @@ ffi::Error SortDescending(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   float* sp = sorted->typed_data();
   int32_t* op = order->typed_data();
   parallel_chunks(pool, R, helper_count(pool), [=](int64_t r) {
-    Scratch& scratch = thread_scratch(V);
-    sort_row(xp + r * V, V, sp + r * V, op + r * V, scratch.items.data(), scratch.spare.data());
+    std::vector<uint64_t> items(V), spare(V);
+    sort_row(xp + r * V, V, sp + r * V, op + r * V, items.data(), spare.data());
   });
   return ffi::Error::Success();
 }
@@ -247,9 +229,9 @@ ffi::Error TopDescending(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   float* tp = top->typed_data();
   int32_t* op = order->typed_data();
   parallel_chunks(pool, R, helper_count(pool), [=](int64_t r) {
-    Scratch& scratch = thread_scratch(V);
-    top_row(xp + r * V, V, k, tp + r * k, op + r * k, scratch.keys.data(), scratch.items.data(),
-            scratch.spare.data());
+    std::vector<uint32_t> keys(V);
+    std::vector<uint64_t> items(V), spare(V);
+    top_row(xp + r * V, V, k, tp + r * k, op + r * k, keys.data(), items.data(), spare.data());
   });
   return ffi::Error::Success();
 }
