@@ -118,7 +118,10 @@ def _keep_sorted(sorted_logits: jax.Array, sp: SamplingArrays, V: int,
     probs = jnp.where(keep, jnp.exp(sorted_logits - lse), 0.0)
     # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it is
     # still below top_p (so the most likely token always stays).
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    # The running sum as a log-depth scan: jnp.cumsum lowers to a reduce_window that XLA:CPU
+    # ran 4x slower over a full sort's [16, 49152] (3.4 against 14.2 ms on a loaded machine);
+    # both differ from a float64 sum by about 3e-7 relative.
+    mass_before = jax.lax.associative_scan(jnp.add, probs, axis=-1) - probs
     # top_p == 1 is "off": float32 cumsum reaches 1.0 before the tail, which must not be cut.
     keep &= (mass_before < sp.top_p[:, None]) | (sp.top_p[:, None] >= 1.0)
     keep &= probs >= sp.min_p[:, None] * probs[:, :1]
