@@ -72,10 +72,9 @@ def filtered_logits(logits: jax.Array, sp: SamplingArrays,
     Rows with top-k or top-p are filtered over their `candidates[0]` most likely tokens
     (lax.top_k, or on CPU cpu_kernels.top_descending) when every such row's survivors are
     certain to lie among them: top_k at most that many, or (top-k off) the candidates'
-    probability mass reaching top_p. Otherwise the
-    next candidate count is tried, and last the whole vocabulary is sorted; each gives the
-    survivors the full sort gives. candidates=None: NATIVE_SORT_CANDIDATES where the native
-    sort serves the full sort, else SORT_CANDIDATES."""
+    probability mass reaching top_p. Otherwise the next candidate count is tried, and last the
+    whole vocabulary is sorted; each gives the survivors the full sort gives. candidates=None:
+    NATIVE_SORT_CANDIDATES where the native sort serves the full sort, else SORT_CANDIDATES."""
     if candidates is None:
         candidates = NATIVE_SORT_CANDIDATES if _sorts_natively(logits) else SORT_CANDIDATES
     temp = jnp.where(sp.temperature > 0, sp.temperature, 1.0)
@@ -122,7 +121,8 @@ def _keep_sorted(sorted_logits: jax.Array, sp: SamplingArrays, V: int,
     # ran 4x slower over a full sort's [16, 49152] (3.4 against 14.2 ms on a loaded machine);
     # both differ from a float64 sum by about 3e-7 relative.
     mass_before = jax.lax.associative_scan(jnp.add, probs, axis=-1) - probs
-    # top_p == 1 is "off": float32 cumsum reaches 1.0 before the tail, which must not be cut.
+    # top_p == 1 is "off": the float32 running sum reaches 1.0 before the tail, which must not
+    # be cut.
     keep &= (mass_before < sp.top_p[:, None]) | (sp.top_p[:, None] >= 1.0)
     keep &= probs >= sp.min_p[:, None] * probs[:, :1]
     return keep, probs

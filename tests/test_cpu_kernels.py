@@ -159,8 +159,12 @@ def test_gated_kernel_under_vmap_and_grad():
         assert np.all(np.abs(rows - want) <= bound)
     loss = lambda x, g, u: jnp.sum(  # noqa: E731
         cpu_kernels.gated_rows_times_matrices(x, g, u).astype(jnp.float32) ** 2)
+    # The same function written out here (not the kernel's JVP helper), so a JVP wired to the
+    # wrong operands or function fails.
+    dot = lambda a, b: jnp.einsum("mk,kf->mf", a, b,  # noqa: E731
+                                  preferred_element_type=jnp.float32)
     ref = lambda x, g, u: jnp.sum(  # noqa: E731
-        cpu_kernels._gated_reference(x, g, u).astype(jnp.float32) ** 2)
+        (jax.nn.silu(dot(x, g)) * dot(x, u)).astype(jnp.bfloat16).astype(jnp.float32) ** 2)
     for g, r in zip(jax.grad(loss, (0, 1, 2))(x, wg, wu), jax.grad(ref, (0, 1, 2))(x, wg, wu)):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
                                    rtol=2e-2, atol=1e-2)
