@@ -146,9 +146,11 @@ def _candidate_filter(scaled: jax.Array, sp: SamplingArrays, candidates: tuple[i
     # mass before the first token past them already reaches top_p.
     uses_sort = (sp.top_k > 0) | (sp.top_p < 1.0)
     covered = ~uses_sort | (k <= C) | ((k >= V) & (jnp.sum(probs, axis=-1) >= sp.top_p))
-    rows = jnp.arange(B)[:, None]
-    sorted_rows = jnp.full((B, V), -jnp.inf, scaled.dtype).at[rows, idx].set(
-        jnp.where(keep, vals, -jnp.inf))
+    if _sorts_natively(scaled):
+        sorted_rows = _kept_prefix(scaled, vals, idx, keep)
+    else:
+        sorted_rows = jnp.full((B, V), -jnp.inf, scaled.dtype).at[jnp.arange(B)[:, None], idx].set(
+            jnp.where(keep, vals, -jnp.inf))
     filtered = jnp.where(uses_sort[:, None], sorted_rows, _min_p_filter(scaled, sp))
     return jax.lax.cond(jnp.all(covered), lambda s, p: filtered,
                         functools.partial(_candidate_filter, candidates=caps[1:]), scaled, sp)
@@ -166,13 +168,33 @@ def _sorted_filter(scaled: jax.Array, sp: SamplingArrays) -> jax.Array:
     B, V = scaled.shape
     if _sorts_natively(scaled):
         sorted_logits, order = cpu_kernels.sort_descending(scaled)
-    else:
-        order = jnp.argsort(-scaled, axis=-1)                            # [B, V] descending
-        sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+        return _kept_prefix(scaled, sorted_logits, order, _keep_sorted(sorted_logits, sp, V)[0])
+    order = jnp.argsort(-scaled, axis=-1)                                # [B, V] descending
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
     keep, _ = _keep_sorted(sorted_logits, sp, V)
     # Back to vocabulary order.
     return jnp.zeros_like(scaled).at[jnp.arange(B)[:, None], order].set(
         jnp.where(keep, sorted_logits, -jnp.inf))
+
+
+def _kept_prefix(scaled: jax.Array, sorted_logits: jax.Array, order: jax.Array,
+                 keep: jax.Array) -> jax.Array:
+    """scaled [B, V] with every token outside the first n of its row's descending order at
+    -inf, n the number of the row's survivors in keep [B, C] (sorted_logits and order [B, C]:
+    the first C of the native sort's order, in which equal values go by index and -0.0 equals
+    0.0; NaN last). Every condition of _keep_sorted keeps a prefix of that order (should the
+    scan's rounding make the running mass dip at the top_p boundary, the first n are kept),
+    so the survivors are the tokens above the n-th value and those equal to it up to its
+    index: one comparison over the vocabulary where writing the survivors back took a scatter
+    (2.2 ms of a full sort's filter over 16 rows of SmolLM2's 49,152 logits)."""
+    V = scaled.shape[-1]
+    n = jnp.sum(keep, axis=-1, dtype=jnp.int32, keepdims=True)
+    last = jnp.maximum(n - 1, 0)
+    value = jnp.take_along_axis(sorted_logits, last, axis=-1)
+    index = jnp.take_along_axis(order, last, axis=-1)
+    vocab = jnp.arange(V, dtype=index.dtype)[None, :]
+    kept = (n > 0) & ((scaled > value) | ((scaled == value) & (vocab <= index)))
+    return jnp.where(kept, scaled, -jnp.inf)
 
 
 DRAW_BLOCK = 256  # vocabulary entries per block of the two-level inverse CDF

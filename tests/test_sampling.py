@@ -154,6 +154,29 @@ def test_candidate_filter_matches_reference_on_every_tier():
     np.testing.assert_array_equal(batch, full)
 
 
+@pytest.mark.parametrize("candidates", [(), (64,)], ids=["full_sort", "candidates"])
+def test_top_k_among_equal_logits_keeps_the_lowest_indices(candidates):
+    """Logits of a few repeated values (0.0 and -0.0 among them, which compare equal), NaN
+    and -inf: top-k keeps exactly the first k of numpy's stable descending order (equal values
+    by index; NaN never), on the full sort and on the candidate tier, for cuts that fall inside
+    a run of equal values."""
+    rng = np.random.default_rng(11)
+    B, V = 24, 300
+    values = np.array([2.0, 1.0, 0.0, -0.0, -1.0, -np.inf, np.nan], np.float32)
+    logits = values[rng.choice(len(values), (B, V), p=[.05, .15, .3, .3, .15, .03, .02])]
+    top_k = rng.integers(1, 60, B)
+    got = np.asarray(jax.jit(lambda x, sp: filtered_logits(x, sp, candidates=candidates))(
+        jnp.asarray(logits), _arrays(1.0, top_k)))
+    for b in range(B):
+        order = np.argsort(np.where(np.isnan(logits[b]), np.inf, -logits[b]),  # NaN last
+                           kind="stable")
+        keep = np.zeros(V, bool)
+        keep[order[:top_k[b]]] = True
+        keep &= np.isfinite(logits[b])    # a kept -inf is -inf all the same
+        np.testing.assert_array_equal(np.isfinite(got[b]), keep, err_msg=f"row {b}, k={top_k[b]}")
+        np.testing.assert_array_equal(got[b][keep], logits[b][keep])
+
+
 def test_filtered_logits_top_p_uses_top_k_renormalised_mass():
     # Probabilities (T=1) [0.47, 0.26, 0.13, 0.07, ...]. Over the top 3 renormalised:
     # [0.55, 0.30, 0.15]; mass before the third is 0.85 >= 0.8, so top_p=0.8 keeps 2. Without
