@@ -2,6 +2,7 @@
 numpy product of the same bf16 operands. Tolerance: float32 products and sums of K terms, |err|
 <= 1e-5 times the sum of |x_k w_kn| (plus 1e-6), which float32 summation in any order meets."""
 
+import functools
 import os
 import platform
 
@@ -72,11 +73,18 @@ def test_rows_kernel_matches_a_float64_product(K, N, transposed):
         assert np.all(np.abs(got - want) <= 1e-5 * scale + 1e-6), M
 
 
-def gated_operands(M, K, F, seed=0):
-    """x [M, K], w_gate, w_up [K, F] (bf16), the float64 silu(x @ w_gate) * (x @ w_up) and a
-    bound on the kernel's error: float32 products as above, silu's slope (below 1.1) and the
-    product carrying them, and the rounding to bf16 (half an ulp, 2^-9 of the value's binade,
-    within 2^-8 of the value)."""
+def _gate64(activation, g):
+    """The gate in float64: silu, or GELU's tanh form as jax.nn.gelu(approximate=True) writes it."""
+    if activation == "silu":
+        return g / (1 + np.exp(-g))
+    return 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3)))
+
+
+def gated_operands(M, K, F, seed=0, activation="silu"):
+    """x [M, K], w_gate, w_up [K, F] (bf16), the float64 act(x @ w_gate) * (x @ w_up) and a
+    bound on the kernel's error: float32 products as above, the gate's slope (below 1.1 for
+    silu, 1.13 for GELU) and the product carrying them, and the rounding to bf16 (half an ulp,
+    2^-9 of the value's binade, within 2^-8 of the value)."""
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
     wg, wu = (jnp.asarray(rng.normal(size=(K, F)) / np.sqrt(K) * 3, jnp.bfloat16)
@@ -85,21 +93,28 @@ def gated_operands(M, K, F, seed=0):
     g, u = x64 @ g64, x64 @ u64
     eg = 1e-5 * (np.abs(x64) @ np.abs(g64)) + 1e-6
     eu = 1e-5 * (np.abs(x64) @ np.abs(u64)) + 1e-6
-    silu = g / (1 + np.exp(-g))
-    want = silu * u
-    bound = 2.0 ** -8 * np.abs(want) + 1.1 * eg * (np.abs(u) + eu) + np.abs(silu) * eu + 1e-30
+    act = _gate64(activation, g)
+    want = act * u
+    bound = 2.0 ** -8 * np.abs(want) + 1.13 * eg * (np.abs(u) + eu) + np.abs(act) * eu + 1e-30
     return x, wg, wu, want, bound
 
 
 @needs_rows_kernels
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("K,F", [(576, 1536), (577, 33), (33, 70), (1, 1), (64, 2049)])
-def test_gated_kernel_matches_a_float64_reference(K, F):
-    kernel = jax.jit(cpu_kernels.gated_rows_times_matrices)
+def test_gated_kernel_matches_a_float64_reference(K, F, activation):
+    kernel = jax.jit(cpu_kernels.gated_rows_times_matrices, static_argnums=3)
     for M in (2, 5, 9, cpu_kernels.MAX_ROWS):
-        x, wg, wu, want, bound = gated_operands(M, K, F, seed=M)
-        got = kernel(x, wg, wu)
+        x, wg, wu, want, bound = gated_operands(M, K, F, seed=M, activation=activation)
+        got = kernel(x, wg, wu, activation)
         assert got.dtype == jnp.bfloat16 and got.shape == (M, F)
         assert np.all(np.abs(np.asarray(got, np.float64) - want) <= bound), (M, K, F)
+
+
+def test_gated_kernel_names_an_unknown_activation():
+    x = jnp.ones((2, 4), jnp.bfloat16)
+    with pytest.raises(ValueError, match="'relu'.*silu"):
+        cpu_kernels.gated_rows_times_matrices(x, x.T, x.T, "relu")
 
 
 @needs_rows_kernels
@@ -117,6 +132,23 @@ def test_gated_kernel_at_the_edges_of_exp():
         want = np.asarray(jnp.asarray(g32 / (1 + np.exp(-g32)), jnp.bfloat16), np.float64)
     for row in got:
         np.testing.assert_array_equal(row, want)
+
+
+@needs_rows_kernels
+def test_gelu_gate_at_the_edges_of_exp():
+    # As above for GELU's tanh form, which the kernel computes as g / (1 + exp(-z)), z = 2
+    # sqrt(2 / pi) (g + 0.044715 g^3): against the tanh form in float64 (NaN at -inf, as
+    # jax.nn.gelu gives: -inf times 0), within one bf16 rounding.
+    g = np.array([np.inf, -np.inf, np.nan, -100.0, 100.0, 0.0, -87.0, -5.0, -3.0, 3e38,
+                  -3e38, 1e-3, -1e-3, 20.0, -20.0, 0.5, -0.5], np.float32)
+    wg = jnp.asarray(g[None], jnp.bfloat16)
+    got = np.asarray(cpu_kernels.gated_rows_times_matrices(
+        jnp.ones((2, 1), jnp.bfloat16), wg, jnp.ones_like(wg), "gelu_tanh"), np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = _gate64("gelu_tanh", np.asarray(wg, np.float64)[0])
+    for row in got:
+        np.testing.assert_allclose(row, want, rtol=2.0 ** -8, atol=0)
+    assert np.isnan(got[0, 1]) and np.isnan(got[0, 2])
 
 
 @needs_rows_kernels
@@ -151,20 +183,22 @@ def test_swiglu_mlp_calls_the_gated_kernel_for_float32_rows_against_bf16_weights
 
 
 @needs_rows_kernels
-def test_gated_kernel_under_vmap_and_grad():
-    x, wg, wu, want, bound = gated_operands(3, 48, 40)
-    got = jax.jit(jax.vmap(cpu_kernels.gated_rows_times_matrices, in_axes=(0, None, None)))(
-        jnp.stack([x, x]), wg, wu)
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_gated_kernel_under_vmap_and_grad(activation):
+    x, wg, wu, want, bound = gated_operands(3, 48, 40, activation=activation)
+    kernel = functools.partial(cpu_kernels.gated_rows_times_matrices, activation=activation)
+    got = jax.jit(jax.vmap(kernel, in_axes=(0, None, None)))(jnp.stack([x, x]), wg, wu)
     for rows in np.asarray(got, np.float64):
         assert np.all(np.abs(rows - want) <= bound)
-    loss = lambda x, g, u: jnp.sum(  # noqa: E731
-        cpu_kernels.gated_rows_times_matrices(x, g, u).astype(jnp.float32) ** 2)
+    loss = lambda x, g, u: jnp.sum(kernel(x, g, u).astype(jnp.float32) ** 2)  # noqa: E731
     # The same function written out here (not the kernel's JVP helper), so a JVP wired to the
     # wrong operands or function fails.
     dot = lambda a, b: jnp.einsum("mk,kf->mf", a, b,  # noqa: E731
                                   preferred_element_type=jnp.float32)
+    gate = (jax.nn.silu if activation == "silu" else  # noqa: E731
+            lambda g: 0.5 * g * (1 + jnp.tanh(0.7978845608 * (g + 0.044715 * g ** 3))))
     ref = lambda x, g, u: jnp.sum(  # noqa: E731
-        (jax.nn.silu(dot(x, g)) * dot(x, u)).astype(jnp.bfloat16).astype(jnp.float32) ** 2)
+        (gate(dot(x, g)) * dot(x, u)).astype(jnp.bfloat16).astype(jnp.float32) ** 2)
     for g, r in zip(jax.grad(loss, (0, 1, 2))(x, wg, wu), jax.grad(ref, (0, 1, 2))(x, wg, wu)):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
                                    rtol=2e-2, atol=1e-2)

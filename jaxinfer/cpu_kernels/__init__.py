@@ -206,25 +206,40 @@ rows_times_matrix = _product("rows_times_matrix", 1, "mk,kn->mn")
 matrix_times_rows = _product("matrix_times_rows", 0, "mk,nk->mn")
 
 
-@jax.custom_jvp
-def gated_rows_times_matrices(x: jax.Array, w_gate: jax.Array, w_up: jax.Array) -> jax.Array:
-    """silu(x @ w_gate) * (x @ w_up) for bf16 x [M, K] (2 <= M <= MAX_ROWS) and w_gate, w_up
-    [K, F], rounded to bf16 [M, F]: a SwiGLU MLP's hidden activations, the products as
-    rows_times_matrix computes them and the gate applied before they leave the kernel. Its JVP
-    is XLA's (gradients never enter the kernel)."""
+GATED_ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
+def gated_rows_times_matrices(x: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+                              activation: str = "silu") -> jax.Array:
+    """act(x @ w_gate) * (x @ w_up) for bf16 x [M, K] (2 <= M <= MAX_ROWS) and w_gate, w_up
+    [K, F], rounded to bf16 [M, F]: a gated MLP's hidden activations, the products as
+    rows_times_matrix computes them and the gate applied before they leave the kernel. act:
+    "silu" (SwiGLU) or "gelu_tanh" (GeGLU, jax.nn.gelu(approximate=True)). Its JVP is XLA's
+    (gradients never enter the kernel)."""
+    if activation not in GATED_ACTIVATIONS:
+        raise ValueError(f"gated_rows_times_matrices: activation {activation!r} is not one of "
+                         f"{GATED_ACTIVATIONS}")
     out = jax.ShapeDtypeStruct(x.shape[:-1] + w_gate.shape[-1:], jnp.bfloat16)
     return jax.ffi.ffi_call(_target("gated_rows_times_matrices"), out,
-                            vmap_method="sequential")(x, w_gate, w_up)
+                            vmap_method="sequential")(
+        x, w_gate, w_up, activation=np.int64(GATED_ACTIVATIONS.index(activation)))
 
 
-def _gated_reference(x, w_gate, w_up):
+def gate_activation(name: str, g: jax.Array) -> jax.Array:
+    """The gate of a gated MLP as XLA computes it: silu, or GELU's tanh form."""
+    return jax.nn.silu(g) if name == "silu" else jax.nn.gelu(g, approximate=True)
+
+
+def _gated_reference(activation, x, w_gate, w_up):
     dot = functools.partial(jnp.einsum, "mk,kf->mf", preferred_element_type=jnp.float32)
-    return (jax.nn.silu(dot(x, w_gate)) * dot(x, w_up)).astype(jnp.bfloat16)
+    return (gate_activation(activation, dot(x, w_gate)) * dot(x, w_up)).astype(jnp.bfloat16)
 
 
 @gated_rows_times_matrices.defjvp
-def _gated_jvp(primals, tangents):
-    return gated_rows_times_matrices(*primals), jax.jvp(_gated_reference, primals, tangents)[1]
+def _gated_jvp(activation, primals, tangents):
+    return (gated_rows_times_matrices(*primals, activation),
+            jax.jvp(functools.partial(_gated_reference, activation), primals, tangents)[1])
 
 
 def argmax(x: jax.Array) -> jax.Array:

@@ -243,27 +243,26 @@ inline __m256i to_bf16_16(__m512 v) {
   return _mm512_cvtepi32_epi16(rounded);
 }
 
-// h[M, F] = silu(x @ w_gate) * (x @ w_up) for bf16 x [M, K] and w_gate, w_up [K, F], rounded to
+// h[M, F] = act(x @ w_gate) * (x @ w_up) for bf16 x [M, K] and w_gate, w_up [K, F], rounded to
 // bf16 (the MLP's hidden activations, the down product's input): the products as
-// rows_times_matrix computes them, then silu(g) = g / (1 + exp(-g)) and the product with u on
-// each strip while its sums are in L1, in place of a separate pass of XLA's elementwise code
-// (whose exp took about 0.65 ns an element: 19 us a layer at 16 rows of SmolLM2).
+// rows_times_matrix computes them, then the gate and the product with u on each strip while its
+// sums are in L1, in place of a separate pass of XLA's elementwise code (whose exp took about
+// 0.65 ns an element: 19 us a layer at 16 rows of SmolLM2). act is silu (activation 0,
+// SwiGLU) or GELU's tanh form (activation 1, GeGLU), both g / (1 + exp(-z)): z = g for silu,
+// and z = 2 sqrt(2 / pi) (g + 0.044715 g^3) for GELU, since 0.5 (1 + tanh(y)) = 1 / (1 + exp(-2y)).
 constexpr int64_t kMaxGatedRows = 64;  // cpu_kernels.MAX_ROWS
 
-ffi::Error GatedRowsTimesMatrices(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
-                                  ffi::Buffer<ffi::BF16> w_gate, ffi::Buffer<ffi::BF16> w_up,
-                                  ffi::ResultBuffer<ffi::BF16> h) {
-  const auto gd = w_gate.dimensions(), ud = w_up.dimensions(), xd = x.dimensions();
-  if (gd.size() != 2 || ud.size() != 2 || xd.size() != 2 || gd[0] != ud[0] ||
-      gd[1] != ud[1] || xd[1] != gd[0] || xd[0] > kMaxGatedRows ||
-      h->element_count() != xd[0] * gd[1])
-    return ffi::Error::InvalidArgument(
-        "gated_rows_times_matrices: x [M <= 64, K], w_gate and w_up [K, F], h [M, F] expected");
-  const int64_t M = xd[0], K = gd[0], F = gd[1];
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.typed_data());
-  const auto* gp = reinterpret_cast<const uint16_t*>(w_gate.typed_data());
-  const auto* up = reinterpret_cast<const uint16_t*>(w_up.typed_data());
-  auto* hp = reinterpret_cast<uint16_t*>(h->typed_data());
+template <int Act>
+inline __m512 gate16(__m512 g) {
+  if constexpr (Act == 0) return g;
+  const __m512 g3 = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
+  return _mm512_mul_ps(_mm512_set1_ps(1.5957691216057308f),  // 2 sqrt(2 / pi)
+                       _mm512_fmadd_ps(g3, _mm512_set1_ps(0.044715f), g));
+}
+
+template <int Act>
+void gated_strips(ffi::ThreadPool& pool, const uint16_t* xp, const uint16_t* gp,
+                  const uint16_t* up, uint16_t* hp, int64_t M, int64_t K, int64_t F) {
   parallel_chunks(pool, (F + 31) / 32, helper_count(pool), [=](int64_t c) {
     const int64_t n0 = c * 32, width = std::min<int64_t>(32, F - n0);
     alignas(64) float g[kMaxGatedRows * 32], u[kMaxGatedRows * 32];
@@ -281,16 +280,37 @@ ffi::Error GatedRowsTimesMatrices(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x
         const __mmask16 mask = width - j >= 16 ? __mmask16(0xFFFF)
                                                : __mmask16((1u << (width - j)) - 1u);
         const __m512 gv = _mm512_load_ps(g + m * 32 + j);
-        // exp(-g), -g held to [-104, 200] (max and min return their second operand when
+        // exp(-z), -z held to [-104, 200] (max and min return their second operand when
         // either is NaN, so a NaN passes): exp(-inf) is 0 and exp(inf) is inf.
         const __m512 e = exp16_in_range(_mm512_min_ps(
             _mm512_set1_ps(200.0f), _mm512_max_ps(_mm512_set1_ps(-104.0f),
-                                                  _mm512_sub_ps(_mm512_setzero_ps(), gv))));
+                                                  _mm512_sub_ps(_mm512_setzero_ps(), gate16<Act>(gv)))));
         const __m512 v = _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)),
                                        _mm512_load_ps(u + m * 32 + j));
         _mm256_mask_storeu_epi16(hp + m * F + n0 + j, mask, to_bf16_16(v));
       }
   });
+}
+
+ffi::Error GatedRowsTimesMatrices(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
+                                  ffi::Buffer<ffi::BF16> w_gate, ffi::Buffer<ffi::BF16> w_up,
+                                  ffi::ResultBuffer<ffi::BF16> h, int64_t activation) {
+  const auto gd = w_gate.dimensions(), ud = w_up.dimensions(), xd = x.dimensions();
+  if (gd.size() != 2 || ud.size() != 2 || xd.size() != 2 || gd[0] != ud[0] ||
+      gd[1] != ud[1] || xd[1] != gd[0] || xd[0] > kMaxGatedRows ||
+      h->element_count() != xd[0] * gd[1])
+    return ffi::Error::InvalidArgument(
+        "gated_rows_times_matrices: x [M <= 64, K], w_gate and w_up [K, F], h [M, F] expected");
+  if (activation != 0 && activation != 1)
+    return ffi::Error::InvalidArgument(
+        "gated_rows_times_matrices: activation must be 0 (silu) or 1 (gelu, tanh form)");
+  const int64_t M = xd[0], K = gd[0], F = gd[1];
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.typed_data());
+  const auto* gp = reinterpret_cast<const uint16_t*>(w_gate.typed_data());
+  const auto* up = reinterpret_cast<const uint16_t*>(w_up.typed_data());
+  auto* hp = reinterpret_cast<uint16_t*>(h->typed_data());
+  if (activation == 0) gated_strips<0>(pool, xp, gp, up, hp, M, K, F);
+  else gated_strips<1>(pool, xp, gp, up, hp, M, K, F);
   return ffi::Error::Success();
 }
 
@@ -374,7 +394,7 @@ ffi::Error MatrixTimesRows(ffi::ThreadPool, ffi::Buffer<ffi::BF16>, ffi::Buffer<
 }
 
 ffi::Error GatedRowsTimesMatrices(ffi::ThreadPool, ffi::Buffer<ffi::BF16>, ffi::Buffer<ffi::BF16>,
-                                  ffi::Buffer<ffi::BF16>, ffi::ResultBuffer<ffi::BF16>) {
+                                  ffi::Buffer<ffi::BF16>, ffi::ResultBuffer<ffi::BF16>, int64_t) {
   return ffi::Error::Internal("gated_rows_times_matrices: built without AVX512-BF16");
 }
 
@@ -405,4 +425,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_gated_rows_times_matrices, GatedRowsTimes
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::BF16>>());
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Attr<int64_t>("activation"));

@@ -33,7 +33,7 @@ import numpy as np
 
 from jaxinfer import sharding
 from jaxinfer.config import ModelConfig
-from jaxinfer.layers import apply_rope, linear
+from jaxinfer.layers import apply_rope, gated_mlp, linear
 from jaxinfer.models.base import Family, attend, rows
 from jaxinfer.models.llama import read_attention_gguf, vocab_specs
 
@@ -129,10 +129,10 @@ class Gemma3(Family):
             h = rows(h + norm(linear(o, lp.wo), lp.post_attn_norm, eps))
         with jax.named_scope("mlp"):
             x2 = norm(h, lp.mlp_norm, eps)
-            hidden = jax.nn.gelu(linear(x2, lp.w_gate), approximate=True) * linear(x2, lp.w_up)
-            h = rows(h + norm(linear(hidden, lp.w_down), lp.post_mlp_norm, eps))
+            y = gated_mlp(x2, lp.w_gate, lp.w_up, lp.w_down, "gelu_tanh", taps)
+            h = rows(h + norm(y, lp.post_mlp_norm, eps))
         if taps is not None:
-            taps.update(x_attn=x, attn_out=o, x_mlp=x2, hidden=hidden)
+            taps.update(x_attn=x, attn_out=o, x_mlp=x2)
         return h, ctx
 
     # -- files --------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import jax
 
 from jaxinfer import sharding
 from jaxinfer.config import ModelConfig
-from jaxinfer.layers import apply_rope, linear, rms_norm, swiglu_mlp
+from jaxinfer.layers import apply_rope, gated_mlp, linear, rms_norm
 from jaxinfer.models.base import (DENSE_QUERY_TILE, Context, Family, ModelParams, attend, rows,
                                   sequence_logits)
 
@@ -116,10 +116,8 @@ class Llama(Family):
         with jax.named_scope("mlp"):
             x = rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps)
             if taps is not None:
-                hidden = jax.nn.silu(linear(x, lp.w_gate)) * linear(x, lp.w_up)
-                taps.update(x_mlp=x, hidden=hidden)
-                return rows(h + linear(hidden, lp.w_down)), ctx
-            return rows(h + swiglu_mlp(x, lp.w_gate, lp.w_up, lp.w_down)), ctx
+                taps.update(x_mlp=x)
+            return rows(h + gated_mlp(x, lp.w_gate, lp.w_up, lp.w_down, "silu", taps)), ctx
 
     def hf_config(self, hf, path):
         return {"qk_norm": self.name == "qwen3"}
