@@ -282,9 +282,9 @@ void gated_strips(ffi::ThreadPool& pool, const uint16_t* xp, const uint16_t* gp,
         const __m512 gv = _mm512_load_ps(g + m * 32 + j);
         // exp(-z), -z held to [-104, 200] (max and min return their second operand when
         // either is NaN, so a NaN passes): exp(-inf) is 0 and exp(inf) is inf.
+        const __m512 minus_z = _mm512_sub_ps(_mm512_setzero_ps(), gate16<Act>(gv));
         const __m512 e = exp16_in_range(_mm512_min_ps(
-            _mm512_set1_ps(200.0f), _mm512_max_ps(_mm512_set1_ps(-104.0f),
-                                                  _mm512_sub_ps(_mm512_setzero_ps(), gate16<Act>(gv)))));
+            _mm512_set1_ps(200.0f), _mm512_max_ps(_mm512_set1_ps(-104.0f), minus_z)));
         const __m512 v = _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)),
                                        _mm512_load_ps(u + m * 32 + j));
         _mm256_mask_storeu_epi16(hp + m * F + n0 + j, mask, to_bf16_16(v));
