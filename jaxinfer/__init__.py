@@ -13,11 +13,11 @@ _tuning.set_cpu_xla_flags()
 from jaxinfer.config import MeshConfig  # noqa: E402
 from jaxinfer.decode import DecodeState, RowParams, StepOutput, admit_rows, step  # noqa: E402
 from jaxinfer.engine.request import RequestMetrics, RequestOutput, SamplingParams  # noqa: E402
-from jaxinfer.llm import LLM  # noqa: E402
+from jaxinfer.llm import LLM, EncodedPrompt  # noqa: E402
 from jaxinfer.speculative import SpeculativeConfig  # noqa: E402
 from jaxinfer.token_batch import TokenBatch  # noqa: E402
 
-__all__ = ["LLM", "MeshConfig", "RequestMetrics", "RequestOutput", "SamplingParams",
+__all__ = ["LLM", "EncodedPrompt", "MeshConfig", "RequestMetrics", "RequestOutput", "SamplingParams",
            "SpeculativeConfig", "step", "admit_rows", "DecodeState", "RowParams", "StepOutput",
            "TokenBatch"]
 __version__ = "0.1.0"

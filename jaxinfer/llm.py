@@ -6,6 +6,7 @@ engine (jaxinfer.engine.engine) for generate / chat / stream and the request-lev
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import operator
 import os
@@ -27,8 +28,19 @@ from jaxinfer.kv_cache import KV_DTYPES, ring_capacity
 from jaxinfer.models import get_model
 from jaxinfer.sampling import MAX_LOGPROBS
 from jaxinfer.speculative import SpeculativeConfig
+from jaxinfer.user_input import check_text
 
-Prompt = Union[str, Sequence[int]]
+
+@dataclasses.dataclass(frozen=True)
+class EncodedPrompt:
+    """A prompt already tokenized and checked by LLM.encode_prompt (e.g. on a server's worker
+    thread, so the engine's thread never tokenizes): add_request takes it as it is."""
+
+    text: Optional[str]       # the prompt's text; None when it was given as token ids
+    token_ids: tuple[int, ...]
+
+
+Prompt = Union[str, Sequence[int], EncodedPrompt]
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 _ATTENTION = ("auto", "reference", "pallas")
 
@@ -261,19 +273,31 @@ class LLM:
 
     # ---- validation --------------------------------------------------------------------------
 
-    def _encode(self, prompt: Prompt) -> tuple[Optional[str], list[int]]:
+    def encode_prompt(self, prompt: Prompt) -> EncodedPrompt:
+        """Tokenizes and checks a prompt (ValueError naming the value and the limit) without
+        touching the engine: safe to call from any thread while another steps the engine."""
+        if isinstance(prompt, EncodedPrompt):
+            return EncodedPrompt(prompt.text, tuple(self._check_ids(list(prompt.token_ids))))
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer; pass prompts as lists of token ids")
-            ids = self.tokenizer.encode(prompt)
-            text = prompt
-        else:
-            try:  # operator.index: ints (numpy ones too), never a float rounded to an id
-                ids = [operator.index(t) for t in prompt]
-            except TypeError:
-                raise ValueError(f"a prompt must be a str or a sequence of integer token ids, "
-                                 f"got {type(prompt).__name__}") from None
-            text = None
+            check_text(prompt, "prompt")
+            bound = self.tokenizer.max_chars_per_token
+            if bound is not None and len(prompt) >= self.max_seq_len * bound:
+                # No need to tokenize: no token spans more than `bound` characters.
+                raise ValueError(f"prompt has {len(prompt)} characters, at least "
+                                 f"{len(prompt) // bound} tokens; max_seq_len is "
+                                 f"{self.max_seq_len} (the prompt must leave room for at least "
+                                 "one generated token)")
+            return EncodedPrompt(prompt, tuple(self._check_ids(self.tokenizer.encode(prompt))))
+        try:  # operator.index: ints (numpy ones too), never a float rounded to an id
+            ids = [operator.index(t) for t in prompt]
+        except TypeError:
+            raise ValueError(f"a prompt must be a str or a sequence of integer token ids, "
+                             f"got {type(prompt).__name__}") from None
+        return EncodedPrompt(None, tuple(self._check_ids(ids)))
+
+    def _check_ids(self, ids: list[int]) -> list[int]:
         if not ids:
             raise ValueError("prompt is empty (0 tokens)")
         vocab = self.model_config.vocab_size
@@ -283,7 +307,7 @@ class LLM:
         if len(ids) >= self.max_seq_len:
             raise ValueError(f"prompt has {len(ids)} tokens; max_seq_len is {self.max_seq_len} "
                              "(the prompt must leave room for at least one generated token)")
-        return text, ids
+        return ids
 
     def _make_request(self, prompt: Prompt, params: SamplingParams,
                       request_id: Optional[str] = None) -> Request:
@@ -296,7 +320,8 @@ class LLM:
         if params.n > self.max_n:
             raise ValueError(f"n={params.n} exceeds the {self.max_n} sequences one request may "
                              "hold (max_num_seqs per data replica)")
-        text, ids = self._encode(prompt)
+        encoded = self.encode_prompt(prompt)
+        text, ids = encoded.text, list(encoded.token_ids)
         rid = str(next(self._ids)) if request_id is None else str(request_id)
         if rid in self._requests:
             raise ValueError(f"request_id {rid!r} is already in use")
@@ -421,7 +446,7 @@ class LLM:
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
                                         and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
-        encoded = [self._encode(p) for p in prompts]
+        encoded = [(e.text, list(e.token_ids)) for e in map(self.encode_prompt, prompts)]
         per_replica = self.max_n
         if params.beam_width > per_replica:
             raise ValueError(f"beam_width {params.beam_width} exceeds the {per_replica} slots "

@@ -18,11 +18,13 @@ from typing import Any, Optional, Sequence
 
 from jaxinfer.engine.request import RequestOutput, SamplingParams
 from jaxinfer.sampling import MAX_LOGPROBS
+from jaxinfer.user_input import check_tree, show
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 ENDPOINTS = (COMPLETIONS, CHAT)
 MAX_STOP = 4                   # OpenAI's limit on stop sequences
+MAX_STOP_BYTES = 1024          # the longest stop sequence, in UTF-8 bytes
 MAX_COMPLETION_LOGPROBS = 5    # OpenAI's limit on the completions API's `logprobs`
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
@@ -87,10 +89,10 @@ def _number(body: dict, name: str, lo: float, hi: float, *, integer: bool = Fals
     kind = "an integer" if integer else "a number"
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)) \
             or (isinstance(v, float) and not math.isfinite(v)):
-        raise RequestError(f"{name} must be {kind}, got {v!r}", name)
+        raise RequestError(f"{name} must be {kind}, got {show(v)}", name)
     if v < lo or v > hi or (lo_open and v == lo):
         left = "(" if lo_open else "["
-        raise RequestError(f"{name} must be in {left}{lo}, {hi}], got {v!r}", name)
+        raise RequestError(f"{name} must be in {left}{lo}, {hi}], got {show(v)}", name)
     return v
 
 
@@ -99,7 +101,7 @@ def _bool(body: dict, name: str, default: bool = False) -> bool:
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise RequestError(f"{name} must be true or false, got {v!r}", name)
+        raise RequestError(f"{name} must be true or false, got {show(v)}", name)
     return v
 
 
@@ -109,10 +111,15 @@ def _stop(body: dict) -> Optional[list[str]]:
         return None
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise RequestError(f"stop must be a non-empty string or a list of them, got {stop!r}",
-                           "stop")
+        raise RequestError("stop must be a non-empty string or a list of them, got "
+                           f"{show(stop)}", "stop")
     if len(stops) > MAX_STOP:
         raise RequestError(f"stop has {len(stops)} sequences; the limit is {MAX_STOP}", "stop")
+    for i, s in enumerate(stops):
+        size = len(s.encode("utf-8"))
+        if size > MAX_STOP_BYTES:
+            raise RequestError(f"stop[{i}] has {size} bytes (UTF-8); the limit is "
+                               f"{MAX_STOP_BYTES}", "stop")
     return stops or None
 
 
@@ -132,12 +139,12 @@ def _messages(body: dict) -> list:
                 if not isinstance(part, dict) or part.get("type") != "text" \
                         or not isinstance(part.get("text"), str):
                     raise RequestError(f"messages[{i}].content: only text parts are supported, "
-                                       f"got {part!r}", "messages")
+                                       f"got {show(part)}", "messages")
                 parts.append(part["text"])
             content = "".join(parts)
         if not isinstance(content, str):
             raise RequestError(f"messages[{i}].content must be a string or a list of text "
-                               f"parts, got {content!r}", "messages")
+                               f"parts, got {show(content)}", "messages")
         out.append({"role": m["role"], "content": content})
     return out
 
@@ -155,36 +162,41 @@ def _prompt(body: dict):
         raise RequestError("prompt: a batch of several prompts in one request is not supported; "
                            "send one request per prompt", "prompt")
     raise RequestError(f"prompt must be a non-empty string or a list of token ids, got "
-                       f"{prompt!r}", "prompt")
+                       f"{show(prompt)}", "prompt")
 
 
 def parse_request(endpoint: str, body: Any, *, max_n: int = 1) -> ParsedRequest:
     """Checks a request body for `endpoint` (COMPLETIONS or CHAT). RequestError (status 400,
     naming the field and the limit) for anything out of range, unknown or unsupported."""
     if endpoint not in ENDPOINTS:
-        raise RequestError(f"unknown url {endpoint!r}; expected one of {ENDPOINTS}", "url",
+        raise RequestError(f"unknown url {show(endpoint)}; expected one of {ENDPOINTS}", "url",
                            status=404)
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}")
+    try:  # done by user_input.loads_json already; again for bodies built in Python
+        check_tree(body)
+    except ValueError as e:
+        raise RequestError(str(e)) from None
     unknown = sorted(set(body) - _FIELDS[endpoint])
     if unknown:
-        raise RequestError(f"unknown or unsupported field {unknown[0]!r}", unknown[0])
+        raise RequestError(f"unknown or unsupported field {show(unknown[0])}",
+                           unknown[0][:64])
     for name in ("presence_penalty", "frequency_penalty"):
         if _number(body, name, -2.0, 2.0, default=0.0) != 0:
             raise RequestError(f"{name} is not supported (use repetition_penalty); got "
-                               f"{body[name]!r}", name)
+                               f"{show(body[name])}", name)
     if body.get("logit_bias"):
         raise RequestError("logit_bias is not supported", "logit_bias")
     if body.get("suffix") is not None:
         raise RequestError("suffix is not supported", "suffix")
     if body.get("best_of") not in (None, 1):
-        raise RequestError(f"best_of must be 1, got {body['best_of']!r}", "best_of")
+        raise RequestError(f"best_of must be 1, got {show(body['best_of'])}", "best_of")
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
-        raise RequestError(f"response_format {fmt!r} is not supported (only text)",
+        raise RequestError(f"response_format {show(fmt)} is not supported (only text)",
                            "response_format")
     if body.get("model") is not None and not isinstance(body["model"], str):
-        raise RequestError(f"model must be a string, got {body['model']!r}", "model")
+        raise RequestError(f"model must be a string, got {show(body['model'])}", "model")
 
     chat = endpoint == CHAT
     name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None \
@@ -212,7 +224,7 @@ def parse_request(endpoint: str, body: Any, *, max_n: int = 1) -> ParsedRequest:
             raise RequestError("stream_options needs stream: true", "stream_options")
         if not isinstance(options, dict) or set(options) - {"include_usage"}:
             raise RequestError(f"stream_options must be {{\"include_usage\": bool}}, got "
-                               f"{options!r}", "stream_options")
+                               f"{show(options)}", "stream_options")
     include_usage = _bool(options or {}, "include_usage")
 
     try:

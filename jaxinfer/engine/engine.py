@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import time
 from typing import Optional
 
@@ -27,6 +28,8 @@ from jaxinfer.engine.runner import Runner
 from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.engine.textstream import TextStream
 from jaxinfer.sharding import Partitioner, fetch
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(eq=False)
@@ -189,6 +192,15 @@ class Engine:
         self.stats_counters["finished"] += 1
         return req
 
+    def _fail(self, req: Request) -> None:
+        """Finishes a sequence whose host bookkeeping (detokenizing, stop matching, logprobs)
+        raised: finish_reason "error", the traceback logged; the other rows go on."""
+        log.exception("request %s: its bookkeeping failed; it finishes with finish_reason "
+                      "'error'", req.request_id)
+        req.stream.finished = True  # its text stays as it was; no flush of a broken stream
+        if req.finish_reason is None:
+            self._finish(req, "error")
+
     # ---- one scheduling step -----------------------------------------------------------------
 
     def step(self) -> list[Request]:
@@ -235,10 +247,13 @@ class Engine:
                 self.paged.computed(req, req.prefilled)
         progressed = []
         for req in sampling:
-            lp = result.logprobs.get(req.slot) if req.logprobs is not None else None
-            self._append(req, [result.tokens[req.slot]], stopped=False,
-                         lps=None if lp is None else [lp])
-            self._computed(req)
+            try:
+                lp = result.logprobs.get(req.slot) if req.logprobs is not None else None
+                self._append(req, [result.tokens[req.slot]], stopped=False,
+                             lps=None if lp is None else [lp])
+                self._computed(req)
+            except Exception:  # noqa: BLE001 - this request's failure, not the others'
+                self._fail(req)
             progressed.append(req)
         return progressed
 
@@ -289,9 +304,13 @@ class Engine:
         lp = fetch(lp) if any(r.logprobs is not None for r in decoding) else None
         for req in decoding:
             b, n = req.slot, int(num_out[req.slot])
-            lps = None if lp is None else [tuple(x[b, i] for x in lp) for i in range(n)]
-            self._append(req, out[b, :n].tolist(), stopped=bool(done[b]), lps=lps)
-            self._computed(req)
+            try:
+                lps = None if lp is None else [tuple(x[b, i] for x in lp) for i in range(n)]
+                self._append(req, out[b, :n].tolist(), stopped=bool(done[b]), lps=lps)
+                self._computed(req)
+            except Exception:  # noqa: BLE001 - this request's failure, not the others'
+                self._fail(req)
+                continue
             if counts is not None and draft_on[b]:
                 speculation.judge(req, int(counts.steps[b]), int(counts.drafted[b]),
                                   int(counts.accepted[b]), self.stats_counters)

@@ -6,6 +6,8 @@ import dataclasses
 import math
 from typing import Optional, Sequence, Union
 
+from jaxinfer.user_input import check_text, show
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -62,7 +64,10 @@ class SamplingParams:
                 raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
         stops = self.stop_strings
         if any(not isinstance(s, str) or not s for s in stops):
-            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+            raise ValueError(f"stop must be a non-empty string or a list of them, got "
+                             f"{show(self.stop)}")
+        for i, s in enumerate(stops):
+            check_text(s, f"stop[{i}]")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
@@ -144,7 +149,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: Optional[str]  # "stop" | "length" | "abort" | None while running
+    finish_reason: Optional[str]  # "stop" | "length" | "abort" | "error" | None while running
     logprobs: Optional[list] = None
 
 
@@ -159,7 +164,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     text: str
     token_ids: list[int]
-    finish_reason: Optional[str]  # "stop" | "length" | "abort" | None while running
+    finish_reason: Optional[str]  # "stop" | "length" | "abort" | "error" | None while running
     metrics: RequestMetrics
     logprobs: Optional[list] = None
     prompt_logprobs: Optional[list] = None

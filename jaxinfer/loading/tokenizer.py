@@ -8,6 +8,7 @@ read from its tokenizer.json directly.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Sequence
@@ -213,6 +214,15 @@ class Tokenizer:
         if self.add_eos and self.eos_token_id is not None:
             ids = ids + [self.eos_token_id]
         return ids
+
+    @functools.cached_property
+    def max_chars_per_token(self) -> int | None:
+        """The most characters of input text one token can stand for: its spelling's length
+        (a byte-level token spells each byte as one character, a text has no more characters
+        than bytes). None when a normalizer may shorten the text first (no bound claimed)."""
+        if self._tok.normalizer is not None:
+            return None
+        return max(len(t) for t in self._tok.get_vocab(with_added_tokens=True))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)

@@ -82,6 +82,37 @@ def test_batching_and_slot_reuse_keep_greedy_results(llm):
     assert llm.stats()["running"] == 0 and llm.stats()["waiting"] == 0
 
 
+@pytest.mark.parametrize("fail_at", [1, 7])  # in the flat step; in a decode dispatch
+def test_a_failing_request_finishes_with_error_and_the_others_go_on(llm, fail_at, caplog):
+    """One request's host bookkeeping raises at its fail_at-th token: it finishes "error" with
+    the tokens before, the traceback is logged, and the requests beside it give exactly what
+    they give alone; the engine serves on."""
+    prompts = _prompts(3, 5)
+    sp = ji.SamplingParams(max_tokens=16, ignore_eos=True)
+    alone = [llm.generate([p], sp)[0].token_ids for p in prompts]
+    rids = [llm.add_request(p, sp) for p in prompts]
+    victim = llm._requests[rids[1]].stream
+    calls, add = [], victim.add
+
+    def broken_add(token_id):
+        calls.append(token_id)
+        if len(calls) == fail_at:
+            raise RuntimeError("bookkeeping broke")
+        return add(token_id)
+
+    victim.add = broken_add
+    outs = {}
+    while llm.has_unfinished_requests():
+        outs.update((o.request_id, o) for o in llm.step() if o.finished)
+    assert outs[rids[1]].finish_reason == "error"
+    assert outs[rids[1]].token_ids == alone[1][:fail_at]  # the token was booked, then it broke
+    for i in (0, 2):
+        assert outs[rids[i]].finish_reason == "length"
+        assert outs[rids[i]].token_ids == alone[i]
+    assert "bookkeeping broke" in caplog.text
+    assert llm.generate([prompts[1]], sp)[0].token_ids == alone[1]
+
+
 def test_greedy_matches_hf_generate(llm):
     """HF transformers' greedy continuation of the tiny model (golden.npz), via the engine."""
     golden = np.load(os.path.join(TINY, "golden.npz"))
