@@ -605,3 +605,39 @@ def test_top_descending_is_the_sorts_first_k(V):
         want[:, :k].reshape(2, 3, k))
     with pytest.raises(ValueError, match=f"k={V + 1} must be in \\[1, {V}\\]"):
         cpu_kernels.top_descending(jnp.asarray(x), V + 1)
+
+
+@needs_kernels
+def test_decode_attention_refuses_page_ids_outside_the_pool():
+    """A tile whose keys lie on a block-table entry outside [0, P) (negative, P, the largest
+    int32, or reached through the ring) reads nothing and gives NaN; tiles whose pages are all
+    in the pool, including one whose table has a bad entry past its keys, equal the float64
+    reference over the same keys, as does the writing kernel's output."""
+    rng = np.random.default_rng(11)
+    L, P, Z, K, G, H, M = 1, 6, 4, 1, 2, 32, 3
+    tables = np.array([[0, 1, 2],                    # in range: positions 0..9
+                       [1, -1, 3],                   # page -1 at positions 4..5
+                       [2, P, 3],                    # page P at positions 4..7
+                       [3, 2**31 - 1, 4],            # bad entry past its keys (0..3): fine
+                       [4, 5, -7]], np.int32)        # the ring reaches entry 2 at 8..13
+    pos = np.array([9, 5, 7, 3, 13], np.int32)
+    bad = np.array([False, True, True, False, True])
+    B = T = len(pos)
+    token = row = np.arange(T, dtype=np.int32)
+    k = rng.normal(size=(L, P * Z, K, H)).astype(np.float32)
+    v = rng.normal(size=(L, P * Z, K, H)).astype(np.float32)
+    q = rng.normal(size=(T, K, G, H)).astype(np.float32)
+    common = (jnp.int32(0), jnp.asarray(tables), jnp.asarray(token), jnp.asarray(row),
+              jnp.asarray(pos))
+    kw = dict(page_size=Z, scale=H ** -0.5)
+    got = np.asarray(cpu_kernels.decode_attention(q, jnp.asarray(k), jnp.asarray(v), *common,
+                                                  **kw))
+    assert np.isnan(got[bad]).all()
+    want = attention_reference(q * np.float32(H ** -0.5), k, v, 0,
+                               np.where(bad[:, None], 0, tables), np.where(bad, -1, pos), Z,
+                               None, None)
+    np.testing.assert_allclose(got[~bad], want[~bad], atol=1e-5, rtol=0)
+    out, _, _ = cpu_kernels.decode_attention_writing(
+        q, jnp.zeros((T, K, H)), jnp.zeros((T, K, H)), jnp.full((T,), -1, jnp.int32),
+        jnp.asarray(k), jnp.asarray(v), *common, **kw)
+    np.testing.assert_array_equal(np.asarray(out), got)

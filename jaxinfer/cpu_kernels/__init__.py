@@ -5,7 +5,13 @@ in sampling.cc, their shared parts in headers).
 The sources ship with the package and are compiled on first use, on the machine that runs them
 (`c++ -O3 -march=native`, or `$CXX`), into one `<cache dir>/cpu_kernels/<digest>.so`, the
 digest covering the sources and headers, the compiler, its flags, jaxlib's version and the CPU's instruction set
-flags; later processes load the built file (about 3 s to build, once). The handlers are
+flags; later processes load the built file (about 3 s to build, once). The library is loaded
+only from a directory owned by this user and writable by no one else (created 0700;
+hub.ensure_private_dir), and only as a file of that kind: a library others could swap is code
+they would run in this process. Where `cpu_kernels/` fails that check (one warning), each
+process builds its own library in a fresh private temporary directory, loads it and removes
+it: the kernels stay on at the cost of the build, and nothing is loaded from the shared
+directory; should even that fail, the kernels are off. The handlers are
 registered with jax under names that carry the digest, so a program compiled against one build
 (and kept in JAX's or jaxinfer's caches) never runs another.
 
@@ -111,6 +117,32 @@ def _build(cxx: str, target: str) -> None:
             os.remove(tmp)
 
 
+def _library(cxx: str, digest: str, directory: str) -> ctypes.CDLL:
+    """The library of `digest`, loaded from `directory` (built there first where missing or
+    not private to this user) where the directory is private; else built into a fresh private
+    temporary directory, loaded and removed (the mapping outlives the file)."""
+    from jaxinfer.loading.hub import ensure_private_dir, not_private
+
+    problem = ensure_private_dir(directory)
+    if problem is None:
+        path = os.path.join(directory, f"{digest}.so")
+        if not os.path.exists(path):
+            _build(cxx, path)
+        elif bad := not_private(path):
+            log.warning("jaxinfer CPU kernels: not loading %s (%s); building it anew", path, bad)
+            _build(cxx, path)  # renamed over it: the directory is ours
+        return ctypes.cdll.LoadLibrary(path)
+    log.warning("jaxinfer CPU kernels: not loading from %s; building into a private temporary "
+                "directory instead (each process builds its own)", problem)
+    scratch = tempfile.mkdtemp(prefix="jaxinfer-cpu-kernels-")
+    try:
+        path = os.path.join(scratch, f"{digest}.so")
+        _build(cxx, path)
+        return ctypes.cdll.LoadLibrary(path)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 def _load() -> str | None:
     """Builds (once per digest) and registers the kernels; their digest, or None where they
     are unavailable (the reason logged once)."""
@@ -129,10 +161,7 @@ def _load() -> str | None:
         return None
     try:
         digest = _digest(cxx, cpu_flags)
-        path = os.path.join(cache_dir(), "cpu_kernels", f"{digest}.so")
-        if not os.path.exists(path):
-            _build(cxx, path)
-        lib = ctypes.cdll.LoadLibrary(path)
+        lib = _library(cxx, digest, os.path.join(cache_dir(), "cpu_kernels"))
         for name, symbol in HANDLERS:
             jax.ffi.register_ffi_target(f"{symbol}_{digest}",
                                         jax.ffi.pycapsule(getattr(lib, symbol)),
@@ -307,7 +336,9 @@ def decode_attention(q: jax.Array, k_pool, v_pool, layer, tables: jax.Array, tok
     int32: tile t is the query of token token[t] (T or more: no tile), of row row[t] (B or
     more: no tile), at position pos[t] (its keys are positions 0..pos, or the last
     sliding_window of them; -1: no tile). Returns [T, K, G, H] float32: each tile's output at
-    its token, zeros at tokens no tile names. Not differentiable."""
+    its token, zeros at tokens no tile names, NaN at a tile whose keys lie on a page id
+    outside [0, P) (read nowhere: the tables are traced, so the kernel checks them). Not
+    differentiable."""
     (k, k_scale), (v, v_scale) = _stored(k_pool), _stored(v_pool)
     call = jax.ffi.ffi_call(_target("decode_attention"),
                             jax.ShapeDtypeStruct(q.shape, jnp.float32))

@@ -220,6 +220,17 @@ void attend_row(const float* q, float scale, int64_t K, int64_t G, const T* k_la
   }
 }
 
+// Whether every pool page that positions [start, end] of a row read, table[(p / Z) % M], is
+// one of the pool's `pages`: at most M entries, checked before any key is read.
+inline bool pages_in_pool(const int32_t* table, int64_t M, int64_t Z, int64_t start,
+                          int64_t end, int64_t pages) {
+  if (M <= 0) return false;
+  const int64_t first = start / Z, count = std::min(end / Z - first + 1, M);
+  for (int64_t j = first; j < first + count; ++j)
+    if (table[j % M] < 0 || table[j % M] >= pages) return false;
+  return true;
+}
+
 template <typename T, int HB>
 void attend_all(ffi::ThreadPool& pool, const float* q, int64_t T_, float scale, const T* k,
                 const T* v, const float* ks, const float* vs, int64_t layer, int64_t slots,
@@ -251,6 +262,12 @@ void attend_all(ffi::ThreadPool& pool, const float* q, int64_t T_, float scale, 
     const int64_t end = pos[t], tok = token[t], r = row[t];
     if (end < 0 || tok < 0 || tok >= T_ || r < 0 || r >= B) return;
     const int64_t start = first_key(end);
+    // A page id outside the pool (a corrupt block table) would read outside it: the tile's
+    // output is NaN, so the fault shows instead of another row's keys or stray memory.
+    if (!pages_in_pool(tables + r * M, M, Z, start, end, slots / Z)) {
+      std::fill_n(out + tok * per_token, per_token, NAN);
+      return;
+    }
     attend_row<T, HB>(q + tok * per_token, scale, K, G, k_layer, v_layer, ks_layer, vs_layer,
                       tables + r * M, M, Z, start, end, softcap, out + tok * per_token);
   });
@@ -328,7 +345,8 @@ ffi::Error attend_pools(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, const P
 // code * scale), empty otherwise; layer [] s32;
 // tables [B, M] s32, each row's pages; token, row, pos [Nt] s32: tile t is the query of token
 // token[t] (T or more: none), of row row[t] (B or more: none), at position pos[t] (-1: none).
-// out [T, K, G, H] float32: each tile's attention at its token, zeros for tokens no tile names.
+// out [T, K, G, H] float32: each tile's attention at its token, zeros for tokens no tile names,
+// NaN for a tile whose keys lie on a page id outside [0, slots / page_size).
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
                            ffi::AnyBuffer v, ffi::Buffer<ffi::F32> k_scale,
                            ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::S32> layer,

