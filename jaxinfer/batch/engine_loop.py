@@ -1,23 +1,31 @@
 """Feeds checked requests (Work) to an LLM through the request-level API and turns finished
-requests into output records. Shared by the local runner and the Ray actors."""
+requests into output records. Shared by the local runner and the Ray actors.
+
+Whatever goes wrong with one request stays that request's: the API's refusals become its 400
+record, and anything else raised while submitting it or building its response (a bug) becomes
+its 500 internal_error record, logged with the traceback; the job goes on."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any, Optional
 
 from jaxinfer.batch import records
 from jaxinfer.batch.inputs import Work
 from jaxinfer.batch.records import Result
 from jaxinfer.openai_api import CHAT, RequestError, response_body
+from jaxinfer.user_input import show
+
+logger = logging.getLogger(__name__)
 
 
 class EngineFeeder:
     """add_request / step for Work items, each carrying a caller's tag (where its Result goes).
 
-    A request with no seed gets records.derive_seed(job_seed, custom_id). What add_request
-    refuses before any device work (a prompt of max_seq_len tokens or more, a token id outside
-    the vocabulary) comes back at once as that request's error Result."""
+    A request with no seed gets records.derive_seed(job_seed, custom_id). What the LLM refuses
+    before any device work (a prompt of max_seq_len tokens or more, a token id outside the
+    vocabulary) comes back at once as that request's error Result."""
 
     def __init__(self, llm, model_name: str, job_seed: Optional[int]):
         if llm.tokenizer is None:  # response bodies carry text
@@ -32,6 +40,19 @@ class EngineFeeder:
 
     def submit(self, work: Work, tag: Any) -> Optional[Result]:
         """Adds the request; None, or the request's error Result when it is refused."""
+        rid = f"batch:{work.line}"  # LLM's own ids are bare numbers
+        try:
+            return self._submit(work, rid, tag)
+        except Exception:  # noqa: BLE001 - a bug, but one request's: the others go on
+            logger.exception("line %d: submitting the request failed", work.line + 1)
+            try:  # in case the engine holds it already
+                self.llm.abort(rid)
+            except Exception:  # noqa: BLE001 - best effort; the failure is logged above
+                pass
+            return records.internal_error(work.line, work.custom_id,
+                                          "the request could not be submitted")
+
+    def _submit(self, work: Work, rid: str, tag: Any) -> Optional[Result]:
         req = work.request
         if req.n > self.llm.max_n:
             return records.request_error(work.line, work.custom_id, RequestError(
@@ -43,14 +64,14 @@ class EngineFeeder:
                 req.messages, add_generation_prompt=True) if req.endpoint == CHAT else req.prompt
         except Exception as e:  # noqa: BLE001 - a template's own error, about this request
             return records.request_error(work.line, work.custom_id, RequestError(
-                f"messages: the chat template refused them: {e}", field), records.INVALID_PROMPT)
+                f"messages: the chat template refused them: {show(str(e))}", field),
+                records.INVALID_PROMPT)
         params = req.sampling(self.llm.max_seq_len)
         if params.seed is None:
             params = dataclasses.replace(
                 params, seed=records.derive_seed(self.job_seed, work.custom_id))
-        rid = f"batch:{work.line}"  # LLM's own ids are bare numbers
         try:
-            self.llm.add_request(prompt, params, request_id=rid)
+            self.llm.add_request(self.llm.encode_prompt(prompt), params, request_id=rid)
         except ValueError as e:
             kind = records.PROMPT_TOO_LONG if "max_seq_len" in str(e) else records.INVALID_PROMPT
             return records.request_error(work.line, work.custom_id, RequestError(str(e), field),
@@ -65,9 +86,21 @@ class EngineFeeder:
             if not out.finished:
                 continue
             work, tag = self._running.pop(out.request_id)
-            body = response_body(work.request, self.llm.tokenizer, [out], model=self.model_name)
-            done.append((tag, records.success(work.line, work.custom_id, body)))
+            done.append((tag, self._finished(work, out)))
         return done
+
+    def _finished(self, work: Work, out) -> Result:
+        if out.finish_reason == "error" or any(c.finish_reason == "error" for c in out.outputs):
+            # The engine logged the traceback when the request's bookkeeping raised.
+            return records.internal_error(work.line, work.custom_id,
+                                          "the engine failed on this request")
+        try:
+            body = response_body(work.request, self.llm.tokenizer, [out], model=self.model_name)
+            return records.success(work.line, work.custom_id, body)
+        except Exception:  # noqa: BLE001 - a bug, but one request's: the others go on
+            logger.exception("line %d: building the response failed", work.line + 1)
+            return records.internal_error(work.line, work.custom_id,
+                                          "the response could not be built")
 
     def abort_all(self) -> None:
         """Drops every running request (the job is stopping; they are redone on resume)."""

@@ -5,6 +5,11 @@ body) and plain text (one prompt a line, custom_id = the 1-based line number, sa
 job's flags). A line that is not a valid request becomes an error Result for that line; nothing
 is dropped but blank lines, which are counted.
 
+Limits, each refused with an error record for that line alone: a line longer than
+max_line_bytes (read in bounded pieces, never whole), JSON that user_input.loads_json refuses
+(NaN, out-of-range numbers, nesting deeper than MAX_JSON_DEPTH, lone surrogates), a custom_id
+longer than MAX_CUSTOM_ID_CHARS.
+
 Sharding: a line belongs to shard blake2b(custom_id) mod num_shards (its line number stands in
 when it has no usable custom_id), so every line of a custom_id, duplicates included, lands in the
 same shard, and each shard can find duplicates alone.
@@ -15,8 +20,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
-from typing import Iterator, Optional, Union
+from typing import Any, BinaryIO, Iterator, Optional, Union
 
 import numpy as np
 
@@ -24,9 +30,29 @@ from jaxinfer.batch import records
 from jaxinfer.batch.records import Blank, Result
 from jaxinfer.engine.request import SamplingParams
 from jaxinfer.openai_api import CHAT, COMPLETIONS, ParsedRequest, RequestError, parse_request
+from jaxinfer.user_input import InputError, check_text, loads_json, show
 
 FORMATS = ("auto", "jsonl", "text")
 _LINE_FIELDS = {"custom_id", "method", "url", "body"}
+# Twice the server's request body limit (1 MiB): a batch line wraps a body in its custom_id,
+# method and url. A longer line is answered line_too_long without being held in memory.
+MAX_LINE_BYTES = 2 << 20
+# OpenAI documents no limit; ids are names, not payloads, and each one is kept in the manifest.
+MAX_CUSTOM_ID_CHARS = 512
+_SKIP_CHUNK = 1 << 16  # bytes read at a time while skipping the rest of an overlong line
+
+
+@dataclasses.dataclass(frozen=True)
+class LongLine:
+    """A line longer than `limit` bytes (newline not counted), in place of its bytes: its size
+    and line_digest, computed while it was skipped."""
+
+    size: int
+    digest: bytes
+    limit: int
+
+
+RawLine = Union[bytes, LongLine]
 
 
 @dataclasses.dataclass
@@ -63,9 +89,9 @@ def resolve_format(path: str, fmt: str) -> str:
     if ext == ".txt":
         return "text"
     with open(path, "rb") as f:
-        for raw in f:
-            if raw.strip():
-                return "jsonl" if raw.lstrip().startswith(b"{") else "text"
+        while piece := f.readline(1 << 16):  # bounded, whatever the length of a line
+            if piece.strip():
+                return "jsonl" if piece.lstrip().startswith(b"{") else "text"
     return "jsonl"
 
 
@@ -83,15 +109,51 @@ def strip_newline(raw: bytes) -> bytes:
     return raw[:-2] if raw.endswith(b"\r\n") else raw[:-1] if raw.endswith(b"\n") else raw
 
 
-def read_lines(path: str) -> Iterator[tuple[int, bytes]]:
-    """(0-based line number, line without its newline), lazily."""
+def scan_lines(f: BinaryIO, max_line_bytes: int) -> Iterator[tuple[RawLine, int]]:
+    """(line without its newline, or a LongLine when it has more than max_line_bytes bytes;
+    the bytes it takes in the file, newline included), lazily from f's position. Holds at most
+    max_line_bytes + 2 bytes of any line."""
+    while raw := f.readline(max_line_bytes + 2):
+        if raw.endswith(b"\n") or len(raw) < max_line_bytes + 2:  # whole (or the last line)
+            body = strip_newline(raw)
+            if len(body) <= max_line_bytes:
+                yield body, len(raw)
+            else:
+                yield LongLine(len(body), line_digest(body), max_line_bytes), len(raw)
+        else:
+            yield _skip_long_line(f, raw, max_line_bytes)
+
+
+def _skip_long_line(f: BinaryIO, head: bytes, limit: int) -> tuple[LongLine, int]:
+    """Reads the rest of a line that began with `head`, in bounded pieces, hashing it as
+    line_digest hashes a whole line (so a resume still sees a change anywhere in it)."""
+    digest, size, taken, pending = hashlib.blake2b(digest_size=16), 0, len(head), head
+    while not pending.endswith(b"\n"):
+        chunk = f.readline(_SKIP_CHUNK)
+        if not chunk:
+            break
+        taken += len(chunk)
+        cut = len(pending) - pending.endswith(b"\r")  # a \r may start the \r\n newline
+        digest.update(memoryview(pending)[:cut])  # no copy of the (up to limit) head
+        size += cut
+        pending = pending[cut:] + chunk
+    body = strip_newline(pending)
+    digest.update(body)
+    return LongLine(size + len(body), digest.digest(), limit), taken
+
+
+def read_lines(path: str, max_line_bytes: int = MAX_LINE_BYTES
+               ) -> Iterator[tuple[int, RawLine]]:
+    """(0-based line number, line without its newline or a LongLine), lazily."""
     with open(path, "rb") as f:
-        for no, raw in enumerate(f):
-            yield no, strip_newline(raw)
+        for no, (raw, _) in enumerate(scan_lines(f, max_line_bytes)):
+            yield no, raw
 
 
-def line_digest(raw: bytes) -> bytes:
+def line_digest(raw: RawLine) -> bytes:
     """16 bytes standing for a line's content, to check on resume that the input is unchanged."""
+    if isinstance(raw, LongLine):
+        return raw.digest
     return hashlib.blake2b(raw, digest_size=16).digest()
 
 
@@ -110,9 +172,13 @@ def belongs(item: Item, line: int, num_shards: int, shard_index: int) -> bool:
     return shard_of(cid, line, num_shards) == shard_index
 
 
-def parse_line(line: int, raw: bytes, fmt: str, text: Optional[TextDefaults]) -> Item:
+def parse_line(line: int, raw: RawLine, fmt: str, text: Optional[TextDefaults]) -> Item:
     """One input line -> a Work, an error Result, or Blank. Duplicates are found by the caller
     (IdSet), since that needs the lines before."""
+    if isinstance(raw, LongLine):
+        return records.line_error(line, None, records.LINE_TOO_LONG,
+                                  f"the line has {raw.size} bytes; the limit is {raw.limit} "
+                                  "(--max_line_bytes)")
     try:
         s = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -123,9 +189,9 @@ def parse_line(line: int, raw: bytes, fmt: str, text: Optional[TextDefaults]) ->
     if fmt == "text":
         return _text_work(line, s, text)
     try:
-        obj = json.loads(s)
-    except ValueError as e:
-        return records.line_error(line, None, records.INVALID_JSON, f"invalid JSON: {e}")
+        obj = loads_json(s, what="the line")
+    except InputError as e:
+        return _refused_json(line, s, e)
     if not isinstance(obj, dict):
         return records.line_error(line, None, records.INVALID_JSON,
                                   f"expected a JSON object, got {type(obj).__name__}")
@@ -135,19 +201,24 @@ def parse_line(line: int, raw: bytes, fmt: str, text: Optional[TextDefaults]) ->
                                   "missing custom_id (a non-empty string naming the request)")
     if not isinstance(cid, str):
         return records.line_error(line, None, records.INVALID_LINE,
-                                  f"custom_id must be a string, got {cid!r}")
+                                  f"custom_id must be a string, got {show(cid)}")
+    if len(cid) > MAX_CUSTOM_ID_CHARS:
+        return records.line_error(line, None, records.INVALID_LINE,
+                                  f"custom_id has {len(cid)} characters; the limit is "
+                                  f"{MAX_CUSTOM_ID_CHARS}: {show(cid)}")
     unknown = sorted(set(obj) - _LINE_FIELDS)
     if unknown:
         return records.line_error(line, cid, records.INVALID_LINE,
-                                  f"unknown field {unknown[0]!r}; a batch line has "
+                                  f"unknown field {show(unknown[0])}; a batch line has "
                                   f"{sorted(_LINE_FIELDS)}")
     if obj.get("method", "POST") != "POST":
         return records.line_error(line, cid, records.INVALID_LINE,
-                                  f"method must be \"POST\", got {obj.get('method')!r}")
+                                  f"method must be \"POST\", got {show(obj.get('method'))}")
     url = obj.get("url")
     if not isinstance(url, str):
         return records.line_error(line, cid, records.INVALID_LINE,
-                                  f"url must be one of {list((CHAT, COMPLETIONS))}, got {url!r}")
+                                  f"url must be one of {list((CHAT, COMPLETIONS))}, got "
+                                  f"{show(url)}")
     if "body" not in obj:
         return records.line_error(line, cid, records.INVALID_LINE, "missing body")
     try:
@@ -159,6 +230,60 @@ def parse_line(line: int, raw: bytes, fmt: str, text: Optional[TextDefaults]) ->
         kind = records.UNKNOWN_URL if e.status == 404 else records.INVALID_REQUEST
         return records.request_error(line, cid, e, kind)
     return Work(line, cid, request)
+
+
+# Stands for a value the strict parse refuses (NaN, Infinity, an out-of-range number).
+_REFUSED = type("Refused", (), {"__repr__": lambda self: "<refused>"})()
+
+
+def _lenient_number(parse):
+    def parse_or_refuse(s: str):
+        try:
+            v = parse(s)
+        except ValueError:  # an integer past Python's digit limit
+            return _REFUSED
+        return v if not isinstance(v, float) or math.isfinite(v) else _REFUSED
+    return parse_or_refuse
+
+
+def _lenient_json(s: str) -> Any:
+    """The line as a lenient parser reads it (refused values as _REFUSED), or None where even
+    that fails (nesting past the recursion limit): only to name a refused line's request."""
+    try:
+        return json.loads(s, parse_constant=lambda _: _REFUSED, parse_int=_lenient_number(int),
+                          parse_float=_lenient_number(float))
+    except (ValueError, RecursionError):
+        return None
+
+
+def _strict_scalar(v: Any) -> bool:
+    if isinstance(v, str):
+        try:
+            check_text(v, "")
+        except InputError:
+            return False
+        return True
+    return v is not _REFUSED and isinstance(v, (int, float, bool, type(None)))
+
+
+def _refused_json(line: int, s: str, error: InputError) -> Result:
+    """A line user_input.loads_json refused. When the fault lies in the body alone (custom_id,
+    method, url and field names all sound), it is the request the API refuses, as the server
+    would: invalid_request, under its custom_id. Otherwise invalid_json, with the custom_id
+    when that one is usable."""
+    obj = _lenient_json(s)
+    if not isinstance(obj, dict):
+        return records.line_error(line, None, records.INVALID_JSON, str(error))
+    cid = obj.get("custom_id")
+    if not (isinstance(cid, str) and cid and _strict_scalar(cid)
+            and len(cid) <= MAX_CUSTOM_ID_CHARS):
+        cid = None
+    wrapper_sound = all(_strict_scalar(k) for k in obj) and all(
+        _strict_scalar(v) for k, v in obj.items() if k != "body")
+    if cid is not None and wrapper_sound and "body" in obj:
+        return records.request_error(line, cid, RequestError(str(error)),
+                                     records.INVALID_REQUEST)
+    return records.line_error(line, cid, records.INVALID_JSON, str(error))
 
 
 def _text_work(line: int, s: str, text: TextDefaults) -> Work:
@@ -223,8 +348,8 @@ def check_duplicate(seen: Optional[IdSet], item: Item) -> Item:
             or seen.add(item.custom_id):
         return item
     return records.line_error(item.line, item.custom_id, records.DUPLICATE_CUSTOM_ID,
-                              f"duplicate custom_id {item.custom_id!r} (an earlier line has "
-                              "it; custom_ids must be unique)")
+                              f"duplicate custom_id {show(item.custom_id)} (an earlier line "
+                              "has it; custom_ids must be unique)")
 
 
 class ShardReader:
@@ -232,7 +357,7 @@ class ShardReader:
     duplicates turned into errors, at most `max_lines` input lines read (of all shards).
     `position` is the number of input lines consumed so far."""
 
-    def __init__(self, lines: Iterator[tuple[int, bytes]], fmt: str, text: Optional[TextDefaults],
+    def __init__(self, lines: Iterator[tuple[int, RawLine]], fmt: str, text: Optional[TextDefaults],
                  num_shards: int, shard_index: int, seen: Optional[IdSet],
                  max_lines: Optional[int], start: int):
         self._lines, self.fmt, self.text = lines, fmt, text

@@ -7,12 +7,21 @@ LLM.generate) and fewer than 64 x max_in_flight read lines wait behind an unfini
 its memory is bounded whatever the input's length. Those two bounds depend only on which
 requests have finished, never on time, so every process of a multi-process job feeds the
 engine the same requests in the same order.
+
+The job's fingerprint (job.json) names the model by a sha256 of its files, so a resume with the
+same model at another path (or under its alias) goes on, and one with a changed file is
+refused. Hashing a large model takes a while, so the digest of each file is kept in a stamp
+under the jaxinfer cache directory, keyed by the file's path, size, times and inode.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import hashlib
+import json
+import os
 import sys
 import time
 from typing import Callable, Optional
@@ -22,11 +31,12 @@ from jaxinfer.batch.engine_loop import EngineFeeder
 from jaxinfer.batch.inputs import IdSet, ShardReader, TextDefaults, Work
 from jaxinfer.batch.merge import merge
 from jaxinfer.batch.records import Result
-from jaxinfer.batch.store import ShardStore
+from jaxinfer.batch.store import ShardStore, read_json, write_atomic
+from jaxinfer.batch.store import shard_lock as _shard_dir_lock
 
 # LLM settings that change what a request generates; scheduling settings (max_num_seqs, page
 # sizes, chunking, decode_steps) do not, so a job may resume with other values of those.
-OUTPUT_SETTINGS = ("model", "dtype", "max_seq_len", "quantization", "kv_cache_dtype",
+OUTPUT_SETTINGS = ("dtype", "max_seq_len", "quantization", "kv_cache_dtype",
                    "attention", "speculative")
 WINDOW_PER_REQUEST = 64  # read lines waiting behind an unfinished one, per request in flight
 
@@ -51,12 +61,14 @@ class JobSpec:
     commit_interval_s: float = 30.0        # ... or what is ready after this many seconds
     max_in_flight: Optional[int] = None    # requests in the engine (None: 2 x max_num_seqs)
     progress: bool = True
+    max_line_bytes: int = inputs.MAX_LINE_BYTES  # a longer line is answered line_too_long
 
     def __post_init__(self):
         self.model_name = self.model_name or str(self.llm_kwargs.get("model"))
         for name, v, lo in (("num_shards", self.num_shards, 1), ("commit_every",
                             self.commit_every, 1), ("max_lines", self.max_lines, 0),
-                            ("max_in_flight", self.max_in_flight, 1)):
+                            ("max_in_flight", self.max_in_flight, 1),
+                            ("max_line_bytes", self.max_line_bytes, 1)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < lo):
                 raise ValueError(f"--{name} must be an integer >= {lo}, got {v!r}")
         if not 0 <= self.shard_index < self.num_shards:
@@ -70,15 +82,84 @@ class JobSpec:
         return TextDefaults(dict(self.sampling), self.chat)
 
     def fingerprint(self, fmt: str) -> dict:
-        """The settings the output depends on, recorded in job.json and checked on resume."""
-        fp = {name: self.llm_kwargs.get(name) for name in OUTPUT_SETTINGS}
+        """The settings the output depends on, recorded in job.json and checked on resume. The
+        model is {"name": as given, "sha256": model_sha256}; only the digest is compared."""
+        fp = {"model": {"name": self.llm_kwargs.get("model"),
+                        "sha256": model_sha256(self.llm_kwargs.get("model"))}}
+        fp.update((name, self.llm_kwargs.get(name)) for name in OUTPUT_SETTINGS)
         if dataclasses.is_dataclass(fp["speculative"]):
             fp["speculative"] = dataclasses.asdict(fp["speculative"])
-        fp.update(format=fmt, seed=self.seed, mesh=list(self.mesh) if self.mesh else None)
+        fp.update(format=fmt, seed=self.seed, mesh=list(self.mesh) if self.mesh else None,
+                  max_line_bytes=self.max_line_bytes)
         if fmt == "text":  # JSONL lines carry their own sampling fields
             fp.update(sampling={k: list(v) if isinstance(v, tuple) else v
                                 for k, v in sorted(self.sampling.items())}, chat=self.chat)
         return fp
+
+
+# Files of an HF model directory that decide what it generates (besides *.safetensors).
+_HF_FILES = ("config.json", "model.safetensors.index.json", "tokenizer.json",
+             "tokenizer_config.json", "generation_config.json", "chat_template.jinja",
+             "special_tokens_map.json")
+FRESH_S = 2.0  # a file changed this recently may change again within its timestamp's tick
+
+
+def model_sha256(model) -> str:
+    """A digest of the model's content, whatever path or alias names it: a .gguf file's
+    sha256; for a directory, a sha256 over (relative path, sha256) of its files that decide
+    the output (a jaxinfer checkpoint: all; an HF directory: config.json, *.safetensors and the
+    tokenizer's files)."""
+    if not isinstance(model, (str, os.PathLike)):
+        raise ValueError(f"model must be an alias or a path, got {model!r}")
+    path = os.path.expanduser(os.fspath(model))
+    if not os.path.exists(path):
+        from jaxinfer.loading.hub import is_alias, resolve_alias
+
+        if not is_alias(path):
+            raise ValueError(f"model {os.fspath(model)!r}: no such file or directory, and not "
+                             "a known alias")
+        path = resolve_alias(path)
+    if not os.path.isdir(path):
+        return file_sha256(path)
+    if os.path.exists(os.path.join(path, "jaxinfer_config.json")):  # a checkpoint
+        names = sorted(os.path.relpath(os.path.join(d, f), path)
+                       for d, _, files in os.walk(path) for f in files)
+    else:
+        names = sorted(f for f in os.listdir(path)
+                       if f in _HF_FILES or f.endswith(".safetensors"))
+    listing = [[name, file_sha256(os.path.join(path, name))] for name in names]
+    return hashlib.sha256(json.dumps(listing).encode()).hexdigest()
+
+
+def file_sha256(path: str) -> str:
+    """sha256 of a file, remembered in a stamp (jaxinfer cache dir, digests/) keyed by its real
+    path, size, mtime, ctime and inode; a file changed in the last FRESH_S seconds is hashed
+    every time, since a second change within the same timestamp tick would not show."""
+    from jaxinfer.loading.hub import cache_dir
+
+    real, st = os.path.realpath(path), os.stat(path)
+    key = {"path": real, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+           "ctime_ns": st.st_ctime_ns, "inode": st.st_ino}
+    stamp = os.path.join(cache_dir(), "digests",
+                         hashlib.blake2b(real.encode(), digest_size=16).hexdigest() + ".json")
+    try:
+        recorded = read_json(stamp)
+        if isinstance(recorded, dict) and recorded.get("key") == key:
+            return recorded["sha256"]
+    except (OSError, ValueError, KeyError):  # no stamp yet, or a damaged one
+        pass
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    sha = digest.hexdigest()
+    if time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) > FRESH_S * 1e9:
+        try:
+            os.makedirs(os.path.dirname(stamp), mode=0o700, exist_ok=True)
+            write_atomic(stamp, json.dumps({"key": key, "sha256": sha}).encode())
+        except OSError:  # a read-only cache: hash again next time
+            pass
+    return sha
 
 
 class OrderedCommits:
@@ -150,6 +231,11 @@ class Progress:
         self.bar.close()
 
 
+def shard_lock(spec: JobSpec):
+    """The lock a run holds on its shard directory (store.dir_lock), created if missing."""
+    return _shard_dir_lock(spec.output_dir, spec.shard_index, spec.num_shards)
+
+
 def open_store(spec: JobSpec, writer: bool) -> tuple[ShardStore, str]:
     fmt = inputs.resolve_format(spec.input_path, spec.input_format)
     return ShardStore(spec.output_dir, spec.shard_index, spec.num_shards, spec.fingerprint(fmt),
@@ -177,14 +263,20 @@ def run_local(llm, spec: JobSpec, *, writer: bool = True,
               on_commit: Callable[[dict], None] = lambda e: None) -> dict:
     """Runs (or resumes) one shard of the job on `llm`; returns its summary (for a one-shard
     job, the merged summary, with DIR/output.jsonl written). `on_commit` sees each manifest
-    entry after it is durable."""
+    entry after it is durable. The writer holds the shard's lock throughout."""
     feeder = EngineFeeder(llm, spec.model_name, spec.seed)  # checks the model first
+    with shard_lock(spec) if writer else contextlib.nullcontext():
+        return _run_local(llm, spec, feeder, writer, on_commit)
+
+
+def _run_local(llm, spec: JobSpec, feeder: EngineFeeder, writer: bool,
+               on_commit: Callable[[dict], None]) -> dict:
     store, fmt = open_store(spec, writer)
     done = store.completed(spec.max_lines)
     if done is not None:  # finished before: (re)merge a one-shard job, which is idempotent
         return merge(spec.output_dir) if spec.num_shards == 1 and writer else done
     seen = IdSet() if fmt == "jsonl" else None
-    lines = inputs.read_lines(spec.input_path)
+    lines = inputs.read_lines(spec.input_path, spec.max_line_bytes)
     store.resume(lines, seen)
     _check_processes_agree(store)
     reader = ShardReader(lines, fmt, spec.text_defaults(), spec.num_shards, spec.shard_index,

@@ -4,21 +4,29 @@ with DIR/summary.json over all of them.
 Refused, with the reason: no shards; shards of different splits (--num_shards); a shard
 directory holding another shard's output (a copy or a rename: a duplicated shard); a missing or
 unfinished shard; shards run with other settings or over other lines; an input line answered
-twice; a part that changed after its commit.
+twice; a part that changed after its commit; a shard another run is working in (merge holds
+every shard's lock, so it never reads a shard while it is written, and two merges of one
+directory take turns); an output.jsonl or summary.json this job's merges did not write.
+
+summary.json records output.jsonl's sha256 (`output_sha256`): that is how a merge knows the
+output.jsonl it is about to replace is one it wrote, and a rerun re-merges a finished job.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import heapq
 import json
 import os
-from typing import Iterator
+from typing import Iterator, Optional
 
 from jaxinfer.batch.store import (JOB_FILE, MANIFEST, SHARD_DIR, SUMMARY, Totals,
-                                  check_same_settings, fsync_dir, manifest_entries, part_lines,
-                                  read_json, shard_dir_name, write_atomic)
+                                  check_same_settings, dir_lock, fsync_dir, manifest_entries,
+                                  part_lines, read_json, shard_dir_name, write_atomic)
 
 OUTPUT = "output.jsonl"
+MERGED_SHA256 = "output_sha256"  # summary.json's record of the output.jsonl the merge wrote
 
 
 def _shard_dirs(output_dir: str) -> list[tuple[int, int, str]]:
@@ -36,9 +44,10 @@ def _shard_dirs(output_dir: str) -> list[tuple[int, int, str]]:
     return found
 
 
-def check_shards(output_dir: str) -> list[tuple[str, dict]]:
-    """(directory, summary) of shards 0..n-1, after every check in the module docstring."""
-    shards = _shard_dirs(output_dir)
+def check_shards(output_dir: str, shards: Optional[list] = None) -> list[tuple[str, dict]]:
+    """(directory, summary) of shards 0..n-1, after every check in the module docstring.
+    `shards`: _shard_dirs(output_dir), when the caller has it."""
+    shards = _shard_dirs(output_dir) if shards is None else shards
     splits = sorted({n for _, n, _ in shards})
     if len(splits) > 1:
         names = ", ".join(os.path.basename(d) for _, _, d in shards)
@@ -89,22 +98,39 @@ def _records(shard_dir: str) -> Iterator[tuple[int, str]]:
 
 def merge(output_dir: str) -> dict:
     """Writes DIR/output.jsonl (every shard's output lines in input order) and DIR/summary.json;
-    returns the summary."""
-    shards = check_shards(output_dir)
+    returns the summary. Holds every shard's lock meanwhile (DirectoryInUse if a run holds
+    one)."""
+    shard_dirs = _shard_dirs(output_dir)
+    with contextlib.ExitStack() as locks:
+        for _, _, path in shard_dirs:
+            locks.enter_context(dir_lock(path))
+        return _merge_locked(output_dir, check_shards(output_dir, shard_dirs))
+
+
+def _merge_locked(output_dir: str, shards: list[tuple[str, dict]]) -> dict:
     path = os.path.join(output_dir, OUTPUT)
+    for name in os.listdir(output_dir):  # left by a merge killed while writing
+        if name.startswith((OUTPUT + ".", SUMMARY + ".")) and name.endswith(".tmp"):
+            os.remove(os.path.join(output_dir, name))
     tmp = f"{path}.{os.getpid()}.tmp"
-    last, last_shard = -1, None
+    last, last_shard, sha = -1, None, hashlib.sha256()
     streams = [((line, i, rec) for line, rec in _records(d)) for i, (d, _) in enumerate(shards)]
-    with open(tmp, "wb") as f:
-        for line, shard, record in heapq.merge(*streams):
-            if line <= last:  # each shard's lines ascend, so this is the same line twice
-                os.remove(tmp)
-                raise ValueError(f"input line {line + 1} is answered twice (by shards "
-                                 f"{last_shard} and {shard}): a duplicated shard")
-            last, last_shard = line, shard
-            f.write(record.encode("utf-8") + b"\n")
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            for line, shard, record in heapq.merge(*streams):
+                if line <= last:  # each shard's lines ascend, so this is the same line twice
+                    raise ValueError(f"input line {line + 1} is answered twice (by shards "
+                                     f"{last_shard} and {shard}): a duplicated shard")
+                last, last_shard = line, shard
+                data = record.encode("utf-8") + b"\n"
+                sha.update(data)
+                f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        _check_ours(output_dir, sha.hexdigest())
+    except BaseException:
+        os.remove(tmp)
+        raise
     os.replace(tmp, path)
     fsync_dir(output_dir)
 
@@ -115,10 +141,38 @@ def merge(output_dir: str) -> dict:
     first = read_json(os.path.join(shards[0][0], JOB_FILE))
     summary = {"input": first["input"], "output": os.path.abspath(path),
                "lines": shards[0][1]["lines"], "shards": len(shards), **totals.summary(),
-               "max_rss_mb": max(s["max_rss_mb"] for _, s in shards)}
+               "max_rss_mb": max(s["max_rss_mb"] for _, s in shards),
+               MERGED_SHA256: sha.hexdigest()}
     summary["runs"] = runs  # the most runs any shard needed (1: never interrupted)
     write_atomic(os.path.join(output_dir, SUMMARY), json.dumps(summary, indent=1).encode())
     return summary
+
+
+def _check_ours(output_dir: str, new_sha256: str) -> None:
+    """ValueError unless DIR's output.jsonl and summary.json are absent or a merge's: the
+    summary one with MERGED_SHA256, the output the one it records, or (a merge killed between
+    the two renames) what this merge writes."""
+    output, summary = os.path.join(output_dir, OUTPUT), os.path.join(output_dir, SUMMARY)
+    recorded = None
+    if os.path.exists(summary):
+        try:
+            recorded = read_json(summary).get(MERGED_SHA256)
+        except (ValueError, AttributeError):  # not JSON, or not an object
+            pass
+        if recorded is None:
+            raise ValueError(f"{summary} exists and was not written by a merge of this job; "
+                             "move it away, then merge again")
+    if os.path.exists(output) and _sha256(output) not in (recorded, new_sha256):
+        raise ValueError(f"{output} exists and was not written by a merge of this job (or was "
+                         "changed since); move it away, then merge again")
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def summary_line(summary: dict) -> str:

@@ -28,44 +28,57 @@ import numpy as np
 from jaxinfer.batch import inputs
 from jaxinfer.batch.engine_loop import EngineFeeder
 from jaxinfer.batch.inputs import IdSet, Work
-from jaxinfer.batch.job import JobSpec, OrderedCommits, finish, open_store, progress_for
+from jaxinfer.batch.job import (JobSpec, OrderedCommits, finish, open_store, progress_for,
+                                shard_lock)
 from jaxinfer.batch.records import Blank, Result
 
 CALLS_PER_ACTOR = 4      # batches an actor works on at once
 
 
-def line_ranges(path: str, start: int, stop: Optional[int], size: int) -> list[tuple]:
+def line_ranges(path: str, start: int, stop: Optional[int], size: int,
+                max_line_bytes: int = inputs.MAX_LINE_BYTES) -> list[tuple]:
     """(first line, byte offset, line count) of consecutive ranges of `size` lines covering
     input lines [start, stop): one read task each. One pass over the file; 24 bytes a range."""
     ranges, offset = [], 0
     with open(path, "rb") as f:
-        for no, raw in enumerate(f):
+        for no, (_, taken) in enumerate(inputs.scan_lines(f, max_line_bytes)):
             if stop is not None and no >= stop:
                 break
             if no >= start:
                 if (no - start) % size == 0:
                     ranges.append([no, offset, 0])
                 ranges[-1][2] += 1
-            offset += len(raw)
+            offset += taken
     return [tuple(r) for r in ranges]
 
 
 def _read_range(spec: JobSpec, fmt: str, first: int, offset: int, count: int):
-    """A read task: this shard's lines among `count` lines from byte `offset`, as one block."""
+    """A read task: this shard's lines among `count` lines from byte `offset`, as one block.
+    An overlong line travels as its size (too_long), without its bytes."""
     import pyarrow as pa
 
-    text, block = spec.text_defaults(), {"line": [], "raw": [], "digest": []}
+    text = spec.text_defaults()
+    block = {"line": [], "raw": [], "digest": [], "too_long": []}
     with open(spec.input_path, "rb") as f:
         f.seek(offset)
-        for no in range(first, first + count):
-            raw = inputs.strip_newline(f.readline())
+        scan = inputs.scan_lines(f, spec.max_line_bytes)
+        for no, (raw, _) in zip(range(first, first + count), scan):
             item = inputs.parse_line(no, raw, fmt, text)
             if inputs.belongs(item, no, spec.num_shards, spec.shard_index):
+                long = isinstance(raw, inputs.LongLine)
                 block["line"].append(no)
-                block["raw"].append(raw)
+                block["raw"].append(b"" if long else raw)
                 block["digest"].append(inputs.line_digest(raw))
+                block["too_long"].append(raw.size if long else -1)
     if block["line"]:
         yield pa.Table.from_pydict(block)
+
+
+def _raw_line(raw, digest, too_long: int, limit: int) -> inputs.RawLine:
+    """A block row's line, as _read_range read it."""
+    if too_long >= 0:
+        return inputs.LongLine(int(too_long), bytes(digest), limit)
+    return bytes(raw)
 
 
 def _datasource(spec: JobSpec, fmt: str, ranges: list[tuple]):
@@ -158,8 +171,10 @@ class _Generator:
                 raise RuntimeError(f"the engine thread failed: {self.failure!r}")
             self.calls.add(call)
         try:
-            for i, (no, raw) in enumerate(zip(lines, batch["raw"])):
-                item = inputs.parse_line(no, bytes(raw), self.fmt, self.text)
+            rows = zip(lines, batch["raw"], batch["digest"], batch["too_long"])
+            for i, (no, raw, digest, too_long) in enumerate(rows):
+                raw = _raw_line(raw, digest, too_long, self.spec.max_line_bytes)
+                item = inputs.parse_line(no, raw, self.fmt, self.text)
                 if isinstance(item, Work):
                     self.queue.put((item, (call, i)))
                 else:
@@ -204,11 +219,18 @@ def run_ray(spec: JobSpec, *, num_workers: int = 1, address: Optional[str] = Non
             on_commit=lambda e: None) -> dict:
     """Runs (or resumes) one shard of the job on Ray Data; the same summary as run_local.
     Starts a local Ray unless one is already initialized (or `address` names a cluster)."""
+    if num_workers < 1:
+        raise ValueError(f"--num_workers must be >= 1, got {num_workers}")
+    with shard_lock(spec):  # the driver alone writes the shard's directory
+        return _run_locked(spec, num_workers, address, mesh, cpus_per_worker, gpus_per_worker,
+                           on_commit)
+
+
+def _run_locked(spec: JobSpec, num_workers: int, address: Optional[str], mesh,
+                cpus_per_worker: float, gpus_per_worker: float, on_commit) -> dict:
     import ray
     from ray.data import ActorPoolStrategy, DataContext
 
-    if num_workers < 1:
-        raise ValueError(f"--num_workers must be >= 1, got {num_workers}")
     # The function: jaxinfer.batch's `merge` attribute is merge.merge, not the module.
     from jaxinfer.batch.merge import merge
 
@@ -217,12 +239,12 @@ def run_ray(spec: JobSpec, *, num_workers: int = 1, address: Optional[str] = Non
     if done is not None:
         return merge(spec.output_dir) if spec.num_shards == 1 else done
     seen = IdSet() if fmt == "jsonl" else None
-    store.resume(inputs.read_lines(spec.input_path), seen)
+    store.resume(inputs.read_lines(spec.input_path, spec.max_line_bytes), seen)
     # Ranges of max_num_seqs of this shard's lines on average: an actor works on
     # CALLS_PER_ACTOR of them at once, which keeps 2 x max_num_seqs requests in its engine.
     rows = int(spec.llm_kwargs.get("max_num_seqs") or 16)
     ranges = line_ranges(spec.input_path, store.start_line, spec.max_lines,
-                         rows * spec.num_shards)
+                         rows * spec.num_shards, spec.max_line_bytes)
     end = ranges[-1][0] + ranges[-1][2] if ranges else store.start_line
     if not ray.is_initialized():
         ray.init(address=address, include_dashboard=False)

@@ -7,29 +7,37 @@
                           it answers, their custom_ids, sha256 of the part and of those input
                           lines, counts and tokens
         summary.json      written when the shard has read all its input
+        lock              flock'ed by the one process working in the directory (its pid)
 
 A part is written to a temporary file, fsynced and renamed into place (the directory fsynced
 too); then its manifest line is appended and fsynced. The manifest line is the commit: a part
 file without one (a kill between the two) is redone and overwritten, a torn last manifest line
 is cut off. Every part listed is whole, so rerunning the same command after a kill at any point
 resumes after the last manifest line, and no input line is answered twice.
+
+That holds for one process at a time: a run holds an exclusive flock on the shard's lock file
+from start to end (and a merge on every shard's), so a second run on the same directory is
+refused at once instead of answering its lines again beside the first.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import os
 import re
 import resource
+import threading
 from typing import Iterator, Optional
 
 from jaxinfer.batch.inputs import IdSet, line_digest
 from jaxinfer.batch.records import Blank, Result
 
-JOB_FILE, MANIFEST, SUMMARY = "job.json", "manifest.jsonl", "summary.json"
+JOB_FILE, MANIFEST, SUMMARY, LOCK_FILE = "job.json", "manifest.jsonl", "summary.json", "lock"
 SHARD_DIR = re.compile(r"^shard-(\d{5})-of-(\d{5})$")
 
 
@@ -55,6 +63,74 @@ def write_atomic(path: str, data: bytes) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(os.path.dirname(path) or ".")
+
+
+def make_dirs(path: str) -> None:
+    """os.makedirs, each created directory's entry fsynced into its parent."""
+    missing, p = [], os.path.abspath(path)
+    while not os.path.isdir(p):
+        missing.append(p)
+        p = os.path.dirname(p)
+    os.makedirs(path, exist_ok=True)
+    for d in reversed(missing):
+        fsync_dir(os.path.dirname(d))
+
+
+class DirectoryInUse(ValueError):
+    """Another process holds the directory's lock."""
+
+
+_held: dict[str, list] = {}  # realpath -> [lock file descriptor, depth]: this process's locks
+_held_guard = threading.Lock()
+
+
+@contextlib.contextmanager
+def dir_lock(path: str):
+    """Holds an exclusive flock on `path`/lock for the block, or raises DirectoryInUse at once
+    naming the holder's pid. Reentrant within a process (a one-shard run merges while it holds
+    its shard), exclusive between processes. The lock lasts as long as the open file: a killed
+    run leaves none behind (the lock file stays, unlocked)."""
+    key = os.path.realpath(path)
+    with _held_guard:
+        if key in _held:
+            _held[key][1] += 1
+        else:
+            _held[key] = [_acquire(key), 1]
+    try:
+        yield
+    finally:
+        with _held_guard:
+            _held[key][1] -= 1
+            if _held[key][1] == 0:
+                os.close(_held.pop(key)[0])
+
+
+def _acquire(directory: str) -> int:
+    path = os.path.join(directory, LOCK_FILE)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+        os.close(fd)
+        raise DirectoryInUse(f"{directory} is in use by another run (pid {holder}): two runs "
+                             "in one shard directory would answer its lines twice; wait for "
+                             "that run to end (or stop it), then rerun") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+@contextlib.contextmanager
+def shard_lock(output_dir: str, shard_index: int, num_shards: int):
+    """dir_lock of the shard's directory, created (durably) if missing."""
+    path = os.path.join(output_dir, shard_dir_name(shard_index, num_shards))
+    make_dirs(path)
+    with dir_lock(path):
+        yield
 
 
 def read_json(path: str) -> dict:
@@ -159,14 +235,14 @@ class ShardStore:
         self.writer = writer
         self.totals = Totals()
         self.next_part, self.start_line, self.run = 0, 0, 1
-        job = {"version": 1, "shard_index": shard_index, "num_shards": num_shards,
+        job = {"version": 2, "shard_index": shard_index, "num_shards": num_shards,
                "fingerprint": fingerprint, "input": os.path.abspath(input_path)}
         job_path = os.path.join(self.dir, JOB_FILE)
         if os.path.exists(job_path):
             check_same_settings(read_json(job_path)["fingerprint"], fingerprint, self.dir)
         elif writer:
-            os.makedirs(self.dir, exist_ok=True)
-            write_atomic(job_path, json.dumps(job, indent=1).encode())
+            make_dirs(self.dir)
+            write_atomic(job_path, json.dumps(job, indent=1).encode())  # fsyncs self.dir
         if writer:
             for name in os.listdir(self.dir):
                 if name.endswith(".tmp"):  # a kill during write_atomic
@@ -234,10 +310,14 @@ class ShardStore:
                  "seconds": round(seconds, 4), "run": self.run}
         if self.writer:
             write_atomic(os.path.join(self.dir, name), data)
-            with open(os.path.join(self.dir, MANIFEST), "ab") as f:
+            manifest = os.path.join(self.dir, MANIFEST)
+            created = not os.path.exists(manifest)
+            with open(manifest, "ab") as f:
                 f.write(json.dumps(entry).encode() + b"\n")
                 f.flush()
                 os.fsync(f.fileno())
+            if created:  # the file's own fsync does not make its name durable
+                fsync_dir(self.dir)
         self.totals.add_entry(entry)
         self.next_part += 1
         self.start_line = end_line
@@ -254,11 +334,21 @@ class ShardStore:
         return summary
 
 
+def _compared(fingerprint: dict) -> dict:
+    """What must match between runs: the model by its content digest, not by its name (a copy
+    at another path, or the alias of the same file, is the same model)."""
+    model = fingerprint.get("model")
+    if isinstance(model, dict):
+        return {**fingerprint, "model": {"sha256": model.get("sha256")}}
+    return fingerprint
+
+
 def check_same_settings(recorded: dict, current: dict, where: str) -> None:
     """ValueError naming each setting that differs from the one `where` was produced with."""
-    if recorded == current:
+    a, b = _compared(recorded), _compared(current)
+    if a == b:
         return
     diffs = [f"{k} was {recorded.get(k)!r}, now {current.get(k)!r}"
-             for k in sorted(set(recorded) | set(current)) if recorded.get(k) != current.get(k)]
+             for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
     raise ValueError(f"{where} holds output of a job with other settings ({'; '.join(diffs)}): "
                      "rerun with the same flags, or use a new --output")

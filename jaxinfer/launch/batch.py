@@ -18,6 +18,8 @@ final one-line summary to stdout.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 
 from absl import app, flags
@@ -44,6 +46,9 @@ _MAX_IN_FLIGHT = flags.DEFINE_integer("max_in_flight", None, "Requests in the en
                                       "(default: 2 x --max_num_seqs).")
 _FAIL_ON_ERROR = flags.DEFINE_bool("fail_on_error", False, "Exit with status 1 at the end if "
                                    "any line got an error record.")
+# The default is jaxinfer.batch.inputs.MAX_LINE_BYTES (not imported here: flags load first).
+_MAX_LINE_BYTES = flags.DEFINE_integer("max_line_bytes", 2 << 20, "Longest input line, in "
+                                       "bytes; a longer one gets a line_too_long record.")
 _PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar on stderr.")
 _WARMUP = flags.DEFINE_bool("warmup", False, "Compile every shape before the first request.")
 _RUNNER = flags.DEFINE_enum("runner", "local", ["local", "ray"], "local: one LLM in this "
@@ -77,7 +82,7 @@ def build_spec():
         num_shards=_NUM_SHARDS.value, shard_index=_SHARD_INDEX.value,
         max_lines=_MAX_LINES.value, commit_every=_COMMIT_EVERY.value,
         commit_interval_s=_COMMIT_INTERVAL.value, max_in_flight=_MAX_IN_FLIGHT.value,
-        progress=_PROGRESS.value)
+        progress=_PROGRESS.value, max_line_bytes=_MAX_LINE_BYTES.value)
 
 
 def run() -> dict:
@@ -89,18 +94,32 @@ def run() -> dict:
     spec = build_spec()
     with open(spec.input_path, "rb"):  # a missing input fails before the model loads
         pass
-    if _RUNNER.value == "ray":
-        from jaxinfer.batch import ray_runner
+    with _early_lock(spec):  # a directory another run works in is refused before the load
+        if _RUNNER.value == "ray":
+            from jaxinfer.batch import ray_runner
 
-        mesh = distributed.mesh_config()
-        return ray_runner.run_ray(spec, num_workers=_NUM_WORKERS.value,
-                                  address=_RAY_ADDRESS.value, mesh=mesh,
-                                  cpus_per_worker=_WORKER_CPUS.value,
-                                  gpus_per_worker=_WORKER_GPUS.value)
-    llm = common.make_llm(spec.llm_kwargs, warmup=_WARMUP.value)
-    import jax
+            mesh = distributed.mesh_config()
+            return ray_runner.run_ray(spec, num_workers=_NUM_WORKERS.value,
+                                      address=_RAY_ADDRESS.value, mesh=mesh,
+                                      cpus_per_worker=_WORKER_CPUS.value,
+                                      gpus_per_worker=_WORKER_GPUS.value)
+        llm = common.make_llm(spec.llm_kwargs, warmup=_WARMUP.value)
+        import jax
 
-    return run_local(llm, spec, writer=jax.process_index() == 0)
+        return run_local(llm, spec, writer=jax.process_index() == 0)
+
+
+def _early_lock(spec):
+    """The shard's lock, taken before the model loads, where this is plainly the one process
+    of the run (the runners take it again, reentrantly). A multi-process worker learns whether
+    it is the writer (process 0) only once jax.distributed has started, inside make_llm."""
+    from jaxinfer.batch.job import shard_lock
+
+    multi = FLAGS["coordinator_address"].value is not None or any(
+        v in os.environ for v in distributed._CLUSTER_ENV)
+    if multi and _RUNNER.value != "ray":
+        return contextlib.nullcontext()
+    return shard_lock(spec)
 
 
 def main(argv):

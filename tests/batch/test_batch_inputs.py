@@ -24,7 +24,7 @@ def error_of(item):
 
 
 @pytest.mark.parametrize("raw, kind, needle", [
-    ("{nope", "invalid_json", "line 5: invalid JSON"),
+    ("{nope", "invalid_json", "line 5: the line is not valid JSON"),
     ("[1, 2]", "invalid_json", "expected a JSON object, got list"),
     (b"\xff\xfe{}", "invalid_json", "not UTF-8"),
     ('{"method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}',

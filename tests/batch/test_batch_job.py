@@ -3,6 +3,7 @@ LLM.generate's on the same prompts and parameters, bad lines get their error rec
 stopped by an exception resumes to the uninterrupted output, shards merge to it."""
 
 import json
+import time
 
 import pytest
 from batch_util import (LLM_KWARGS, PROMPTS, assert_same_output, line, load_output,
@@ -170,3 +171,118 @@ def test_a_model_without_tokenizer_is_refused_before_any_work(data_dir, tmp_path
     with pytest.raises(ValueError, match="'tiny' has no tokenizer"):
         run_local(tiny, spec)
     assert not (tmp_path / "out").exists()
+
+
+class FailingTokenizer:
+    """The model's tokenizer, but encode raises (a bug) for one prompt text."""
+
+    def __init__(self, inner, text):
+        self.inner, self.text = inner, text
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def encode(self, text, *args, **kwargs):
+        if text == self.text:
+            raise RuntimeError("a tokenizer bug")
+        return self.inner.encode(text, *args, **kwargs)
+
+
+class EngineErrors:
+    """The LLM, but a request of one prompt finishes "error", as when its bookkeeping raised."""
+
+    def __init__(self, inner, prompt):
+        self.inner, self.prompt = inner, prompt
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def step(self):
+        import dataclasses
+
+        return [dataclasses.replace(o, finish_reason="error")
+                if o.finished and o.prompt == self.prompt else o for o in self.inner.step()]
+
+
+def test_an_internal_failure_of_one_request_gets_a_500_record(llm, tmp_path, monkeypatch,
+                                                              caplog):
+    from jaxinfer.batch import engine_loop
+
+    greedy = {"max_tokens": 3, "temperature": 0}
+    prompts = [PROMPTS[0], "boom on submit", PROMPTS[1], "boom in the body", "boom in engine"]
+    lines = [line(f"q{i}", {"prompt": p, **greedy}) for i, p in enumerate(prompts)]
+    spec = JobSpec(write_lines(tmp_path / "in.jsonl", lines), str(tmp_path / "out"),
+                   LLM_KWARGS, progress=False)
+    body = engine_loop.response_body
+
+    def failing_body(req, *args, **kwargs):
+        if req.prompt == "boom in the body":
+            raise KeyError("a response bug")
+        return body(req, *args, **kwargs)
+
+    monkeypatch.setattr(engine_loop, "response_body", failing_body)
+    monkeypatch.setattr(llm, "tokenizer", FailingTokenizer(llm.tokenizer, "boom on submit"))
+    summary = run_local(EngineErrors(llm, "boom in engine"), spec)
+    monkeypatch.undo()
+    out = load_output(f"{spec.output_dir}/output.jsonl")
+    assert [r["custom_id"] for r in out] == [f"q{i}" for i in range(5)]
+    for i in (1, 3, 4):
+        response = out[i]["response"]
+        assert response["status_code"] == 500 and out[i]["error"] is None
+        assert response["body"]["error"]["type"] == "server_error"
+        message = response["body"]["error"]["message"]
+        assert message.startswith(f"line {i + 1}: internal error") and "bug" not in message
+    want = llm.generate([PROMPTS[0], PROMPTS[1]], ji.SamplingParams(max_tokens=3))
+    assert [out[i]["response"]["body"]["choices"][0]["text"] for i in (0, 2)] == [
+        w.text for w in want]
+    assert summary["errors_by_kind"] == {"internal_error": 3} and summary["succeeded"] == 2
+    assert "line 2: submitting the request failed" in caplog.text
+    assert "line 4: building the response failed" in caplog.text
+    assert "RuntimeError: a tokenizer bug" in caplog.text  # the traceback goes to the log
+    assert not llm.has_unfinished_requests()
+
+
+def test_the_model_is_fingerprinted_by_its_content(tmp_path, monkeypatch):
+    import shutil
+
+    from jaxinfer.batch import job
+    from jaxinfer.batch.store import ShardStore
+    from jaxinfer.loading.hub import ALIASES, resolve_alias
+
+    source = resolve_alias("smollm2-135m")
+    copy = tmp_path / "elsewhere.gguf"
+    shutil.copyfile(source, copy)
+    inp = write_lines(tmp_path / "in.jsonl", [line("a", {"prompt": "x"})])
+
+    def fingerprint(model):
+        return JobSpec(inp, "unused", {**LLM_KWARGS, "model": model}).fingerprint("jsonl")
+
+    fp = fingerprint("smollm2-135m")
+    assert fp["model"] == {"name": "smollm2-135m", "sha256": ALIASES["smollm2-135m"].sha256}
+    out = str(tmp_path / "out")
+    ShardStore(out, 0, 1, fp, inp)
+    ShardStore(out, 0, 1, fingerprint(str(copy)), inp)  # the same file elsewhere: resumes
+    ShardStore(out, 0, 1, fingerprint(source), inp)
+    with open(copy, "r+b") as f:  # one bit changed, same size
+        f.seek(5_000_000)
+        b = f.read(1)
+        f.seek(5_000_000)
+        f.write(bytes([b[0] ^ 1]))
+    with pytest.raises(ValueError, match="other settings \\(model was {'name': "
+                                         "'smollm2-135m', 'sha256': "):
+        ShardStore(out, 0, 1, fingerprint(str(copy)), inp)
+    ShardStore(str(tmp_path / "old"), 0, 1, {**fp, "model": "smollm2-135m"}, inp)  # before
+    with pytest.raises(ValueError, match="model was 'smollm2-135m', now {'name'"):
+        ShardStore(str(tmp_path / "old"), 0, 1, fp, inp)
+
+    # The digest of each file is remembered, keyed by its path, size, times and inode.
+    monkeypatch.setenv("JAXINFER_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(job, "FRESH_S", 0.0)
+    changed = job.file_sha256(str(copy))
+    (stamp,) = (tmp_path / "cache" / "digests").iterdir()
+    recorded = json.loads(stamp.read_text())
+    stamp.write_text(json.dumps({**recorded, "sha256": "0" * 64}))
+    assert job.file_sha256(str(copy)) == "0" * 64  # read from the stamp, not hashed
+    time.sleep(0.05)  # past the timestamps' tick
+    copy.write_bytes(copy.read_bytes())  # rewritten: new times
+    assert job.file_sha256(str(copy)) == changed

@@ -17,6 +17,7 @@ ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
 
 SEED = 4
+MAX_LINE_BYTES = 4096  # the fixture's overlong line travels to the actors as its size
 
 
 @pytest.fixture(scope="module")
@@ -24,15 +25,17 @@ def local(tmp_path_factory):
     """The local runner's job: (spec, summary)."""
     tmp = tmp_path_factory.mktemp("local")
     lines = mixed_requests(20, max_tokens=6)
-    lines[5:5] = ["[]", line("r3", {"prompt": "dup"}), "", line("x", {"prompt": "x", "n": 3})]
+    lines[5:5] = ["[]", line("r3", {"prompt": "dup"}), "", line("x", {"prompt": "x", "n": 3}),
+                  line("long", {"prompt": "p" * 5000})]
     spec = JobSpec(write_lines(tmp / "in.jsonl", lines), str(tmp / "out"), LLM_KWARGS,
-                   seed=SEED, commit_every=3, progress=False)
+                   seed=SEED, commit_every=3, progress=False, max_line_bytes=MAX_LINE_BYTES)
     return spec, run_local(ji.LLM(**LLM_KWARGS), spec)
 
 
 def timings_removed(summary):
     return {k: v for k, v in summary.items() if k not in (
-        "elapsed_s", "output_tokens_per_s", "requests_per_s", "max_rss_mb", "output")}
+        "elapsed_s", "output_tokens_per_s", "requests_per_s", "max_rss_mb", "output",
+        "output_sha256")}
 
 
 def actor_pids():
@@ -56,7 +59,7 @@ def test_ray_runner_matches_the_local_runner_even_when_an_actor_dies(local, tmp_
     spec, want = local
     out = str(tmp_path / "ray")
     ray_spec = JobSpec(spec.input_path, out, LLM_KWARGS, seed=SEED, commit_every=3,
-                       progress=False)
+                       progress=False, max_line_bytes=MAX_LINE_BYTES)
     killed = []
 
     def kill_an_actor(entry):  # after the first commit: its batches in flight are redone
@@ -83,7 +86,8 @@ def test_a_killed_ray_driver_resumes_to_the_local_output(local, tmp_path):
     spec, _ = local
     out = str(tmp_path / "ray")
     command = ["--input", spec.input_path, "--output", out, *MODEL_FLAGS, "--seed", str(SEED),
-               "--commit_every", "3", "--progress=false", "--runner", "ray"]
+               "--commit_every", "3", "--progress=false", "--runner", "ray",
+               "--max_line_bytes", str(MAX_LINE_BYTES)]
     manifest = f"{out}/shard-00000-of-00001/manifest.jsonl"
     proc = launch(*command)
     while not (os.path.exists(manifest) and open(manifest).read().count("\n") >= 2):
@@ -95,8 +99,8 @@ def test_a_killed_ray_driver_resumes_to_the_local_output(local, tmp_path):
     assert proc.returncode == 0, stderr
     assert_same_output(f"{out}/output.jsonl", f"{spec.output_dir}/output.jsonl")
     assert json.load(open(f"{out}/summary.json"))["runs"] == 2
-    assert stdout.startswith("batch: 23 requests, 21 ok, 2 failed (1 duplicate_custom_id, "
-                             "1 invalid_json)")  # "[]" and the second r3; n = 3 is answered
+    assert stdout.startswith("batch: 24 requests, 21 ok, 3 failed (1 duplicate_custom_id, "
+                             "1 invalid_json, 1 line_too_long)")  # n = 3 is answered
 
 
 def test_the_ray_runner_on_a_finished_job_merges_it_again(local, tmp_path):
@@ -112,7 +116,7 @@ def test_the_ray_runner_on_a_finished_job_merges_it_again(local, tmp_path):
     shutil.copytree(spec.output_dir, out)
     os.remove(f"{out}/output.jsonl")
     got = run_ray(JobSpec(spec.input_path, out, LLM_KWARGS, seed=SEED, commit_every=3,
-                          progress=False), num_workers=1)
+                          progress=False, max_line_bytes=MAX_LINE_BYTES), num_workers=1)
     assert_same_output(f"{out}/output.jsonl", f"{spec.output_dir}/output.jsonl")
     for key in ("requests", "succeeded", "failed", "completion_tokens"):
         assert got[key] == want[key], key

@@ -180,3 +180,89 @@ def test_merge_from_the_command_line(tmp_path, input_file):
     assert r.returncode == 1 and "2 line(s) got an error record" in r.stderr, r.stderr
     assert r.stdout.startswith("batch: 39 requests, 37 ok, 2 failed (1 duplicate_custom_id, "
                                "1 invalid_json); 111 output tokens in ") and str(out) in r.stdout
+
+
+def test_a_second_run_on_a_directory_in_use_is_refused_at_once(tmp_path, input_file):
+    import subprocess
+    import sys
+
+    from batch_util import MODEL_FLAGS, ROOT
+
+    from jaxinfer.batch.store import DirectoryInUse, dir_lock, shard_lock
+
+    out = tmp_path / "out"
+    shard = out / "shard-00000-of-00001"
+    command = [sys.executable, "-m", "jaxinfer.launch.batch", "--progress=false"]
+    with shard_lock(str(out), 0, 1):  # what a run holds, from start to end
+        assert (shard / "lock").read_text() == f"{os.getpid()}\n"
+        r = subprocess.run([*command, "--input", input_file, "--output", str(out),
+                            *MODEL_FLAGS], capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert r.returncode == 1, r.stderr
+        assert f"error: {shard} is in use by another run (pid {os.getpid()})" in r.stderr
+        assert "loaded" not in r.stderr  # refused before the model loads
+        r = subprocess.run([*command, "--merge", str(out)], capture_output=True, text=True,
+                           timeout=120, cwd=ROOT)
+        assert r.returncode == 1 and f"{shard} is in use by another run" in r.stderr, r.stderr
+        with dir_lock(str(shard)):  # reentrant in the process that holds it
+            pass
+    run_shard(str(out), input_file)
+    with shard_lock(str(out), 0, 1):
+        merge(str(out))  # a one-shard run merges while it holds its lock
+    fd = os.open(shard / "lock", os.O_RDWR)  # another open file: as another process sees it
+    try:
+        import fcntl
+
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released: free for the next run
+        with pytest.raises(DirectoryInUse, match="in use by another run"):
+            merge(str(out))
+    finally:
+        os.close(fd)
+
+
+def test_merge_refuses_to_overwrite_files_it_did_not_write(tmp_path, input_file):
+    out = tmp_path / "out"
+    run_shard(str(out), input_file)
+    first = merge(str(out))
+    data = (out / "output.jsonl").read_bytes()
+    import hashlib
+
+    assert first["output_sha256"] == hashlib.sha256(data).hexdigest()
+    assert merge(str(out))["output_sha256"] == first["output_sha256"]  # idempotent
+    assert (out / "output.jsonl").read_bytes() == data
+    (out / "output.jsonl").write_bytes(data + b"{}\n")  # edited by hand
+    with pytest.raises(ValueError, match=f"{out}/output.jsonl exists and was not written by a "
+                                         "merge of this job"):
+        merge(str(out))
+    assert (out / "output.jsonl").read_bytes() == data + b"{}\n"
+    assert not [p for p in os.listdir(out) if p.endswith(".tmp")]
+    os.remove(out / "output.jsonl")
+    merge(str(out))  # its own summary.json, no output: written again
+    os.remove(out / "summary.json")  # as after a kill between the two renames
+    assert merge(str(out))["requests"] == 39 and (out / "output.jsonl").read_bytes() == data
+    (out / "summary.json").write_text('{"mine": true}')
+    with pytest.raises(ValueError, match=f"{out}/summary.json exists and was not written"):
+        merge(str(out))
+    os.remove(out / "summary.json")
+    (out / "output.jsonl").write_text("my own file\n")
+    with pytest.raises(ValueError, match="output.jsonl exists and was not written"):
+        merge(str(out))
+
+
+def test_the_manifest_is_made_durable_when_created(tmp_path, input_file, monkeypatch):
+    from jaxinfer.batch import store
+
+    synced = []
+    real = store.fsync_dir
+    manifest = tmp_path / "out" / "shard-00000-of-00001" / MANIFEST
+
+    def spy(path):
+        synced.append((path, manifest.exists()))
+        real(path)
+
+    monkeypatch.setattr(store, "fsync_dir", spy)
+    shard = ShardStore(str(tmp_path / "out"), 0, 1, FP, input_file)
+    assert (shard.dir, False) in synced  # job.json's rename, and the directory's creation
+    assert (str(tmp_path / "out"), False) in synced
+    synced.clear()
+    shard.commit([(0, b"d" * 16, records.line_error(0, "a", "invalid_json", "x"))], 1, 0.1)
+    assert synced[-1] == (shard.dir, True)
