@@ -37,6 +37,13 @@ _DRAIN = flags.DEFINE_float("drain_timeout", 30.0, "Seconds running requests get
 _KEEP_ALIVE = flags.DEFINE_float("keep_alive_timeout", 75.0, "Seconds an idle keep-alive "
                                  "connection stays open; keep it above the clients' pool "
                                  "expiry (httpx 5 s, aiohttp 15 s, nginx upstream 60 s).")
+_READ_TIMEOUT = flags.DEFINE_float("read_timeout", 30.0, "Seconds a client gets to send a "
+                                   "request's headers (else the connection closes) and again "
+                                   "its body (else 408).")
+_MAX_CONNECTIONS = flags.DEFINE_integer("max_connections", None, "Open connections the server "
+                                        "takes, idle keep-alive ones included; a request past "
+                                        "them gets 503. Default: 2 * (--max_num_seqs + "
+                                        "--max_waiting) + 64.")
 _NAME = flags.DEFINE_string("served_model_name", None, "The model name clients send and "
                             "/v1/models lists (default: --model).")
 _WARMUP = flags.DEFINE_bool("warmup", True, "Compile every shape before reporting healthy.")
@@ -57,6 +64,10 @@ def check_flags() -> None:
         raise ValueError(f"--drain_timeout must be >= 0, got {_DRAIN.value}")
     if not _KEEP_ALIVE.value > 0:
         raise ValueError(f"--keep_alive_timeout must be > 0, got {_KEEP_ALIVE.value}")
+    if not _READ_TIMEOUT.value > 0:
+        raise ValueError(f"--read_timeout must be > 0, got {_READ_TIMEOUT.value}")
+    if _MAX_CONNECTIONS.value is not None and _MAX_CONNECTIONS.value < 1:
+        raise ValueError(f"--max_connections must be >= 1, got {_MAX_CONNECTIONS.value}")
 
 
 def run() -> int:
@@ -67,7 +78,8 @@ def run() -> int:
     cfg = ServeConfig(model_name=_NAME.value or llm_kwargs["model"],
                       api_key=_API_KEY.value or os.environ.get("JAXINFER_API_KEY") or None,
                       max_waiting=_MAX_WAITING.value, max_body_bytes=_MAX_BODY.value,
-                      keep_alive_s=_KEEP_ALIVE.value)
+                      keep_alive_s=_KEEP_ALIVE.value, read_timeout_s=_READ_TIMEOUT.value,
+                      max_connections=_MAX_CONNECTIONS.value)
 
     def load():
         import jax
@@ -78,7 +90,8 @@ def run() -> int:
                                       "run one process (a mesh of its local devices)")
         return llm
 
-    return serve_forever(load, cfg, _HOST.value, _PORT.value, _DRAIN.value)
+    return serve_forever(load, cfg, _HOST.value, _PORT.value, _DRAIN.value,
+                         max_num_seqs=llm_kwargs["max_num_seqs"])
 
 
 def main(argv):

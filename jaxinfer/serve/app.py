@@ -1,31 +1,43 @@
 """The FastAPI app: OpenAI-compatible endpoints over one EngineLoop.
 
 Request bodies are checked and responses built by jaxinfer.openai_api (the contract in
-docs/openai_api.md); this module adds HTTP: body size (413), the API key (401), the model name,
-backpressure (429), readiness and draining (503), and the metrics endpoint. docs/serving.md is
-the user-facing contract.
+docs/openai_api.md); this module adds HTTP: the Content-Type rule and the API key (gate.py),
+body size (413) and read time (408), the model name, backpressure (429), readiness, draining
+and a stopped engine (503), and the metrics endpoint. docs/serving.md is the user-facing
+contract. Whatever a request sends, it gets an answer that names the problem, and no other
+request notices: prompts are tokenized on a small thread pool (never on the event loop or the
+engine thread), and a fault in a handler is a 500 whose traceback stays in the server's log.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
-import hmac
-import json
+import logging
 import time
 from typing import Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from jaxinfer import openai_api as oa
-from jaxinfer.serve.engine_loop import ERROR, OUTPUT, EngineLoop, Submission
+from jaxinfer.serve.engine_loop import ERROR, OUTPUT, EngineLoop, EngineStopped, Submission
+from jaxinfer.serve.gate import CLOSE, ApiError, Gate, error_response, internal_error
 from jaxinfer.serve.metrics import CONTENT_TYPE, ServerMetrics
 from jaxinfer.serve.streaming import Deltas, SequenceView, SSEResponse, sse
+from jaxinfer.user_input import InputError, loads_json, show
 
+log = logging.getLogger(__name__)
 MODELS = "/v1/models"
-COUNTED = (oa.COMPLETIONS, oa.CHAT, MODELS)
+# Connections beyond twice the admissible requests (those admitted, and as many again being
+# told 429 or idle in clients' pools): room for health probes and metrics scrapers.
+CONNECTION_HEADROOM = 64
+# Threads that tokenize prompts and render chat templates: enough to keep the engine fed
+# (tokenizing takes far less time than generating) while bounding the CPU requests can take.
+ENCODE_WORKERS = 2
 
 
 @dataclasses.dataclass
@@ -40,10 +52,25 @@ class ServeConfig:
     # 60 s), so that a client never reuses a socket the server is closing at that moment
     # (uvicorn's own default, 5 s, equals httpx's and races it under load).
     keep_alive_s: float = 75.0
+    # Seconds a client gets to send a request's headers (from its first byte, or from the
+    # connection's start) and again its body: a stalled or trickling sender is cut off (headers:
+    # the connection closes; body: 408) instead of holding a connection for ever.
+    read_timeout_s: float = 30.0
+    # Open connections (idle keep-alive ones count); a request arriving past them gets
+    # uvicorn's plain-text 503. None: 2 * (max_num_seqs + max_waiting) + CONNECTION_HEADROOM.
+    max_connections: Optional[int] = None
 
     def __post_init__(self):
-        if not self.keep_alive_s > 0:
-            raise ValueError(f"keep_alive_s must be > 0, got {self.keep_alive_s}")
+        for name in ("keep_alive_s", "read_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+
+    def connection_limit(self, max_num_seqs: int) -> int:
+        if self.max_connections is not None:
+            return self.max_connections
+        return 2 * (max_num_seqs + self.max_waiting) + CONNECTION_HEADROOM
 
 
 class ServeState:
@@ -59,6 +86,8 @@ class ServeState:
         self.failed: Optional[str] = None
         self.outstanding = 0    # requests admitted and not yet answered (event-loop thread)
         self.created = int(time.time())
+        self.encoder = concurrent.futures.ThreadPoolExecutor(
+            ENCODE_WORKERS, thread_name_prefix="jaxinfer-encode")
 
     def attach(self, llm) -> None:
         """Serves `llm` (loaded, and warmed if it is to be): starts the engine loop and marks
@@ -71,113 +100,148 @@ class ServeState:
         self.ready = False
         if self.engine is not None:
             self.engine.stop()
+        self.encoder.shutdown(wait=False, cancel_futures=True)
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, type: str, param: Optional[str] = None,
-                 code: Optional[str] = None, headers: Optional[dict] = None):
-        super().__init__(message)
-        self.status, self.headers = status, headers
-        self.body = oa.error_body(message, type, param, code)
-
-
-def _error_response(e) -> JSONResponse:
-    if isinstance(e, oa.RequestError):
-        return JSONResponse(e.body(), status_code=e.status)
-    return JSONResponse(e.body, status_code=e.status, headers=e.headers)
-
-
-async def _read_json(request: Request, limit: int):
-    """The body as JSON: 413 past `limit` bytes (declared or streamed), 400 if not JSON."""
+async def _read_json(request: Request, cfg: ServeConfig):
+    """The body as JSON: 413 past max_body_bytes (declared or streamed), 408 when it does not
+    arrive within read_timeout_s, 400 for anything user_input.loads_json refuses."""
+    limit = cfg.max_body_bytes
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"the request body has {declared} bytes; the limit is {limit}",
-                       "invalid_request_error", code="request_too_large")
+        raise ApiError(413, f"the request body has {declared} bytes; the limit is {limit} "
+                       "(--max_body_bytes)", "invalid_request_error", code="request_too_large")
     data = bytearray()
-    async for part in request.stream():
-        data += part
-        if len(data) > limit:
-            raise ApiError(413, f"the request body exceeds the limit of {limit} bytes",
-                           "invalid_request_error", code="request_too_large")
+
+    async def read() -> None:
+        async for part in request.stream():
+            data.extend(part)
+            if len(data) > limit:
+                raise ApiError(413, f"the request body exceeds the limit of {limit} bytes "
+                               "(--max_body_bytes)", "invalid_request_error",
+                               code="request_too_large")
+
     try:
-        return json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise oa.RequestError(f"the request body is not valid JSON: {e}") from None
+        await asyncio.wait_for(read(), cfg.read_timeout_s)
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {cfg.read_timeout_s:g} s "
+                       f"(--read_timeout; {len(data)} bytes came)", "invalid_request_error",
+                       code="request_timeout", headers=CLOSE) from None
+    except ClientDisconnect:  # nobody will read the answer; it must not be a 500
+        raise ApiError(400, "the client disconnected before the body ended",
+                       "invalid_request_error") from None
+    try:
+        return loads_json(data)
+    except InputError as e:
+        raise oa.RequestError(str(e)) from None
 
 
 def _available(state: ServeState) -> None:
+    retry = {"Retry-After": str(state.cfg.retry_after_s)}
     if state.draining:
-        raise ApiError(503, "the server is shutting down", "service_unavailable",
-                       headers={"Retry-After": str(state.cfg.retry_after_s)})
+        raise ApiError(503, "the server is shutting down", "service_unavailable", headers=retry)
     if not state.ready:
         raise ApiError(503, "the model is still loading" if state.failed is None else
                        f"the model failed to load: {state.failed}", "service_unavailable",
+                       headers=retry)
+    if not state.engine.alive:
+        raise ApiError(503, "the engine has stopped after an internal failure (GET /health "
+                       "says why); the server must be restarted", "service_unavailable",
+                       code="engine_stopped")
+
+
+def _admit(state: ServeState) -> None:
+    limit = state.llm.max_num_seqs + state.cfg.max_waiting
+    if state.outstanding >= limit:
+        raise ApiError(429, f"too many requests: {state.outstanding} are running or queued; "
+                       f"the limit is {state.llm.max_num_seqs} running + "
+                       f"{state.cfg.max_waiting} queued (--max_waiting)", "rate_limit_exceeded",
                        headers={"Retry-After": str(state.cfg.retry_after_s)})
+
+
+def _engine_error(e: BaseException, param: str) -> Exception:
+    """What a request's client hears of the engine's error `e`."""
+    if isinstance(e, EngineStopped):
+        return ApiError(503, f"the request could not be served: {e}", "service_unavailable")
+    if isinstance(e, ValueError):  # the engine's own checks (token ids, prompt length)
+        return oa.RequestError(str(e), param)
+    return internal_error()        # InternalError: logged where it happened
+
+
+def _failed(out) -> bool:
+    """Whether a sequence of the request finished "error" (its bookkeeping raised)."""
+    return out.finish_reason == "error" or any(c.finish_reason == "error"
+                                               for c in out.outputs or ())
+
+
+def _encode(llm, req: oa.ParsedRequest):
+    """The request's prompt tokenized and checked (chat: through the model's template); runs
+    on the encoder pool. RequestError naming `prompt` or `messages`."""
+    param = "messages" if req.endpoint == oa.CHAT else "prompt"
+    prompt = req.prompt
+    if req.endpoint == oa.CHAT:
+        if llm.tokenizer is None:
+            raise oa.RequestError("this model has no tokenizer, so it cannot chat", param)
+        try:
+            prompt = llm.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001 - the template's own checks (roles, order)
+            raise oa.RequestError(f"messages: the model's chat template refused them: {e}",
+                                  param) from None
+    try:
+        return llm.encode_prompt(prompt)
+    except ValueError as e:  # too long, lone surrogates, ids outside the vocabulary
+        raise oa.RequestError(f"{param}: {e}" if req.endpoint == oa.CHAT else str(e),
+                              param) from None
 
 
 async def _generate(state: ServeState, request: Request, endpoint: str):
     _available(state)
-    body = await _read_json(request, state.cfg.max_body_bytes)
-    req = oa.parse_request(endpoint, body, max_n=state.llm.max_n)
-    name = state.cfg.model_name
+    body = await _read_json(request, state.cfg)
+    llm, name, chat = state.llm, state.cfg.model_name, endpoint == oa.CHAT
+    req = oa.parse_request(endpoint, body, max_n=llm.max_n)
     if req.model is not None and req.model != name:
-        raise oa.RequestError(f"model {req.model!r} is not served here; this server serves "
-                              f"{name!r}", "model", code="model_not_found")
-    llm, chat = state.llm, endpoint == oa.CHAT
-    prompt = _chat_prompt(llm, req.messages) if chat else req.prompt
-    limit = llm.max_num_seqs + state.cfg.max_waiting
-    if state.outstanding >= limit:
-        raise ApiError(429, f"too many requests: {state.outstanding} are running or queued; "
-                       f"the limit is {llm.max_num_seqs} running + {state.cfg.max_waiting} "
-                       "queued (--max_waiting)", "rate_limit_exceeded",
-                       headers={"Retry-After": str(state.cfg.retry_after_s)})
-    rid, created = oa.new_id(endpoint), int(time.time())
-    sub = Submission(rid, prompt, req.sampling(llm.max_seq_len), asyncio.get_running_loop(),
-                     asyncio.Queue())
+        raise oa.RequestError(f"model {show(req.model)} is not served here; this server "
+                              f"serves {name!r}", "model", code="model_not_found")
+    _admit(state)
+    param = "messages" if chat else "prompt"
+    rid, created, loop = oa.new_id(endpoint), int(time.time()), asyncio.get_running_loop()
     state.outstanding += 1
-    done = []
+    done, submitted = [], []
 
     def close(finished: bool) -> None:  # once per request, whatever ends it
         if not done:
             done.append(True)
             state.outstanding -= 1
-            if not finished:
+            if submitted and not finished:
                 state.engine.abort(rid)
 
     try:
+        prompt = await loop.run_in_executor(state.encoder, _encode, llm, req)
+        sub = Submission(rid, prompt, req.sampling(llm.max_seq_len), loop)
         state.engine.submit(sub)
-        kind, value = await sub.events.get()
-        if kind == ERROR:
+        submitted.append(True)
+        error = await sub.admitted()
+        if error is not None:
             close(True)
-            if isinstance(value, ValueError):  # the engine's own check (prompt length, ids)
-                raise oa.RequestError(str(value), "messages" if chat else "prompt")
-            raise ApiError(503, f"the request could not be served: {value}",
-                           "service_unavailable")
+            raise _engine_error(error, param)
         deltas = [Deltas(req, llm.tokenizer, response_id=rid, created=created, model=name,
                          index=i) for i in range(req.n)]
         if req.stream:
-            return SSEResponse(_stream(sub, deltas), close)
+            return SSEResponse(_stream(sub, deltas, close), close)
         kind, out = await _final(sub, request)
         close(kind != ERROR and out is not None and out.finish_reason != "abort")
     except BaseException:
         close(False)
         raise
     if kind == ERROR:
-        raise ApiError(500, f"the engine failed: {out}", "server_error")
+        raise _engine_error(out, param)
     if out is None or out.finish_reason == "abort":
         raise ApiError(503, "the request was aborted (the server is shutting down)",
                        "service_unavailable")
+    if _failed(out):
+        raise internal_error()
     return JSONResponse(oa.response_body(req, llm.tokenizer, [out], model=name,
                                          response_id=rid, created=created))
-
-
-def _latest(sub: Submission, first):
-    """The newest of the queued events (outputs are cumulative, so older ones add nothing);
-    an error wins."""
-    kind, value = first
-    while kind != ERROR and not sub.events.empty():
-        kind, value = sub.events.get_nowait()
-    return kind, value
 
 
 async def _final(sub: Submission, request: Request):
@@ -185,7 +249,7 @@ async def _final(sub: Submission, request: Request):
     disconnected (its request is then aborted by the caller) or (ERROR, exception)."""
     while True:
         try:
-            kind, out = _latest(sub, await asyncio.wait_for(sub.events.get(), timeout=1.0))
+            kind, out = await asyncio.wait_for(sub.next(), timeout=1.0)
         except asyncio.TimeoutError:
             if await request.is_disconnected():
                 return OUTPUT, None
@@ -194,75 +258,43 @@ async def _final(sub: Submission, request: Request):
             return kind, out
 
 
-def _chat_prompt(llm, messages) -> str:
-    if llm.tokenizer is None:
-        raise oa.RequestError("this model has no tokenizer, so it cannot chat", "messages")
+def _stream_error(e: Optional[BaseException]) -> dict:
+    """The error event of a stream that has started (its status, 200, is sent)."""
+    if isinstance(e, EngineStopped):
+        return oa.error_body(f"the request could not be finished: {e}", "service_unavailable",
+                             code="engine_stopped")
+    return internal_error().body
+
+
+async def _stream(sub: Submission, deltas: list, close):
+    """The stream of one request: a Deltas per sequence (choice index). Always ends with
+    `data: [DONE]`, after an error event if the request failed."""
     try:
-        return llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    except Exception as e:  # the template's own checks (roles, order)
-        raise oa.RequestError(f"messages: the model's chat template refused them: {e}",
-                              "messages") from None
-
-
-async def _stream(sub: Submission, deltas: list):
-    """The stream of one request: a Deltas per sequence (choice index)."""
-    for d in deltas:
-        for chunk in d.first():
-            yield sse(chunk)
-    while True:
-        kind, out = _latest(sub, await sub.events.get())
-        if kind == ERROR:
-            yield sse(oa.error_body(f"the engine failed: {out}", "server_error"))
-            return
-        if out is None:  # aborted before any output
-            for d in deltas:
-                yield sse(oa.stream_chunk(d.req, text="", finish="abort", **d.kw))
-            break
         for d in deltas:
-            for chunk in d.update(SequenceView(out, d.index)):
+            for chunk in d.first():
                 yield sse(chunk)
-        if out.finished:
-            break
-    if deltas[0].last is not None:
-        usage = deltas[0].usage()
-        if usage is not None:
-            yield sse(usage)
+        while True:
+            kind, out = await sub.next()
+            if kind == ERROR or (out is not None and _failed(out)):
+                yield sse(_stream_error(out if kind == ERROR else None))
+                break
+            if out is None:  # aborted before any output
+                for d in deltas:
+                    yield sse(oa.stream_chunk(d.req, text="", finish="abort", **d.kw))
+                break
+            for d in deltas:
+                for chunk in d.update(SequenceView(out, d.index)):
+                    yield sse(chunk)
+            if out.finished:
+                usage = deltas[0].usage()
+                if usage is not None:
+                    yield sse(usage)
+                break
+    except Exception:  # noqa: BLE001 - a fault here ends this stream only, with an event
+        log.exception("stream %s failed", sub.request_id)
+        close(False)  # the request may still be running: abort it
+        yield sse(internal_error().body)
     yield sse("[DONE]")
-
-
-class _Gate:
-    """ASGI middleware: the API key on /v1/*, and requests counted by endpoint and status."""
-
-    def __init__(self, app, state: ServeState):
-        self.app, self.state = app, state
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in ("/health", "/metrics"):
-            return await self.app(scope, receive, send)
-        path = scope["path"]
-        status = [500]
-
-        async def counting_send(message):
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
-            await send(message)
-
-        try:
-            key = self.state.cfg.api_key
-            if key is not None and path.startswith("/v1/") and not _authorized(scope, key):
-                response = JSONResponse(
-                    oa.error_body("missing or wrong API key: send `Authorization: Bearer "
-                                  "<key>`", "invalid_request_error", code="invalid_api_key"),
-                    status_code=401, headers={"WWW-Authenticate": "Bearer"})
-                return await response(scope, receive, counting_send)
-            await self.app(scope, receive, counting_send)
-        finally:
-            self.state.metrics.on_response(path if path in COUNTED else "other", status[0])
-
-
-def _authorized(scope, key: str) -> bool:
-    given = dict(scope["headers"]).get(b"authorization", b"")
-    return hmac.compare_digest(given, b"Bearer " + key.encode())
 
 
 def create_app(state: ServeState) -> FastAPI:
@@ -272,16 +304,16 @@ def create_app(state: ServeState) -> FastAPI:
 
     @app.exception_handler(oa.RequestError)
     async def _request_error(request, e):
-        return _error_response(e)
+        return error_response(e)
 
     @app.exception_handler(ApiError)
     async def _api_error(request, e):
-        return _error_response(e)
+        return error_response(e)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, e):
-        return JSONResponse(oa.error_body(f"{request.method} {request.url.path}: {e.detail}",
-                                          "invalid_request_error"), status_code=e.status_code)
+        return error_response(ApiError(e.status_code, f"{request.method} {show(request.url.path)}"
+                                       f": {e.detail}", "invalid_request_error"))
 
     @app.post(oa.COMPLETIONS)
     async def completions(request: Request):
@@ -300,15 +332,22 @@ def create_app(state: ServeState) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if state.ready and not state.draining and state.engine.alive:
+        engine = state.engine
+        if state.ready and not state.draining and engine.alive:
             return {"status": "ok"}
-        status = "draining" if state.draining else "loading" if state.failed is None \
-            else "failed"
-        return JSONResponse({"status": status}, status_code=503)
+        if state.draining:
+            body = {"status": "draining"}
+        elif state.failed is not None:
+            body = {"status": "failed", "reason": f"the model failed to load: {state.failed}"}
+        elif engine is not None and engine.failure is not None:
+            body = {"status": "failed", "reason": engine.failure}
+        else:
+            body = {"status": "loading"}
+        return JSONResponse(body, status_code=503)
 
     @app.get("/metrics")
     async def metrics():
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
-    app.add_middleware(_Gate, state=state)
+    app.add_middleware(Gate, state=state)
     return app

@@ -1,10 +1,17 @@
 """The engine loop: one thread that owns the LLM and steps its request-level API.
 
 The engine is not thread-safe, so nothing but this thread calls add_request / step / abort.
-HTTP handlers hand it commands through a thread-safe queue (submit, abort, call) and get each
-request's RequestOutputs back on their own asyncio queue (Submission.events), put there with
-loop.call_soon_threadsafe. Per-request timings for the metrics are taken here, as outputs come
-out of step().
+HTTP handlers hand it commands through a thread-safe queue (submit, abort, call) and hear back
+through their Submission: loop.call_soon_threadsafe delivers each event to the handler's event
+loop, where it lands in one slot (outputs are cumulative, so only the newest is kept: a client
+that stops reading holds one output, not every one since) and sets an asyncio.Event. Per-request
+timings for the metrics are taken here, as outputs come out of step().
+
+Nothing a request does may stop the others: a request whose admission raises gets its own error
+(ValueError: the client's fault; anything else: InternalError, logged with its traceback), a
+failed step fails the requests then in the engine, and if the thread dies anyway (an exception
+escaping the loop, SystemExit, KeyboardInterrupt) it records why in `failure`, fails every
+waiting and running request with EngineStopped and refuses new ones.
 """
 
 from __future__ import annotations
@@ -20,30 +27,76 @@ from typing import Any, Callable, Optional
 
 log = logging.getLogger(__name__)
 
-# Events put on a Submission's queue: (kind, value).
+# Events delivered to a Submission: (kind, value).
 ADDED, ERROR, OUTPUT = "added", "error", "output"
+# The longest exception text kept in EngineLoop.failure (shown by /health).
+_MAX_FAILURE_CHARS = 500
 
 
-@dataclasses.dataclass
+class EngineStopped(RuntimeError):
+    """The engine loop is not running (shut down, or its thread died): nothing can be served."""
+
+
+class InternalError(RuntimeError):
+    """A request failed on a server-side fault; its traceback is in the server's log, and the
+    client is told no more than that."""
+
+
+@dataclasses.dataclass(eq=False)
 class Submission:
-    """One request on its way through the engine, as its HTTP handler sees it."""
+    """One request on its way through the engine, as its HTTP handler sees it. The engine
+    thread calls put(); the handler (on `loop`) awaits admitted() once, then next()."""
 
     request_id: str
-    prompt: Any                      # str or list[int]
+    prompt: Any                      # EncodedPrompt, str or list[int]
     params: Any                      # SamplingParams
     loop: asyncio.AbstractEventLoop  # the handler's event loop
-    events: asyncio.Queue            # (kind, value) from the engine thread
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
+    # Engine-thread bookkeeping.
     first_time: Optional[float] = None
     last_time: Optional[float] = None
     tokens_seen: int = 0
     last_output: Any = None          # the latest RequestOutput (for an abort's partial answer)
+    # What was delivered so far (event-loop thread only).
+    added: bool = False
+    error: Optional[BaseException] = None
+    output: Any = None               # the newest RequestOutput (None: aborted before any)
+    fresh: bool = False              # `output` arrived since next() last returned it
+    news: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
     def put(self, kind: str, value: Any = None) -> None:
+        """From the engine thread: hands an event to the handler's loop."""
         try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+            self.loop.call_soon_threadsafe(self._deliver, kind, value)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
+
+    def _deliver(self, kind: str, value: Any) -> None:
+        if kind == ERROR:
+            self.error = self.error or value   # the first error stands, and wins over outputs
+        elif kind == ADDED:
+            self.added = True
+        elif self.error is None:
+            self.output, self.fresh = value, True
+        self.news.set()
+
+    async def admitted(self) -> Optional[BaseException]:
+        """Waits until the engine took the request (None) or refused it (the exception)."""
+        while not self.added and self.error is None:
+            self.news.clear()
+            await self.news.wait()
+        return self.error
+
+    async def next(self) -> tuple[str, Any]:
+        """Waits for news: (ERROR, exception) once the request failed, else (OUTPUT, the newest
+        output), each output at most once (older ones it replaced are skipped)."""
+        while self.error is None and not self.fresh:
+            self.news.clear()
+            await self.news.wait()
+        if self.error is not None:
+            return ERROR, self.error
+        self.fresh = False
+        return OUTPUT, self.output
 
 
 class EngineLoop:
@@ -61,7 +114,9 @@ class EngineLoop:
         self._thread: Optional[threading.Thread] = None
         self.stats: dict = llm.stats()   # the latest snapshot, replaced (never mutated)
         self._pending = 0                # submitted, not yet handed to the engine
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()    # guards _pending and _closed
+        self._closed = False             # the thread is ending or gone: commands are refused
+        self.failure: Optional[str] = None   # why the thread died (None: it did not)
 
     # ---- called from any thread --------------------------------------------------------------
 
@@ -72,7 +127,7 @@ class EngineLoop:
 
     def stop(self, timeout: Optional[float] = None) -> None:
         """Stops the thread; requests still in the engine are aborted (finish_reason
-        "abort" on their queues)."""
+        "abort"), those not yet in it fail with EngineStopped."""
         self._stop.set()
         self._commands.put(("wake", None))
         if self._thread is not None:
@@ -80,7 +135,15 @@ class EngineLoop:
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        """Whether the loop takes requests (started, not stopped, not dead)."""
+        return self._thread is not None and self._thread.is_alive() and not self._closed
+
+    def stopped_error(self) -> EngineStopped:
+        """The error a request gets when the loop no longer runs."""
+        if self.failure is None:
+            return EngineStopped("the server is shutting down")
+        return EngineStopped("the engine stopped after an internal failure (GET /health says "
+                             "why); the server must be restarted")
 
     @property
     def pending_adds(self) -> int:
@@ -90,12 +153,22 @@ class EngineLoop:
         with self._lock:
             self._pending += delta
 
+    def _enqueue(self, command: tuple) -> bool:
+        """Queues a command unless the loop is closed (then nobody would ever take it)."""
+        with self._lock:
+            if self._closed:
+                return False
+            if command[0] == "add":
+                self._pending += 1
+            self._commands.put(command)
+            return True
+
     def submit(self, sub: Submission) -> None:
-        self._count_pending(1)
-        self._commands.put(("add", sub))
+        if not self._enqueue(("add", sub)):
+            sub.put(ERROR, self.stopped_error())
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+        self._enqueue(("abort", request_id))
 
     def abort_all_at(self, deadline: float) -> None:
         """From `deadline` (time.perf_counter()) on, every request still in the engine is
@@ -108,30 +181,59 @@ class EngineLoop:
         requests before it are stepped to their end; commands after it wait). For tests and
         tools that need the engine to themselves, e.g. llm.generate for a reference."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(("call", (fn, fut)))
+        if not self._enqueue(("call", (fn, fut))):
+            fut.set_exception(self.stopped_error())
         return fut
 
     # ---- the engine thread -------------------------------------------------------------------
 
     def _run(self) -> None:
         try:
-            while not self._stop.is_set():
-                busy = self.llm.has_unfinished_requests()
-                handled = self._drain(block=not busy)
-                if self._stop.is_set():
-                    break
-                if self._abort_at is not None and time.perf_counter() >= self._abort_at:
-                    for rid in list(self._subs):
-                        self._abort(rid)
-                if self.llm.has_unfinished_requests():
-                    self._step()
-                if busy or handled:
-                    self._snapshot()
+            self._serve()
+        except BaseException as e:  # noqa: BLE001 - recorded, and every request is answered
+            text = f"{type(e).__name__}: {e}"
+            self.failure = f"the engine thread stopped: {text[:_MAX_FAILURE_CHARS]}"
+            log.critical("%s; failing every request and refusing new ones", self.failure,
+                         exc_info=True)
         finally:
-            for rid in list(self._subs):
+            with self._lock:
+                self._closed = True
+            self._close()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            busy = self.llm.has_unfinished_requests()
+            handled = self._drain(block=not busy)
+            if self._stop.is_set():
+                break
+            if self._abort_at is not None and time.perf_counter() >= self._abort_at:
+                for rid in list(self._subs):
+                    self._abort(rid)
+            if self.llm.has_unfinished_requests():
+                self._step()
+            if busy or handled:
+                self._snapshot()
+
+    def _close(self) -> None:
+        """Answers every request the loop still holds: at a shutdown those in the engine end
+        "abort" (with their partial answer); after a failure they fail with EngineStopped.
+        Commands still queued fail with EngineStopped."""
+        error = self.stopped_error()
+        for rid in list(self._subs):
+            if self.failure is None:
                 self._abort(rid)
-            self._fail_pending(RuntimeError("the server is shutting down"))
+                continue
+            sub = self._subs.pop(rid)
+            try:  # leaves the LLM clean where it still can be
+                self.llm.abort(rid)
+            except Exception:  # noqa: BLE001 - the engine is already broken
+                pass
+            sub.put(ERROR, error)
+        self._fail_pending(error)
+        try:
             self._snapshot()
+        except Exception:  # noqa: BLE001 - a broken engine's stats: keep the last snapshot
+            log.debug("no stats snapshot from a stopped engine", exc_info=True)
 
     def _drain(self, block: bool) -> bool:
         """Handles the queued commands (waiting a little for one when `block`); whether
@@ -173,6 +275,17 @@ class EngineLoop:
         except ValueError as e:  # what only the model knows: prompt length, token ids
             sub.put(ERROR, e)
             return
+        except Exception:  # noqa: BLE001 - a fault of this request's, not the others'
+            log.exception("request %s: adding it to the engine failed", sub.request_id)
+            try:
+                self.llm.abort(sub.request_id)  # whatever part of it got in
+            except Exception:  # noqa: BLE001
+                log.exception("request %s: aborting it failed too", sub.request_id)
+            sub.put(ERROR, InternalError(sub.request_id))
+            return
+        except BaseException:
+            sub.put(ERROR, EngineStopped("the engine stopped while adding this request"))
+            raise
         self._subs[sub.request_id] = sub
         sub.put(ADDED)
 
@@ -193,15 +306,15 @@ class EngineLoop:
     def _step(self) -> None:
         try:
             outs = self.llm.step()
-        except Exception as e:  # an engine failure: fail every request rather than hang them
-            log.exception("engine step failed; aborting %d requests", len(self._subs))
+        except Exception:  # an engine failure: fail every request rather than hang them
+            log.exception("engine step failed; failing its %d requests", len(self._subs))
             for rid, sub in list(self._subs.items()):
                 self._subs.pop(rid)
                 try:
                     self.llm.abort(rid)
                 except Exception:  # noqa: BLE001 - the engine is already broken
                     pass
-                sub.put(ERROR, e)
+                sub.put(ERROR, InternalError(rid))
             return
         now = time.perf_counter()
         for out in outs:
@@ -235,7 +348,7 @@ class EngineLoop:
             if kind == "add":
                 self._count_pending(-1)
                 value.put(ERROR, error)
-            elif kind == "call":
+            elif kind == "call" and value[1].set_running_or_notify_cancel():
                 value[1].set_exception(error)
 
     def _snapshot(self) -> None:

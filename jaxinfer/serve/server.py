@@ -5,6 +5,10 @@ Shutdown (SIGTERM or SIGINT, or `stop()`): /health turns 503 and new requests ar
 (503), uvicorn stops accepting connections, requests already admitted run to their end until
 `drain_timeout_s`; then every request still in the engine is aborted (streams end with
 finish_reason "abort" and `data: [DONE]`), the engine loop stops and the process exits 0.
+
+Connections are bounded in number (uvicorn's limit_concurrency, from ServeConfig.max_connections;
+past it a request gets uvicorn's plain-text 503) and in the time a request may take to arrive
+(ReadDeadlineH11 for headers, the app for bodies), so idle or trickling clients cannot pile up.
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ import threading
 import time
 from typing import Callable, Optional
 
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from jaxinfer.serve.app import ServeConfig, ServeState, create_app
 
@@ -51,12 +57,69 @@ class Server(uvicorn.Server):
         self.state.close()
 
 
+class ReadDeadlineH11(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on reading each request. uvicorn bounds the
+    headers' size (16 KiB, then 400) and an idle keep-alive connection's time, but not the time
+    a request takes to arrive: a connection that sends nothing, or its headers a byte a minute,
+    would stay open for ever. Here a request's headers must arrive within
+    `state.cfg.read_timeout_s` of its first byte (or of the connection's start), else the
+    connection is closed (nothing can be answered before the headers end). The body's deadline
+    is the app's (a 408); a body the app did not want (it answered before reading it) and
+    that is still arriving at the deadline closes the connection too."""
+
+    serve_state: ServeState  # set on the per-server subclass (make_server)
+
+    def connection_made(self, transport) -> None:
+        self._read_deadline = None
+        super().connection_made(transport)
+        self._arm()
+
+    def _arm(self) -> None:
+        if self._read_deadline is None:
+            self._read_deadline = self.loop.call_later(
+                self.serve_state.cfg.read_timeout_s, self._deadline_passed)
+
+    def _disarm(self) -> None:
+        if self._read_deadline is not None:
+            self._read_deadline.cancel()
+            self._read_deadline = None
+
+    def data_received(self, data: bytes) -> None:
+        if self.conn.their_state is not h11.DONE:  # a request is arriving
+            self._arm()
+        super().data_received(data)
+        if self.conn.their_state is h11.DONE:      # all of it came
+            self._disarm()
+
+    def connection_lost(self, exc) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _deadline_passed(self) -> None:
+        self._read_deadline = None
+        state = self.conn.their_state
+        if state is h11.DONE or self.transport.is_closing():
+            return
+        if state is h11.SEND_BODY and self.cycle is not None \
+                and not self.cycle.response_complete:
+            self._arm()  # the app reads this body under its own deadline (408)
+            return
+        self.transport.close()
+
+
 def make_server(state: ServeState, host: str = "127.0.0.1", port: int = 8000,
-                drain_timeout_s: float = 30.0, log_level: str = "warning") -> Server:
+                drain_timeout_s: float = 30.0, log_level: str = "warning",
+                max_num_seqs: int = 16) -> Server:
+    """The uvicorn server for `state`; `max_num_seqs` (the LLM's, which may not be loaded
+    yet) sizes the default connection limit."""
+    protocol = type("ServeH11", (ReadDeadlineH11,), {"serve_state": state})
+    # uvicorn counts the connection a request arrives on among those at the limit.
+    limit = state.cfg.connection_limit(max_num_seqs) + 1
     config = uvicorn.Config(create_app(state), host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=drain_timeout_s + _CLOSE_GRACE_S,
                             timeout_keep_alive=state.cfg.keep_alive_s,
-                            access_log=False, lifespan="off", http="h11")
+                            limit_concurrency=limit, access_log=False, lifespan="off",
+                            http=protocol)
     return Server(config, state, drain_timeout_s)
 
 
@@ -78,7 +141,8 @@ class ServerThread:
     def __init__(self, llm, cfg: ServeConfig, host: str = "127.0.0.1",
                  port: Optional[int] = None, drain_timeout_s: float = 30.0):
         self.state = ServeState(cfg)
-        self.server = make_server(self.state, host, port or free_port(host), drain_timeout_s)
+        self.server = make_server(self.state, host, port or free_port(host), drain_timeout_s,
+                                  max_num_seqs=llm.max_num_seqs if llm is not None else 16)
         self.url = f"http://{host}:{self.server.config.port}"
         self.llm = llm
         self._thread: Optional[threading.Thread] = None
@@ -112,12 +176,13 @@ class ServerThread:
 
 
 def serve_forever(load: Callable[[], object], cfg: ServeConfig, host: str, port: int,
-                  drain_timeout_s: float) -> int:
+                  drain_timeout_s: float, max_num_seqs: int = 16) -> int:
     """Listens at once (/health 503), loads the model with `load()` on a thread (ready when it
     returns), serves until a signal, drains, returns the exit code (0, or 1 when the model
-    failed to load)."""
+    failed to load). `max_num_seqs` is the LLM's (for the default connection limit)."""
     state = ServeState(cfg)
-    server = make_server(state, host, port, drain_timeout_s, log_level="info")
+    server = make_server(state, host, port, drain_timeout_s, log_level="info",
+                         max_num_seqs=max_num_seqs)
 
     def loader():
         try:

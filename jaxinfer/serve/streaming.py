@@ -2,35 +2,24 @@
 
 RequestOutput.text is the request's whole text so far, which may end in the beginning of a stop
 string that the engine cuts once it completes; `Deltas` holds such a tail back until it is
-resolved, so the concatenated deltas always equal the final text. `SSEResponse` is a bare ASGI
-response that writes the chunks and, whether the stream ends, the client goes away
-(http.disconnect or a failed write) or the task is cancelled at shutdown, calls `on_close` (the
-handler's abort and bookkeeping) exactly once.
+resolved, so the concatenated deltas always equal the final text. It finds that tail with a
+StopMatcher fed only the text each output adds (an unfinished request's text only grows), so a
+stream costs time linear in its text whatever the stop strings are: this runs on the event
+loop. `SSEResponse` is a bare ASGI response that writes the chunks and, whether the stream
+ends, the client goes away (http.disconnect or a failed write) or the task is cancelled at
+shutdown, calls `on_close` (the handler's abort and bookkeeping) exactly once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from typing import AsyncIterator, Callable, Optional, Sequence
+from typing import AsyncIterator, Callable, Optional
 
 from starlette.responses import Response
 
 from jaxinfer import openai_api as oa
-
-
-def final_text_end(text: str, stops: Sequence[str], finished: bool) -> int:
-    """How much of `text` is final: all of it once finished, else all but the longest tail that
-    is a proper prefix of a stop string."""
-    if finished:
-        return len(text)
-    held = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), held, -1):
-            if text.endswith(s[:k]):
-                held = k
-                break
-    return len(text) - held
+from jaxinfer.engine.textstream import StopMatcher
 
 
 class SequenceView:
@@ -54,7 +43,8 @@ class Deltas:
                  model: str, index: int = 0):
         self.req, self.tok, self.index = req, tokenizer, index
         self.kw = dict(response_id=response_id, created=created, model=model, index=index)
-        self.stops = req.params.stop_strings
+        stops = req.params.stop_strings
+        self.matcher = StopMatcher(stops) if stops else None
         self.chars = 0         # characters of text sent
         self.tokens = 0        # tokens whose logprobs were sent
         self.lp_offset = 0     # completions text_offset of the next token
@@ -87,6 +77,14 @@ class Deltas:
             self.lp_offset = sum(len(t) for t in lp["tokens"])
         return oa.stream_chunk(self.req, text=text, logprobs=lp, **self.kw)
 
+    def _final_end(self, out) -> int:
+        """How much of out.text is final: all of it once finished, else all but the longest
+        tail that may still begin a stop string."""
+        if out.finished or self.matcher is None:
+            return len(out.text)
+        self.matcher.feed(out.text[self.matcher.fed:])
+        return len(out.text) - self.matcher.held
+
     def update(self, out) -> list[dict]:
         """Chunks for what `out` adds: new final text (and the logprobs of the tokens so
         far), and the finish_reason with the last one."""
@@ -95,7 +93,7 @@ class Deltas:
         if self.req.echo and not self.started:
             chunks.append(self._echo(out))
         self.started = True
-        end = final_text_end(out.text, self.stops, out.finished)
+        end = self._final_end(out)
         upto = len(out.token_ids)
         if end > self.chars or upto > self.tokens or out.finished:
             text = out.text[self.chars:end]

@@ -11,6 +11,7 @@ import time
 import pytest
 
 MODEL = "smollm2-135m"
+JSON = {"Content-Type": "application/json"}
 SMALL = dict(max_seq_len=256, max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk=64)
 
 
@@ -51,10 +52,13 @@ class Raw:
         return http.client.HTTPConnection(self.host, self.port, timeout=120)
 
     def request(self, method: str, path: str, body=None, headers=None):
-        """(status, headers, parsed JSON or text)."""
+        """(status, headers, parsed JSON or text). A body goes as application/json unless
+        `headers` are given (then exactly those are sent)."""
         c = self.conn()
         data = body if isinstance(body, (bytes, str)) or body is None else json.dumps(body)
-        c.request(method, path, body=data, headers=headers or {})
+        if headers is None:
+            headers = JSON if body is not None else {}
+        c.request(method, path, body=data, headers=headers)
         r = c.getresponse()
         raw = r.read().decode()
         c.close()
@@ -67,8 +71,7 @@ class Raw:
     def open_stream(self, path: str, body: dict):
         """Starts a streamed request; returns (connection, response) to read events from."""
         c = self.conn()
-        c.request("POST", path, body=json.dumps(body),
-                  headers={"Content-Type": "application/json"})
+        c.request("POST", path, body=json.dumps(body), headers=JSON)
         return c, c.getresponse()
 
 
