@@ -1,6 +1,7 @@
 """Ring attention against an all-gather of K/V for a prompt split over the `sequence` axis.
 
-For each sequence degree p, both methods of jaxinfer.context_parallel are compiled for one
+For each sequence degree p, both methods of context_parallel_attention (beside this file) are
+compiled for one
 prompt and timed interleaved (median of --repeats), with the single-device reference attention
 as the baseline; the compiled per-device programs give the bytes each device sends
 (benchmarks/scaling.collectives) and its scratch memory.
@@ -27,8 +28,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jaxinfer import context_parallel, sharding  # noqa: E402
-from jaxinfer.attention import reference_attention  # noqa: E402
+import context_parallel_attention as context_parallel  # noqa: E402
+from jaxinfer import sharding  # noqa: E402
+from jaxinfer.backends.attention import reference_attention  # noqa: E402
 from jaxinfer.config import MeshConfig  # noqa: E402
 from scaling import collectives  # noqa: E402
 

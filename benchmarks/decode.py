@@ -164,13 +164,16 @@ def main():
               f"{result['ablated_stack_ms']:.2f} ms)")
 
 
-def matmul_stack(params, x, *, num_steps: int, architecture: str = "llama"):
+def matmul_stack(params, x, *, num_steps: int, architecture: str = "llama", backend=None):
     """num_steps iterations of the model's linears over x [R, D] (see the module docstring):
     each layer's q, k, v, o, gate, up and down (a llama-style layer's), then the family's
-    head; chained so none is dead code."""
-    from jaxinfer.layers import linear
+    head; chained so none is dead code. backend: the LLM's (its products)."""
+    import functools
+
+    from jaxinfer import layers
     from jaxinfer.models import get_model
     head = get_model(architecture).head
+    linear = functools.partial(layers.linear, backend=backend)
 
     def body(_, x):
         for lp in params.layers:
@@ -179,7 +182,7 @@ def matmul_stack(params, x, *, num_steps: int, architecture: str = "llama"):
             o = q + jnp.tile(kv, q.shape[-1] // kv.shape[-1])
             x = x + linear(o, lp.wo)
             x = x + linear(jax.nn.silu(linear(x, lp.w_gate)) * linear(x, lp.w_up), lp.w_down)
-        logits = head(params, x)
+        logits = head(params, x, backend)
         return x + 1e-6 * logits[:, :x.shape[-1]]
     return jax.lax.fori_loop(0, num_steps, body, x)
 
@@ -206,7 +209,7 @@ def check_generated(args) -> None:
 
 def batch_step_vs_matmuls(args) -> dict:
     import jaxinfer as ji
-    from jaxinfer import tuning
+    from jaxinfer.backends import tuning
 
     R = args.rows
     check_generated(args)
@@ -226,7 +229,9 @@ def batch_step_vs_matmuls(args) -> dict:
     generated = 0
     while generated < args.generated:
         generated = min((len(out.token_ids) for out in llm.step()), default=generated)
-    stack = tuning.loop_jit(functools.partial(matmul_stack, architecture=llm.model_config.architecture),
+    stack = tuning.loop_jit(functools.partial(matmul_stack,
+                                              architecture=llm.model_config.architecture,
+                                              backend=llm.backend),
                             static_argnames="num_steps")
     x = jnp.asarray(rng.standard_normal((R, llm.model_config.d_model)), jnp.float32) * 0.01
     params = llm.params  # the LLM's weights as placed
@@ -285,22 +290,23 @@ def step_without_attention(args) -> dict:
     is the code as written, so it would hand back the step with attention)."""
     import os
 
-    from jaxinfer import attention, tuning
-    from jaxinfer.models import base
+    from jaxinfer import backends
+    from jaxinfer.backends import attention
 
-    if tuning.for_backend().default_attention != "reference":
-        raise SystemExit(f"--ablate_attention replaces the jnp attention, which backend "
-                         f"{jax.default_backend()!r} does not use by default")
-    real, real_fused = attention.paged_loop_attention, base.write_and_attend
+    if backends.default().attention != "reference":
+        raise SystemExit("--ablate_attention replaces the jnp attention, which this platform "
+                         "does not use by default")
+    real, real_fused = attention.paged_loop_attention, attention._native_write_and_attend
     cache_setting = os.environ.get("JAXINFER_PROGRAM_CACHE")
     jax.clear_caches()
-    attention.paged_loop_attention = lambda q, *a, **kw: jnp.zeros_like(q)
-    base.write_and_attend = lambda *a, **kw: None  # the caller writes, then attends (zeros)
+    attention.paged_loop_attention = lambda backend, q, *a, **kw: jnp.zeros_like(q)
+    # The caller writes, then attends (zeros).
+    attention._native_write_and_attend = lambda *a, **kw: None
     os.environ["JAXINFER_PROGRAM_CACHE"] = "0"
     try:
         return batch_step_vs_matmuls(args)
     finally:
-        attention.paged_loop_attention, base.write_and_attend = real, real_fused
+        attention.paged_loop_attention, attention._native_write_and_attend = real, real_fused
         if cache_setting is None:
             del os.environ["JAXINFER_PROGRAM_CACHE"]
         else:

@@ -32,26 +32,28 @@ sys.path.insert(0, ROOT)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jaxinfer import tuning  # noqa: E402
+import dataclasses  # noqa: E402
+
+from jaxinfer import backends  # noqa: E402
 from jaxinfer.config import ModelConfig  # noqa: E402
 from jaxinfer.kv_cache import PagedKVCache  # noqa: E402
 from jaxinfer.models import get_model, moe  # noqa: E402
 
 
-def step_fn(cfg: ModelConfig):
+def step_fn(cfg: ModelConfig, backend):
     model = get_model(cfg.architecture)
 
     @jax.jit
     def step(params, cache, tokens):
         h, cache = model.forward(params, cfg, tokens, cache,
-                                 jnp.ones((tokens.shape[0],), jnp.int32))
-        return model.head(params, h[:, 0]), cache
+                                 jnp.ones((tokens.shape[0],), jnp.int32), backend=backend)
+        return model.head(params, h[:, 0], backend), cache
     return model, step
 
 
 def dense_experts(x, lp, cfg):
     """Every token through every expert, weighted by its routing (zero for unchosen ones)."""
-    weights, experts = moe.route(moe._dot(x, lp.router, "TD,DE->TE"), cfg)
+    weights, experts = moe.route(backends.default().dot(x, lp.router, "TD,DE->TE"), cfg)
     dense_w = jnp.zeros((x.shape[0], cfg.num_experts)).at[
         jnp.arange(x.shape[0])[:, None], experts].set(weights)
     g = jnp.einsum("TD,EDF->TEF", x, lp.w_gate)
@@ -79,12 +81,16 @@ def main(argv=None):
     dense_cfg = ModelConfig("llama", ffn_dim=args.ffn * args.top_k, **common)
     tokens = jax.random.randint(jax.random.key(1), (args.rows, 1), 0, 8192)
     runs = {}
-    base = tuning.for_backend()
+    base = backends.default()
     variants = {"dense model": (dense_cfg, None), "moe, tiles": (moe_cfg, "tiles"),
                 "moe, ragged_dot": (moe_cfg, "ragged_dot"), "moe, all experts": (moe_cfg, "all")}
     original_ffn = moe.expert_ffn
     for name, (cfg, grouped) in variants.items():
-        model, step = step_fn(cfg)
+        backend = base
+        if grouped in ("tiles", "ragged_dot"):
+            backend = dataclasses.replace(base, tuning=dataclasses.replace(
+                base.tuning, grouped_matmul=grouped))
+        model, step = step_fn(cfg, backend)
         params = model.init_params(cfg, jax.random.key(0))
         if args.dtype == "bfloat16":
             params = model.with_float32_activations(jax.tree.map(
@@ -92,13 +98,9 @@ def main(argv=None):
         cache = PagedKVCache.ring(cfg.num_layers, args.rows, args.context, cfg.num_kv_heads,
                                   cfg.head_dim, jnp.float32)
         cache = cache.replace(lengths=jnp.full((args.rows,), args.context // 2, jnp.int32))
-        if grouped in ("tiles", "ragged_dot"):
-            tuning.TUNING[jax.default_backend()] = base.__class__(
-                **{**vars(base), "grouped_matmul": grouped})
         moe.expert_ffn = dense_experts if grouped == "all" else original_ffn
         step(params, cache, tokens)[0].block_until_ready()  # compile (the cache is not donated)
         runs[name] = (step, params, cache)
-        tuning.TUNING[jax.default_backend()] = base
         moe.expert_ffn = original_ffn
     times = {name: [] for name in runs}
     for _ in range(args.repeats):

@@ -94,15 +94,17 @@ def main(argv=None) -> dict:
                     help="every LLM's dtype (the unquantized weights' and, on CPU, the KV "
                     "cache's unless /KV quantizes it)")
     ap.add_argument("--tile_elements", type=int, default=None,
-                    help="elements per dequantized tile on CPU (jaxinfer.quant.compute."
+                    help="elements per dequantized tile on CPU (jaxinfer.backends.products."
                     "tile_elements()); compare sizes across processes, not within one")
     ap.add_argument("--golden", default=None, help="greedy goldens (tests/data/smollm2_greedy.json)")
     ap.add_argument("--golden_tokens", type=int, default=16)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.tile_elements:
-        quant.compute.TILE_ELEMENTS = args.tile_elements
-        quant.compute.TILE_ELEMENTS_ONE_BUFFER = args.tile_elements
+        from jaxinfer.backends import products
+
+        products.TILE_ELEMENTS = args.tile_elements
+        products.TILE_ELEMENTS_ONE_BUFFER = args.tile_elements
     configs = args.configs.split(",")
     params = ji.SamplingParams(max_tokens=args.tokens, ignore_eos=True)
     prompts = [[1, 2, 3, 4 + i] for i in range(args.batch)]

@@ -17,7 +17,7 @@ It reports
                    prompt logprobs, a stop string, preemption-free): must be 0
 --compile_threads 1,2 runs each configuration twice, compiling one program at a time and two
 at a time (JAXINFER_COMPILE_THREADS), one right after the other. --compiler_options on,off
-runs each configuration with the backend's compiler options (jaxinfer.tuning: XLA:CPU's
+runs each configuration with the backend's compiler options (jaxinfer.backends.tuning: XLA:CPU's
 fast-compile preset) and with XLA's defaults, one right after the other.
 Compilations are counted from JAX's backend-compile events (jax.monitoring), one per XLA
 program; `jax_log_compiles` names any after warmup. Targets (SmolLM2 defaults, this CPU): at
@@ -44,7 +44,7 @@ def worker(model: str, config: str, compiler_options: str) -> dict:
     import jax
     import numpy as np
 
-    from jaxinfer import tuning
+    from jaxinfer.backends import tuning
 
     if compiler_options == "off":   # XLA's defaults (a device loop keeps its loop options)
         tuning.COMPILER_OPTIONS_JAXLIB = ()
@@ -106,7 +106,7 @@ def main():
                          "each, one after the other (default: the engine's own, 2)")
     ap.add_argument("--compiler_options", default="on",
                     help="comma-separated on/off: the backend's compiler options, or XLA's "
-                         "defaults (jaxinfer.tuning.compiler_options)")
+                         "defaults (jaxinfer.backends.tuning.compiler_options)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:

@@ -9,7 +9,8 @@ request parameters (RowParams, written when a request is admitted) and, for n-gr
 each row's token history. It is donated through every call. A step's input is a TokenBatch
 (jaxinfer.token_batch): decode tokens and prefill chunks side by side, one forward over
 [T, D]. No request property is ever a compile-time constant: the static arguments are shapes
-(T, R, steps per dispatch) and the attention's query tile.
+(T, R, steps per dispatch), the attention's query tile and the Backend (jaxinfer.backends),
+whose ops every program takes.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jaxinfer import sharding, tuning
+from jaxinfer import backends, sharding
+from jaxinfer.backends import Backend
+from jaxinfer.backends.tuning import loop_jit, program_jit
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache import PagedKVCache
 from jaxinfer.models import get_model
@@ -101,7 +104,7 @@ class DecodeState:
         return sharding.constrain_tree(self, self.logical_axes())
 
 
-@functools.partial(tuning.program_jit, donate_argnums=(0,))
+@functools.partial(program_jit, donate_argnums=(0,))
 def admit_rows(state: DecodeState, mask: jax.Array, start: jax.Array, generated: jax.Array,
                rows: RowParams, history: jax.Array | None = None,
                block_tables: jax.Array | None = None) -> DecodeState:
@@ -127,7 +130,7 @@ def admit_rows(state: DecodeState, mask: jax.Array, start: jax.Array, generated:
                          rows=jax.tree.map(pick, rows, state.rows)).constrained()
 
 
-@functools.partial(tuning.program_jit, donate_argnums=(0,))
+@functools.partial(program_jit, donate_argnums=(0,))
 def fork_rows(state: DecodeState, src_rows: jax.Array, dst_rows: jax.Array,
               src_pages: jax.Array, dst_pages: jax.Array) -> DecodeState:
     """Rows dst_rows [C] forked from src_rows [C] (B: padding), after admit_rows started them:
@@ -143,7 +146,7 @@ def fork_rows(state: DecodeState, src_rows: jax.Array, dst_rows: jax.Array,
     return state.replace(seen=seen, cache=cache, draft_cache=draft).constrained()
 
 
-@functools.partial(tuning.program_jit, donate_argnums=(0,))
+@functools.partial(program_jit, donate_argnums=(0,))
 def set_block_tables(state: DecodeState, block_tables: jax.Array) -> DecodeState:
     """A paged cache's block tables [B, M] after the host grew or freed rows' pages."""
     return state.replace(cache=state.cache.replace(block_tables=block_tables)).constrained()
@@ -159,12 +162,13 @@ def _put(x: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Array:
     return x.at[rows].set(values, mode="drop")
 
 
-def _sample_rows(logits, state: DecodeState, rows: jax.Array, index: jax.Array):
+def _sample_rows(logits, state: DecodeState, rows: jax.Array, index: jax.Array,
+                 backend: Backend):
     """Samples a token for each listed row from its logits [R, V] with the row's parameters,
     seen mask and token index [R]. The rows' seen masks ([R, V]) are gathered only where a
     repetition penalty applies: gathered every step, they cost a copy of R x V bools."""
     sp = jax.tree.map(lambda x: _take(x, rows), state.rows.sampling)
-    return sample(logits, sp, lambda: _take(state.seen, rows), index)
+    return sample(logits, sp, lambda: _take(state.seen, rows), index, backend)
 
 
 @flax.struct.dataclass
@@ -179,7 +183,7 @@ class StepOutput:
 
 def step(params, state: DecodeState, batch: TokenBatch, sample_rows: jax.Array,
          next_tokens: jax.Array | None = None, *, cfg: ModelConfig,
-         attn_impl: str = "reference", query_tile: int = 16, draft_params=None,
+         backend: Backend | None = None, query_tile: int = 16, draft_params=None,
          draft_cfg: ModelConfig | None = None) -> tuple[StepOutput, DecodeState]:
     """One engine step, pure: every token of the flat batch through the model once (prefill
     chunks and one token per decoding row side by side), then a sampled token for each row
@@ -187,23 +191,26 @@ def step(params, state: DecodeState, batch: TokenBatch, sample_rows: jax.Array,
     in the batch. A row samples when the step completes what it had to feed (a decode token,
     or a prompt's last chunk); rows mid-prompt only fill their cache. next_tokens [T] int32
     (-1: none): the prompt token after each batch token, scored when the row wants
-    prompt_logprobs. Usable inside a caller's own jax.jit; jitted for the engine as
-    step_jit. Returns (StepOutput, state)."""
+    prompt_logprobs. backend: the ops' implementations (default: backends.default(), as
+    resolved when this is traced). Usable inside a caller's own jax.jit; jitted for the engine
+    as step_jit. Returns (StepOutput, state)."""
+    backend = backend if backend is not None else backends.default()
     B = state.last_token.shape[0]
     model = get_model(cfg.architecture)
-    h, cache = model.forward_tokens(params, cfg, batch, state.cache, attn_impl=attn_impl,
+    h, cache = model.forward_tokens(params, cfg, batch, state.cache, backend=backend,
                                     query_tile=query_tile)
     draft_cache = state.draft_cache
     if draft_cfg is not None:
         _, draft_cache = get_model(draft_cfg.architecture).forward_tokens(
-            draft_params, draft_cfg, batch, draft_cache, query_tile=query_tile)
+            draft_params, draft_cfg, batch, draft_cache, backend=backend,
+            query_tile=query_tile)
     valid = batch.rows < B
     seen = state.seen.at[jnp.where(valid, batch.rows, B), batch.tokens].set(True, mode="drop")
     state = state.replace(seen=seen)
     last = _take(batch.query_start + batch.num_queries - 1, sample_rows)  # [S]
-    logits = model.head(params, h[jnp.maximum(last, 0)])                  # [S, V]
+    logits = model.head(params, h[jnp.maximum(last, 0)], backend)         # [S, V]
     index = _take(state.num_generated, sample_rows)
-    token = _sample_rows(logits, state, sample_rows, index)
+    token = _sample_rows(logits, state, sample_rows, index, backend)
     real = sample_rows < B
     want = _take(state.rows.logprobs, sample_rows) & real
     lp = maybe_top_logprobs(want, lambda x: x, logits, token)
@@ -211,7 +218,7 @@ def step(params, state: DecodeState, batch: TokenBatch, sample_rows: jax.Array,
         prompt_lp = no_logprobs((batch.num_tokens,))
     else:
         want_p = _take(state.rows.prompt_logprobs, batch.rows) & valid & (next_tokens >= 0)
-        prompt_lp = maybe_top_logprobs(want_p, lambda x: model.head(params, x), h,
+        prompt_lp = maybe_top_logprobs(want_p, lambda x: model.head(params, x, backend), h,
                                        next_tokens)
     length = _take(cache.lengths, sample_rows)
     history = state.history
@@ -228,22 +235,22 @@ def step(params, state: DecodeState, batch: TokenBatch, sample_rows: jax.Array,
     return out, state.constrained()
 
 
-# Compiled with the backend's compiler options (jaxinfer.tuning), as every program here.
-step_jit = tuning.program_jit(step, donate_argnums=(1,),
-                              static_argnames=("cfg", "attn_impl", "query_tile", "draft_cfg"))
+# Compiled with the platform's compiler options (backends.tuning), as every program here.
+step_jit = program_jit(step, donate_argnums=(1,),
+                       static_argnames=("cfg", "backend", "query_tile", "draft_cfg"))
 
 
-def _forward_rows(params, cfg, state_cache, tokens, num_new, rows, attn_impl):
+def _forward_rows(params, cfg, state_cache, tokens, num_new, rows, backend):
     """The target forward of a decode dispatch: [R, T] tokens of the listed rows."""
     return get_model(cfg.architecture).forward(params, cfg, tokens, state_cache, num_new,
-                                               rows=rows, attn_impl=attn_impl)
+                                               rows=rows, backend=backend)
 
 
-# Compiled with the backend's loop options (jaxinfer.tuning).
-@functools.partial(tuning.loop_jit, static_argnames=("cfg", "num_steps", "attn_impl", "draft_cfg"),
+# Compiled with the platform's loop options (backends.tuning).
+@functools.partial(loop_jit, static_argnames=("cfg", "num_steps", "backend", "draft_cfg"),
                    donate_argnums=(1,))
 def decode_loop(params, state: DecodeState, rows: jax.Array, *, cfg: ModelConfig,
-                num_steps: int, attn_impl: str = "reference",
+                num_steps: int, backend: Backend | None = None,
                 exit_on_stop: jax.Array | bool = False, draft_params=None,
                 draft_cfg: ModelConfig | None = None):
     """Runs up to num_steps decode steps for the listed rows [R] (B: an empty entry) in one
@@ -256,7 +263,9 @@ def decode_loop(params, state: DecodeState, rows: jax.Array, *, cfg: ModelConfig
     logprobs): row b produced out_tokens[b, :num_out[b]]; done[b] says it stopped (its last token
     tells why); logprobs = (ids [B, S, k], values [B, S, k], chosen [B, S]) of top_logprobs,
     filled for rows with logprobs. A draft model's cache (draft_cfg) takes every fed token.
+    backend: as step's.
     """
+    backend = backend if backend is not None else backends.default()
     B = state.last_token.shape[0]
     R = rows.shape[0]
     listed = jnp.zeros((B,), bool).at[rows].set(True, mode="drop")
@@ -277,13 +286,14 @@ def decode_loop(params, state: DecodeState, rows: jax.Array, *, cfg: ModelConfig
         fed = _take(running, rows) & (rows < B)                           # [R]
         tokens = _take(state.last_token, rows)[:, None]
         h, cache = _forward_rows(params, cfg, state.cache, tokens, fed.astype(jnp.int32),
-                                 rows, attn_impl)
+                                 rows, backend)
         draft_cache = state.draft_cache
         if draft_cfg is not None:
             _, draft_cache = get_model(draft_cfg.architecture).forward(
-                draft_params, draft_cfg, tokens, draft_cache, fed.astype(jnp.int32), rows=rows)
-        logits = get_model(cfg.architecture).head(params, h[:, 0])         # [R, V]
-        drawn = _sample_rows(logits, state, rows, _take(state.num_generated, rows))
+                draft_params, draft_cfg, tokens, draft_cache, fed.astype(jnp.int32), rows=rows,
+                backend=backend)
+        logits = get_model(cfg.architecture).head(params, h[:, 0], backend)  # [R, V]
+        drawn = _sample_rows(logits, state, rows, _take(state.num_generated, rows), backend)
         token = jnp.where(running, _put(state.last_token, rows, drawn), state.last_token)
         out = out.at[:, i].set(jnp.where(running, token, -1))
         want = _take(state.rows.logprobs & running, rows)
@@ -308,10 +318,10 @@ def decode_loop(params, state: DecodeState, rows: jax.Array, *, cfg: ModelConfig
     return state.constrained(), out, num_out, stopped, lp_out
 
 
-@functools.partial(tuning.program_jit, static_argnames=("cfg", "attn_impl", "draft_cfg"),
+@functools.partial(program_jit, static_argnames=("cfg", "backend", "draft_cfg"),
                    donate_argnums=(1,))
 def prefill(params, state: DecodeState, tokens: jax.Array, num_new: jax.Array, *,
-            cfg: ModelConfig, attn_impl: str = "reference", draft_params=None,
+            cfg: ModelConfig, backend: Backend | None = None, draft_params=None,
             draft_cfg: ModelConfig | None = None):
     """Feeds row b its first num_new[b] tokens of tokens [B, T] (one step over a dense block)
     and samples the next token of every fed row with the row's parameters (state.rows, set by
@@ -320,6 +330,6 @@ def prefill(params, state: DecodeState, tokens: jax.Array, num_new: jax.Array, *
     B, T = tokens.shape
     batch = TokenBatch.dense(tokens, num_new, None, B)
     sample_rows = jnp.where(num_new > 0, jnp.arange(B, dtype=jnp.int32), B)
-    out, state = step(params, state, batch, sample_rows, cfg=cfg, attn_impl=attn_impl,
+    out, state = step(params, state, batch, sample_rows, cfg=cfg, backend=backend,
                       query_tile=T, draft_params=draft_params, draft_cfg=draft_cfg)
     return jnp.zeros((B,), jnp.int32).at[sample_rows].set(out.tokens, mode="drop"), state

@@ -16,7 +16,6 @@ import numpy as np
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import sequence_logits
-from jaxinfer import sampling
 
 
 @dataclasses.dataclass
@@ -33,7 +32,7 @@ class Scores:
 def _window_scores(logits: jax.Array, targets: jax.Array):
     logp = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-    return nll, sampling.argmax(logits)
+    return nll, jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
 def score(params, cfg: ModelConfig, token_ids: list[int], window: int = 512,

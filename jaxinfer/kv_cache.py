@@ -21,7 +21,7 @@ A ring holds window + n - 1 slots per row (ring_capacity), n the most tokens a r
 one step (a prefill chunk, or a verification's drafts + 1).
 Which position a slot holds follows from the row's length (every position below it was
 written, in order), so no per-slot position array is kept: attention reads keys by logical
-position and masks them against the queries' positions (jaxinfer.attention).
+position and masks them against the queries' positions (jaxinfer.backends.attention).
 
 The model uses it as: write_slots (once per step) -> write_layer (per layer, in place, before
 the layer attends) -> attention over the pool -> advance. Where the native CPU decode kernel
@@ -29,7 +29,7 @@ serves a layer (attention.write_and_attend), the kernel does write_layer's write
 the same bits, in the same call as the attention.
 
 Either cache's k and v are float arrays, Bits16KV (16-bit floats as raw bits, where the backend
-scatters 16-bit floats slowly: jaxinfer.tuning), or QuantizedKV (kv_cache_dtype "int8" / "fp8"): codes
+scatters 16-bit floats slowly: backends.tuning), or QuantizedKV (kv_cache_dtype "int8" / "fp8"): codes
 of the same shape and one float32 scale per (slot, kv head), written by write_layer as each
 token's keys are quantized and read as codes plus scales, so attention (the reference or the
 kernels) dequantizes what it reads and the cache never holds a float copy. Reads index and
@@ -51,7 +51,7 @@ from jaxinfer.quant.kv import KV_DTYPES, KV_MAX, QuantizedKV, quantize_kv  # noq
 
 @flax.struct.dataclass
 class Bits16KV:
-    """16-bit float keys or values kept as their raw uint16 bits (tuning.kv_16bit_as_bits).
+    """16-bit float keys or values kept as their raw uint16 bits (backends.tuning: kv_16bit_as_bits).
 
     XLA:CPU scatters into a bf16 or f16 array by converting the whole array to float32 and back
     (1.2 s a step for SmolLM2's paged pool), but scatters integers in place (0.13 ms for the

@@ -17,7 +17,7 @@ from typing import Iterator, Optional, Sequence, Union
 import jax
 import jax.numpy as jnp
 
-from jaxinfer import sharding, tuning
+from jaxinfer import backends, sharding
 from jaxinfer.config import EngineConfig, MeshConfig
 from jaxinfer.engine import memory, programs
 from jaxinfer.engine.engine import Engine, Request
@@ -42,7 +42,6 @@ class EncodedPrompt:
 
 Prompt = Union[str, Sequence[int], EncodedPrompt]
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-_ATTENTION = ("auto", "reference", "pallas")
 
 
 def enable_compilation_cache() -> Optional[str]:
@@ -70,8 +69,8 @@ def enable_compilation_cache() -> Optional[str]:
 
 
 def _default_dtype() -> str:
-    """dtype=None: $JAXINFER_DEFAULT_DTYPE if set, else the backend's measured best."""
-    return os.environ.get("JAXINFER_DEFAULT_DTYPE") or tuning.for_backend().default_dtype
+    """dtype=None: $JAXINFER_DEFAULT_DTYPE if set, else the platform's measured best."""
+    return os.environ.get("JAXINFER_DEFAULT_DTYPE") or backends.default_dtype()
 
 
 _QUANTIZATIONS = ("int8", "int4", "int4-awq", "fp8")
@@ -87,6 +86,8 @@ class LLM:
                  mesh: Optional[MeshConfig] = None, attention: str = "auto",
                  prefill_chunk: int = 128, decode_steps: int = 8,
                  max_num_batched_tokens: int = 512, hybrid_kv_cache: bool = True):
+        # Before anything starts a jax backend: XLA reads its flags once, when the first starts.
+        backends.set_xla_flags()
         if quantization is not None and quantization not in _QUANTIZATIONS:
             raise ValueError(f"quantization must be None or one of {_QUANTIZATIONS}, got "
                              f"{quantization!r}")
@@ -106,8 +107,9 @@ class LLM:
                                  f"degree {mesh.data} (each replica decodes its share of rows)")
             if (mesh.data, mesh.tensor, mesh.sequence) != (1, 1, 1):
                 partitioner = sharding.Partitioner(sharding.make_mesh(mesh))
-        if attention not in _ATTENTION:
-            raise ValueError(f"attention must be one of {_ATTENTION}, got {attention!r}")
+        if attention not in backends.ATTENTION:
+            raise ValueError(f"attention must be one of {backends.ATTENTION}, got "
+                             f"{attention!r}")
         dtype = dtype or _default_dtype()
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
@@ -126,6 +128,9 @@ class LLM:
         from jaxinfer.loading import load_model
 
         enable_compilation_cache()
+        # Resolved before the programs cache loads programs: it registers the native kernels
+        # they call (and again below, once the model's head dim is known).
+        backends.resolve(attention)
         # The programs cache (jaxinfer.engine.programs): the step programs an LLM of these
         # arguments ran first start loading now, beside the weights.
         program_root = programs.directory() if partitioner is None else None
@@ -139,11 +144,12 @@ class LLM:
         loaded = load_model(model, dtype=_DTYPES[dtype], partitioner=partitioner,
                             quantization=quantization)
         cfg, params = loaded.config, loaded.params
-        # XLA:CPU runs 16-bit elementwise math by converting whole arrays, but its bf16 dots
-        # run at twice the float32 rate. So on CPU a 16-bit dtype is the weights' and the KV
-        # cache's, and activations stay float32 (jaxinfer.tuning).
-        weights_only = tuning.for_backend().float32_activations and dtype != "float32"
-        act_dtype = jnp.float32 if weights_only else _DTYPES[dtype]
+        # The ops' implementations on this platform (jaxinfer.backends), and the dtype policy:
+        # where 16-bit elementwise work is slow, a 16-bit dtype is the weights' and the KV
+        # cache's while activations stay float32.
+        self.backend = backends.resolve(attention, head_dim=cfg.head_dim)
+        act_dtype = self.backend.activation_dtype(_DTYPES[dtype])
+        weights_only = act_dtype != _DTYPES[dtype]
         if weights_only:
             params = get_model(cfg.architecture).with_float32_activations(params)
         draft = None
@@ -168,15 +174,6 @@ class LLM:
         self.max_seq_len = max_seq_len
         self.max_num_seqs = max_num_seqs
         self.dtype = dtype
-        # "auto": the kernels where they compile (GPU), the jnp path on CPU, where they would
-        # run in Pallas' interpret mode (jaxinfer.tuning).
-        attn_impl = attention if attention != "auto" else tuning.for_backend().default_attention
-        kernel_head_dims = (32, 64, 128, 256)
-        if attn_impl == "pallas" and cfg.head_dim not in kernel_head_dims:
-            if attention == "pallas":
-                raise ValueError(f"attention='pallas' needs a head dim in {kernel_head_dims}; "
-                                 f"this model's is {cfg.head_dim}")
-            attn_impl = "reference"
         # A sliding-window model keeps only the window in its ring; full attention keeps it all.
         # A ring holds the window plus the most tokens a row writes in one step (a prefill
         # chunk, or a verification's num_draft_tokens + 1): kv_cache.ring_capacity.
@@ -224,13 +221,14 @@ class LLM:
         self.engine_config = EngineConfig(max_seq_len=max_seq_len, max_num_seqs=max_num_seqs,
                                           prefill_chunk=prefill_chunk, decode_steps=decode_steps,
                                           max_num_batched_tokens=max_num_batched_tokens,
-                                          dtype=dtype, attention=attn_impl,
+                                          dtype=dtype, attention=self.backend.attention,
                                           speculative=speculative)
         self._engine = Engine(cfg, params, loaded.tokenizer, self.engine_config,
                               capacity=capacity, dtype=act_dtype, paged=paged,
                               num_pages=num_pages or 0, draft=draft, partitioner=partitioner,
                               kv_dtype=KV_DTYPES.get(kv_cache_dtype, _DTYPES[dtype]),
-                              ring_capacity=ring, program_index=program_index)
+                              ring_capacity=ring, program_index=program_index,
+                              backend=self.backend)
         if memory_left:
             self._engine.set_num_pages(self._pages_from_memory(memory_left, page_size))
         self._data_degree = data
@@ -469,6 +467,11 @@ class LLM:
     def warmup(self) -> float:
         """Compiles every shape the engine can use; returns the seconds it took."""
         return self._engine.warmup()
+
+    def describe(self) -> dict:
+        """Which implementation each op of the step uses on this platform (the Backend's
+        choices: products, gated MLP, attention, sampling, activations, KV storage)."""
+        return self.backend.describe()
 
     def stats(self) -> dict:
         """Counters and sizes of the engine (docs/api.md, Statistics)."""

@@ -1,5 +1,5 @@
 """Where a flat step's queries sit: the metadata (RaggedMeta) built once per forward and read
-by every layer's attention (jaxinfer.attention), and the jnp path's tiles and page blocks.
+by every layer's attention (jaxinfer.backends.attention), and the jnp path's tiles and page blocks.
 
 Shape legend: B rows, T flat tokens, Nt tiles, Q queries a tile, Z page size.
 """

@@ -25,7 +25,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jaxinfer import cpu_kernels
+from jaxinfer import backends
+
 
 
 @flax.struct.dataclass
@@ -54,41 +55,40 @@ def apply_repetition_penalty(logits: jax.Array, seen: Seen, penalty: jax.Array) 
     return jax.lax.cond(jnp.any(penalty != 1.0), penalize, lambda logits: logits, logits)
 
 
-# Candidate counts tried, smallest first, before top-k / top-p sort a whole vocabulary. Over
-# 16 rows, lax.top_k of 256 took 2.8 ms on SmolLM2's 49,152 logits and 8.1 ms on Gemma 3's
-# 262,144, where the full argsort took 172 ms and 1,083 ms (XLA:CPU, 2 cores).
+# Candidate counts tried, smallest first, before top-k / top-p sort a whole vocabulary (a top
+# of a few hundred is much cheaper than a full sort; docs/sampling.md has the figures).
 SORT_CANDIDATES = (256, 4096)
-# With the native sort (jaxinfer.cpu_kernels.sort_descending, on CPU where the kernels are
-# enabled) the whole vocabulary sorts faster than lax.top_k takes 4,096: over 16 rows of
-# SmolLM2's logits, top-p's filter through a full sort took 10.2 ms against 21.8 ms for that
-# lax.top_k alone (the filter through 256 then 4,096 candidates: 46.3 ms).
+# Where the backend's sort is the native one, a full sort is cheaper than XLA's top 4,096.
 NATIVE_SORT_CANDIDATES = (256,)
 
 
-def filtered_logits(logits: jax.Array, sp: SamplingArrays,
+def filtered_logits(logits: jax.Array, sp: SamplingArrays, backend=None,
                     candidates: tuple[int, ...] | None = None) -> jax.Array:
     """Temperature-scaled logits [B, V] with tokens outside top-k / top-p / min-p at -inf.
 
     Rows with top-k or top-p are filtered over their `candidates[0]` most likely tokens
-    (lax.top_k, or on CPU cpu_kernels.top_descending) when every such row's survivors are
+    (backend.top) when every such row's survivors are
     certain to lie among them: top_k at most that many, or (top-k off) the candidates'
     probability mass reaching top_p. Otherwise the next candidate count is tried, and last the
     whole vocabulary is sorted; each gives the survivors the full sort gives. candidates=None:
-    NATIVE_SORT_CANDIDATES where the native sort serves the full sort, else SORT_CANDIDATES."""
+    NATIVE_SORT_CANDIDATES where the native sort serves the full sort, else SORT_CANDIDATES.
+    backend: its sorts (default backends.default())."""
+    backend = backend if backend is not None else backends.default()
     if candidates is None:
-        candidates = NATIVE_SORT_CANDIDATES if _sorts_natively(logits) else SORT_CANDIDATES
+        candidates = NATIVE_SORT_CANDIDATES if backend.native_sort(logits) else SORT_CANDIDATES
     temp = jnp.where(sp.temperature > 0, sp.temperature, 1.0)
     scaled = logits / temp[:, None]
     # Only top-k and top-p need the vocabulary ordered; min-p is relative to the maximum.
     needs_sort = jnp.any((sp.top_k > 0) | (sp.top_p < 1.0))
-    return jax.lax.cond(needs_sort, functools.partial(_candidate_filter, candidates=candidates),
+    return jax.lax.cond(needs_sort, functools.partial(_candidate_filter, candidates=candidates,
+                                                      backend=backend),
                         _min_p_filter, scaled, sp)
 
 
-def filtered_weights(logits: jax.Array, sp: SamplingArrays) -> jax.Array:
+def filtered_weights(logits: jax.Array, sp: SamplingArrays, backend=None) -> jax.Array:
     """The sampling distribution of each row up to a factor, [B, V] float32 >= 0:
     exp(filtered - max), 1 at the most likely token and 0 where filtered away."""
-    masked = filtered_logits(logits, sp)
+    masked = filtered_logits(logits, sp, backend)
     return jnp.exp(masked - jnp.max(masked, axis=-1, keepdims=True))
 
 
@@ -128,56 +128,43 @@ def _keep_sorted(sorted_logits: jax.Array, sp: SamplingArrays, V: int,
     return keep, probs
 
 
-def _candidate_filter(scaled: jax.Array, sp: SamplingArrays, candidates: tuple[int, ...]):
+def _candidate_filter(scaled: jax.Array, sp: SamplingArrays, candidates: tuple[int, ...],
+                      backend):
     """filtered_logits of a batch with top-k or top-p rows: over the first candidate count below
     V whose candidates hold every such row's survivors, else the next, else the full sort."""
     V = scaled.shape[-1]
     caps = tuple(c for c in candidates if c < V)
     if not caps:
-        return _sorted_filter(scaled, sp)
+        return _sorted_filter(scaled, sp, backend)
     C = caps[0]
-    # Descending; equal values: lower index first. The native top (CPU, float32) is the full
-    # native sort's first C: 0.35-0.6 against 2.8-3.8 ms for lax.top_k over 16 rows of 49,152.
-    vals, idx = (cpu_kernels.top_descending(scaled, C) if _sorts_natively(scaled)
-                 else jax.lax.top_k(scaled, C))
+    vals, idx = backend.top(scaled, C)  # descending; equal values: lower index first
     keep, probs = _keep_sorted(vals, sp, V, jax.nn.logsumexp(scaled, axis=-1, keepdims=True))
     k = _top_k_size(sp, V)
     # Every token past the candidates is cut: top-k stops within them, or (top-k off) the
     # mass before the first token past them already reaches top_p.
     uses_sort = (sp.top_k > 0) | (sp.top_p < 1.0)
     covered = ~uses_sort | (k <= C) | ((k >= V) & (jnp.sum(probs, axis=-1) >= sp.top_p))
-    sorted_rows = _in_vocab_order(scaled, vals, idx, keep)
+    sorted_rows = _in_vocab_order(scaled, vals, idx, keep, backend)
     filtered = jnp.where(uses_sort[:, None], sorted_rows, _min_p_filter(scaled, sp))
     return jax.lax.cond(jnp.all(covered), lambda s, p: filtered,
-                        functools.partial(_candidate_filter, candidates=caps[1:]), scaled, sp)
+                        functools.partial(_candidate_filter, candidates=caps[1:],
+                                          backend=backend), scaled, sp)
 
 
-def _sorts_natively(x: jax.Array) -> bool:
-    """Whether the full sort of x's rows is the native one (float32, the kernels enabled)."""
-    return x.dtype == jnp.float32 and cpu_kernels.enabled()
-
-
-def _sorted_filter(scaled: jax.Array, sp: SamplingArrays) -> jax.Array:
-    """filtered_logits by sorting each row's whole vocabulary: on CPU where the kernels are
-    enabled with the native radix sort (jaxinfer.cpu_kernels.sort_descending, the same order:
-    2.6 ms against 173 ms for XLA:CPU's argsort over 16 rows of SmolLM2's 49,152)."""
-    V = scaled.shape[-1]
-    if _sorts_natively(scaled):
-        sorted_logits, order = cpu_kernels.sort_descending(scaled)
-    else:
-        order = jnp.argsort(-scaled, axis=-1)                            # [B, V] descending
-        sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-    keep, _ = _keep_sorted(sorted_logits, sp, V)
-    return _in_vocab_order(scaled, sorted_logits, order, keep)
+def _sorted_filter(scaled: jax.Array, sp: SamplingArrays, backend) -> jax.Array:
+    """filtered_logits by sorting each row's whole vocabulary (backend.sort)."""
+    sorted_logits, order = backend.sort(scaled)
+    keep, _ = _keep_sorted(sorted_logits, sp, scaled.shape[-1])
+    return _in_vocab_order(scaled, sorted_logits, order, keep, backend)
 
 
 def _in_vocab_order(scaled: jax.Array, sorted_logits: jax.Array, order: jax.Array,
-                    keep: jax.Array) -> jax.Array:
+                    keep: jax.Array, backend) -> jax.Array:
     """scaled [B, V] with every token but the survivors at -inf, given the first C of each
     row's descending order (sorted_logits, order [B, C]) and which of them survive (keep
     [B, C]): by _kept_prefix's comparison where the order is the native sort's, else by a
     scatter."""
-    if _sorts_natively(scaled):
+    if backend.native_sort(scaled):
         return _kept_prefix(scaled, sorted_logits, order, keep)
     B, V = scaled.shape
     return jnp.full((B, V), -jnp.inf, scaled.dtype).at[jnp.arange(B)[:, None], order].set(
@@ -192,8 +179,7 @@ def _kept_prefix(scaled: jax.Array, sorted_logits: jax.Array, order: jax.Array,
     0.0; NaN last). Every condition of _keep_sorted keeps a prefix of that order (should the
     scan's rounding make the running mass dip at the top_p boundary, the first n are kept),
     so the survivors are the tokens above the n-th value and those equal to it up to its
-    index: one comparison over the vocabulary where writing the survivors back took a scatter
-    (2.2 ms of a full sort's filter over 16 rows of SmolLM2's 49,152 logits)."""
+    index: one comparison over the vocabulary instead of a scatter."""
     V = scaled.shape[-1]
     n = jnp.sum(keep, axis=-1, dtype=jnp.int32, keepdims=True)
     last = jnp.maximum(n - 1, 0)
@@ -205,43 +191,6 @@ def _kept_prefix(scaled: jax.Array, sorted_logits: jax.Array, order: jax.Array,
 
 
 DRAW_BLOCK = 256  # vocabulary entries per block of the two-level inverse CDF
-ARGMAX_BLOCK = 1024  # vocabulary entries per block of `argmax`
-
-
-def argmax(x: jax.Array, block: int = ARGMAX_BLOCK, native: bool = True) -> jax.Array:
-    """jnp.argmax over the last axis, as int32. Float32 rows longer than a block go to the
-    native CPU kernel where it is enabled (native=True; jaxinfer.cpu_kernels.argmax: one pass
-    per row, the rows shared among the threads; docs/cpu_kernels.md): 0.04 against 0.10 ms
-    for the two-level form below over a 16-row step's logits of SmolLM2 in cache. Otherwise
-    in two levels: each block's maximum (a plain max reduction, which XLA:CPU vectorises), the
-    first block holding the largest, then the first index of its maximum within that block.
-    The result equals jnp.argmax's on every input: the first index of the maximum, the first
-    NaN where there is one (jnp.argmax takes NaN as the maximum), index 0 for a row of -inf.
-    XLA:CPU lowers jnp.argmax to a (value, index) reduction that it does not vectorise: over 16
-    rows of Gemma 3's 262,144 entries it took 9.4 ms against 0.67 ms this way (SmolLM2's
-    49,152: 1.84 against 0.37 ms)."""
-    V = x.shape[-1]
-    if native and V > block and x.dtype == jnp.float32 and cpu_kernels.enabled():
-        return cpu_kernels.argmax(x)
-    if V <= block or not jnp.issubdtype(x.dtype, jnp.floating):
-        return jnp.argmax(x, axis=-1).astype(jnp.int32)
-    C = -(-V // block)
-    xp = x
-    if C * block != V:                   # -inf padding never beats a real entry at index < V
-        xp = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, C * block - V)],
-                     constant_values=-jnp.inf)
-    xb = xp.reshape(x.shape[:-1] + (C, block))
-    m = jnp.max(xb, axis=-1)                                              # [..., C]
-    c = jnp.argmax(m, axis=-1)                                            # [...]: the block
-    within = jnp.take_along_axis(xb, c[..., None, None], axis=-2)[..., 0, :]
-    fast = (c * block + jnp.argmax(within, axis=-1)).astype(jnp.int32)
-    # XLA:CPU's vectorised max need not propagate NaN; a sum does. With a NaN (or +inf) among
-    # the logits, a broken model's, the plain argmax decides.
-    special = jnp.any(jnp.isnan(jnp.sum(xb, axis=-1)) | (m == jnp.inf))
-    return jax.lax.cond(special, lambda: jnp.argmax(x, axis=-1).astype(jnp.int32),
-                        lambda: fast)
-
-
 def draw(weights: jax.Array, u: jax.Array, block: int = DRAW_BLOCK) -> jax.Array:
     """Inverse-CDF draw: for each row of weights [B, V] (>= 0, some > 0; unnormalised) and
     u [B] in [0, 1), the first token i whose inclusive cumulative weight exceeds u * total.
@@ -287,17 +236,19 @@ def uniforms(seed: jax.Array, token_index: jax.Array, stream: int | None = None)
     return jax.vmap(one)(seed, token_index)
 
 
-def sample(logits: jax.Array, sp: SamplingArrays, seen: Seen,
-           token_index: jax.Array) -> jax.Array:
+def sample(logits: jax.Array, sp: SamplingArrays, seen: Seen, token_index: jax.Array,
+           backend=None) -> jax.Array:
     """Draws one token per row. logits [B, V]; seen [B, V] bool (or a function giving it, as
-    apply_repetition_penalty takes); token_index [B] int32 (index of
-    the token being drawn within its request's output). Returns [B] int32."""
+    apply_repetition_penalty takes); token_index [B] int32 (index of the token being drawn
+    within its request's output); backend: its argmax and sorts (default
+    backends.default()). Returns [B] int32."""
+    backend = backend if backend is not None else backends.default()
     def full(logits):
         logits = apply_repetition_penalty(logits, seen, sp.repetition_penalty)
-        greedy = argmax(logits)
+        greedy = backend.argmax(logits)
 
         def stochastic(logits):
-            drawn = draw(filtered_weights(logits, sp), uniforms(sp.seed, token_index))
+            drawn = draw(filtered_weights(logits, sp, backend), uniforms(sp.seed, token_index))
             return jnp.where(sp.temperature > 0, drawn, greedy)
 
         # The sort behind top-k/top-p costs more than a decode step's matmuls on small models;
@@ -305,21 +256,22 @@ def sample(logits: jax.Array, sp: SamplingArrays, seen: Seen,
         return jax.lax.cond(jnp.any(sp.temperature > 0), stochastic, lambda _: greedy, logits)
 
     # Every row greedy without a penalty (the common case) takes the argmax alone: the penalty's
-    # cond, skipped, still copied the [B, V] logits through its identity branch (0.15 ms of a
-    # 16-row decode step of SmolLM2 on the development CPU).
+    # cond, skipped, still copies the [B, V] logits through its identity branch.
     plain = jnp.all(sp.temperature <= 0) & jnp.all(sp.repetition_penalty == 1.0)
-    return jax.lax.cond(plain, argmax, full, logits.astype(jnp.float32))
+    return jax.lax.cond(plain, backend.argmax, full, logits.astype(jnp.float32))
 
 
-def sampling_probs(logits: jax.Array, sp: SamplingArrays, seen: jax.Array) -> jax.Array:
+def sampling_probs(logits: jax.Array, sp: SamplingArrays, seen: jax.Array,
+                   backend=None) -> jax.Array:
     """The distribution `sample` draws from, [B, V] float32: one-hot at the argmax for greedy
     rows, else the softmax of the filtered logits (repetition penalty first, as in sample)."""
+    backend = backend if backend is not None else backends.default()
     logits = apply_repetition_penalty(logits.astype(jnp.float32), seen, sp.repetition_penalty)
     V = logits.shape[-1]
-    greedy = jax.nn.one_hot(argmax(logits), V, dtype=jnp.float32)
+    greedy = jax.nn.one_hot(backend.argmax(logits), V, dtype=jnp.float32)
 
     def stochastic(logits):
-        w = filtered_weights(logits, sp)
+        w = filtered_weights(logits, sp, backend)
         probs = w / jnp.sum(w, axis=-1, keepdims=True)
         return jnp.where((sp.temperature > 0)[:, None], probs, greedy)
 

@@ -28,8 +28,9 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.sampling import (SamplingArrays, apply_repetition_penalty, argmax, draw, mark_seen,
-                               sample, sampling_probs, uniforms)
+from jaxinfer import backends
+from jaxinfer.sampling import (SamplingArrays, apply_repetition_penalty, draw, mark_seen, sample,
+                               sampling_probs, uniforms)
 
 _METHODS = ("ngram", "draft")
 
@@ -93,13 +94,15 @@ def ngram_propose(history: jax.Array, length: jax.Array, k: int, n_max: int, n_m
     return jnp.take_along_axis(history, idx, axis=1), num
 
 
-def draw_draft(logits: jax.Array, sp: SamplingArrays, seen: jax.Array, token_index: jax.Array):
+def draw_draft(logits: jax.Array, sp: SamplingArrays, seen: jax.Array, token_index: jax.Array,
+               backend=None):
     """A draft model's proposal for output index token_index [B]: (token [B] int32, q [B, V]),
     q the distribution it is drawn from (the same transforms as the target's p; one-hot at the
     argmax for greedy rows). Its noise comes from fold_in(key(seed, index), 2), apart from the
     verification's."""
-    q = sampling_probs(logits, sp, seen)
-    greedy = argmax(q)
+    backend = backend if backend is not None else backends.default()
+    q = sampling_probs(logits, sp, seen, backend)
+    greedy = backend.argmax(q)
 
     def stochastic(q):
         drawn = draw(q, uniforms(sp.seed, token_index, stream=2))
@@ -110,7 +113,7 @@ def draw_draft(logits: jax.Array, sp: SamplingArrays, seen: jax.Array, token_ind
 
 
 def verify(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array, sp: SamplingArrays,
-           seen: jax.Array, token_index: jax.Array,
+           seen: jax.Array, token_index: jax.Array, backend=None,
            draft_probs: Optional[jax.Array] = None):
     """Accepts a prefix of each row's drafts by exact rejection sampling.
 
@@ -124,6 +127,7 @@ def verify(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array, sp: Samp
     Returns (accepted [B] int32 <= num_drafts, token [B] int32): the row emits
     drafts[:accepted] and then token (the redrawn token after a rejection, or the bonus token).
     """
+    backend = backend if backend is not None else backends.default()
     B, S, V = logits.shape
     k = S - 1
     sp_rep = jax.tree.map(lambda x: jnp.repeat(x, S, axis=0), sp)
@@ -143,18 +147,18 @@ def verify(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array, sp: Samp
         # from p without d. "The token the sampler draws at this index with its own noise is d"
         # has exactly that law, and on a mismatch that token is the redraw. Coupled so, the
         # emitted tokens are the ones plain sampling emits, whatever was drafted.
-        target = sample(flat, sp_rep, seen_s, index.reshape(-1)).reshape(B, S)
+        target = sample(flat, sp_rep, seen_s, index.reshape(-1), backend).reshape(B, S)
         a = leading(drafts == target[:, :k])
         return a, jnp.take_along_axis(target, a[:, None], axis=1)[:, 0]
 
     def greedy(_):
-        target = argmax(apply_repetition_penalty(flat, seen_s,
-                                                 sp_rep.repetition_penalty)).reshape(B, S)
+        target = backend.argmax(apply_repetition_penalty(
+            flat, seen_s, sp_rep.repetition_penalty)).reshape(B, S)
         a = leading(drafts == target[:, :k])
         return a, jnp.take_along_axis(target, a[:, None], axis=1)[:, 0]
 
     def stochastic(_):
-        p = sampling_probs(flat, sp_rep, seen_s).reshape(B, S, V)
+        p = sampling_probs(flat, sp_rep, seen_s, backend).reshape(B, S, V)
         u = uniforms(sp_rep.seed, index.reshape(-1), stream=1).reshape(B, S)
         p_d = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]
         q = draft_probs.astype(jnp.float32)

@@ -12,8 +12,10 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from jaxinfer import backends
+from jaxinfer.backends import Backend
+from jaxinfer.backends.tuning import loop_jit
 from jaxinfer.config import ModelConfig
-from jaxinfer import tuning
 from jaxinfer.decode import DecodeState, _forward_rows, _put, _take
 from jaxinfer.kv_cache import PagedKVCache
 from jaxinfer.models import get_model
@@ -35,7 +37,8 @@ def _run_if(pred: jax.Array, fn, operand, default):
 
 def _draft_model_steps(draft_params, draft_cfg: ModelConfig, draft_cache: PagedKVCache,
                        last_token: jax.Array, seen: jax.Array, num_generated: jax.Array,
-                       sampling: SamplingArrays, rows: jax.Array, fed: jax.Array, k: int):
+                       sampling: SamplingArrays, rows: jax.Array, fed: jax.Array, k: int,
+                       backend: Backend):
     """k single-token steps of the draft model on the listed rows [R] of draft_cache, the first
     feeding each row's last token [R] and each later one the token drawn before, then one more
     feeding the last draft (its K/V only: no head). seen, num_generated, sampling: the rows'
@@ -45,15 +48,17 @@ def _draft_model_steps(draft_params, draft_cfg: ModelConfig, draft_cache: PagedK
 
     def body(carry, i):
         cache, token, seen = carry
-        h, cache = draft.forward(draft_params, draft_cfg, token[:, None], cache, fed, rows=rows)
-        logits = draft.head(draft_params, h[:, 0])
-        drawn, q = draw_draft(logits, sampling, seen, num_generated + i)
+        h, cache = draft.forward(draft_params, draft_cfg, token[:, None], cache, fed, rows=rows,
+                                 backend=backend)
+        logits = draft.head(draft_params, h[:, 0], backend)
+        drawn, q = draw_draft(logits, sampling, seen, num_generated + i, backend)
         seen = mark_seen(seen, drawn[:, None], fed[:, None] > 0)
         return (cache, drawn, seen), (drawn, q)
 
     (cache, last, _), (drafts, q) = jax.lax.scan(
         body, (draft_cache, last_token, seen), jnp.arange(k, dtype=jnp.int32))
-    _, cache = draft.forward(draft_params, draft_cfg, last[:, None], cache, fed, rows=rows)
+    _, cache = draft.forward(draft_params, draft_cfg, last[:, None], cache, fed, rows=rows,
+                             backend=backend)
     return drafts.T, jnp.swapaxes(q, 0, 1), cache
 
 
@@ -74,13 +79,13 @@ class SpecCounts:
     accepted: jax.Array  # proposals accepted
 
 
-@functools.partial(tuning.loop_jit,
+@functools.partial(loop_jit,
                    static_argnames=("cfg", "num_steps", "num_draft", "ngram_max", "ngram_min",
-                                    "attn_impl", "draft_cfg"),
+                                    "backend", "draft_cfg"),
                    donate_argnums=(1,))
 def speculative_loop(params, state: DecodeState, rows: jax.Array, draft_on: jax.Array, *,
                      cfg: ModelConfig, num_steps: int, num_draft: int, ngram_max: int = 3,
-                     ngram_min: int = 1, attn_impl: str = "reference",
+                     ngram_min: int = 1, backend: Backend | None = None,
                      exit_on_stop: jax.Array | bool = False, draft_params=None,
                      draft_cfg: ModelConfig | None = None):
     """decode_loop with speculation for the listed rows [R]: up to num_steps verification
@@ -100,6 +105,7 @@ def speculative_loop(params, state: DecodeState, rows: jax.Array, draft_on: jax.
     Returns (state, out_tokens [B, W] int32 with W = num_steps * (k + 1), num_out [B], done [B],
     logprobs ([B, W, ...] as decode_loop's), counts (SpecCounts)).
     """
+    backend = backend if backend is not None else backends.default()
     B, k, R = state.last_token.shape[0], num_draft, rows.shape[0]
     W = num_steps * (k + 1)
     listed = jnp.zeros((B,), bool).at[rows].set(True, mode="drop")
@@ -143,12 +149,13 @@ def speculative_loop(params, state: DecodeState, rows: jax.Array, draft_on: jax.
             else:
                 drafts, draft_probs, draft_cache = _draft_model_steps(
                     draft_params, draft_cfg, draft_cache, last_token, seen, generated, sp,
-                    rows, running, k)
+                    rows, running, k, backend)
             tokens = jnp.concatenate([last_token[:, None], drafts], axis=1)  # [R, k+1]
             h, cache = _forward_rows(params, cfg, cache, tokens,
-                                     jnp.where(running, 1 + num, 0), rows, attn_impl)
-            logits = get_model(cfg.architecture).head(params, h)          # [R, k+1, V]
-            accepted, token = verify(logits, drafts, num, sp, seen, generated, draft_probs)
+                                     jnp.where(running, 1 + num, 0), rows, backend)
+            logits = get_model(cfg.architecture).head(params, h, backend)  # [R, k+1, V]
+            accepted, token = verify(logits, drafts, num, sp, seen, generated, backend,
+                                     draft_probs)
             emitted = _emitted(drafts, accepted, token)
             lp = maybe_top_logprobs(want_lp, lambda x: x, logits, emitted)
             return (cache, draft_cache), (drafts, accepted, token, lp)
@@ -159,12 +166,13 @@ def speculative_loop(params, state: DecodeState, rows: jax.Array, draft_on: jax.
             cache, draft_cache = caches
             fed = running.astype(jnp.int32)
             h, cache = _forward_rows(params, cfg, cache, last_token[:, None], fed, rows,
-                                     attn_impl)
+                                     backend)
             if draft_cfg is not None:
                 _, draft_cache = get_model(draft_cfg.architecture).forward(
-                    draft_params, draft_cfg, last_token[:, None], draft_cache, fed, rows=rows)
-            logits = get_model(cfg.architecture).head(params, h[:, 0])
-            token = sample(logits, sp, seen, generated)
+                    draft_params, draft_cfg, last_token[:, None], draft_cache, fed, rows=rows,
+                    backend=backend)
+            logits = get_model(cfg.architecture).head(params, h[:, 0], backend)
+            token = sample(logits, sp, seen, generated, backend)
             lp = maybe_top_logprobs(want_lp, lambda x: x, logits, token)
             lp = jax.tree.map(lambda x: jnp.pad(x[:, None], [(0, 0), (0, k)] +
                                                 [(0, 0)] * (x.ndim - 1)), lp)

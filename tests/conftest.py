@@ -27,10 +27,14 @@ TEST_CPU_XLA_FLAGS = {"xla_backend_optimization_level": "0",
 
 
 def _set_test_xla_flags() -> None:
-    from jaxinfer import tuning
+    from jaxinfer import backends
+    from jaxinfer.backends import tuning
 
     if os.environ.get("JAXINFER_TEST_XLA_DEFAULTS") != "1" and tuning.cpu_only():
         tuning.add_xla_flags(TEST_CPU_XLA_FLAGS)
+    # jaxinfer's own process-wide flags, as LLM() sets them: tests that build a model's parts
+    # without an LLM compile under the same flags.
+    backends.set_xla_flags()
 
 
 _set_test_xla_flags()

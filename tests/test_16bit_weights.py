@@ -1,6 +1,6 @@
 """16-bit weights with float32 activations (LLM(dtype="bfloat16") on CPU).
 
-float_matmul is checked against the float32 product of the same rounded operands (tolerance:
+Backend.dot is checked against the float32 product of the same rounded operands (tolerance:
 float32 summation order, rtol 1e-5), and its compiled program for the absence of a float32 copy
 of the weight matrix. The real model in bfloat16 is checked against the float32 model's
 perplexity on GPL-3 text.
@@ -13,27 +13,29 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxinfer import backends
 from jaxinfer.config import ModelConfig
-from jaxinfer.layers import float_matmul, linear
+from jaxinfer.layers import linear
 from jaxinfer.models import llama
 
 
 @pytest.mark.parametrize("rows", [(1,), (1, 1), (3,), (2, 5)])
 @pytest.mark.parametrize("spec", ["...i,io->...o", "...D,VD->...V"])
-def test_float_matmul_rounds_x_to_the_weights_dtype(rows, spec):
+def test_dot_rounds_x_to_the_weights_dtype(rows, spec):
     rng = np.random.default_rng(0)
     I, O = 96, 200
     x = jnp.asarray(rng.normal(size=rows + (I,)), jnp.float32)
     shape = (I, O) if spec.endswith("o") else (O, I)
     w = jnp.asarray(rng.normal(size=shape), jnp.bfloat16)
-    fn = jax.jit(lambda x, w: float_matmul(x, w, spec))
+    backend = backends.default()
+    fn = jax.jit(lambda x, w: backend.dot(x, w, spec))
     got = fn(x, w)
     want = np.einsum(spec, np.asarray(x.astype(jnp.bfloat16), np.float32),
                      np.asarray(w, np.float32))
     assert got.dtype == jnp.float32 and got.shape == rows + (O,)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
     # No float32 copy of the weights: XLA:CPU makes one for a single-row bf16 dot unless
-    # float_matmul pads the row (45 ms a call for SmolLM2's head).
+    # the backend pads the row (or a native kernel takes it).
     hlo = fn.lower(x, w).compile().as_text()
     assert f"f32[{shape[0]},{shape[1]}]" not in hlo
 
@@ -41,7 +43,7 @@ def test_float_matmul_rounds_x_to_the_weights_dtype(rows, spec):
 def test_linear_keeps_the_activation_dtype():
     x = jnp.ones((2, 8), jnp.float32)
     w = jnp.full((8, 4), 0.5, jnp.bfloat16)
-    y = linear(x, w, jnp.ones((4,), jnp.float32))
+    y = linear(x, w, jnp.ones((4,), jnp.float32), backend=backends.default())
     assert y.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(y), np.full((2, 4), 5.0))
 

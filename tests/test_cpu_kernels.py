@@ -1,4 +1,4 @@
-"""jaxinfer.cpu_kernels: the native bf16 products (one row, and a few rows) against a float64
+"""jaxinfer.backends.cpu_kernels: the native bf16 products (one row, and a few rows) against a
 numpy product of the same bf16 operands. Tolerance: float32 products and sums of K terms, |err|
 <= 1e-5 times the sum of |x_k w_kn| (plus 1e-6), which float32 summation in any order meets."""
 
@@ -11,9 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer import cpu_kernels
+from jaxinfer import backends
+from jaxinfer.backends import cpu_kernels
 from jaxinfer.kv_cache import Bits16KV, PagedKVCache
-from jaxinfer.layers import float_matmul
+from jaxinfer.layers import gated_mlp
 from jaxinfer.quant.kv import QuantizedKV, quantize_kv
 
 SUPPORTED = (cpu_kernels._cpu_flags() >= set(cpu_kernels.REQUIRED_CPU_FLAGS)
@@ -24,12 +25,22 @@ ROWS_SUPPORTED = SUPPORTED and cpu_kernels.ROWS_CPU_FLAG in cpu_kernels._cpu_fla
 needs_rows_kernels = pytest.mark.skipif(not ROWS_SUPPORTED, reason="no AVX512-BF16")
 
 
+def one_device():
+    """The Backend of programs over one CPU device (the kernels' when they built)."""
+    return backends.resolve(num_devices=1)
+
+
 def test_kernels_build_wherever_the_cpu_and_a_compiler_allow():
+    """They build where the CPU and a compiler allow, and then a backend of one device calls
+    them from its products while one of several devices (no sharding rule) does not."""
     if not SUPPORTED:
-        assert cpu_kernels.digest() is None
+        assert cpu_kernels.digest() is None and one_device().kernels is None
         return
     assert cpu_kernels.digest() is not None
-    assert cpu_kernels.enabled() == (jax.default_backend() == "cpu" and jax.device_count() == 1)
+    w = jnp.ones((64, 32), jnp.bfloat16)
+    for backend, calls in ((one_device(), 1), (backends.resolve(num_devices=2), 0)):
+        fn = jax.jit(lambda x, w, b=backend: b.dot(x, w, "...i,io->...o"))
+        assert custom_calls(fn, jnp.ones((64,)), w) == calls
 
 
 def operands(K, N, transposed, seed=0, rows=None):
@@ -152,13 +163,11 @@ def test_gelu_gate_at_the_edges_of_exp():
 
 
 @needs_rows_kernels
-def test_swiglu_mlp_calls_the_gated_kernel_for_float32_rows_against_bf16_weights():
-    from jaxinfer.layers import swiglu_mlp
-
+def test_gated_mlp_calls_the_gated_kernel_for_float32_rows_against_bf16_weights():
     D, F = 64, 96
     rng = np.random.default_rng(3)
     w = [jnp.asarray(rng.normal(size=s) / 8, jnp.bfloat16) for s in ((D, F), (D, F), (F, D))]
-    fn = jax.jit(swiglu_mlp)
+    fn = jax.jit(lambda x, *w: gated_mlp(x, *w, "silu", backend=one_device()))
     gated = lambda x, *w: fn.lower(x, *w).as_text().count(  # noqa: E731
         "jaxinfer_gated_rows_times_matrices")
     assert gated(jnp.ones((2, 3, D)), *w) == 1
@@ -209,12 +218,13 @@ def custom_calls(fn, *args) -> int:
 
 
 @needs_kernels
-def test_float_matmul_calls_the_kernels_for_bf16_rows_only():
+def test_dot_calls_the_kernels_for_bf16_rows_only():
     w = jnp.ones((64, 32), jnp.bfloat16)
     most = cpu_kernels.MAX_ROWS
     rows = int(ROWS_SUPPORTED)
+    backend = one_device()
     for spec, weight in (("...i,io->...o", w), ("...D,VD->...V", w.T)):
-        fn = jax.jit(lambda x, w, spec=spec: float_matmul(x, w, spec))
+        fn = jax.jit(lambda x, w, spec=spec: backend.dot(x, w, spec))
         assert custom_calls(fn, jnp.ones((1, 1, 64)), weight) == 1
         assert custom_calls(fn, jnp.ones((64,)), weight) == 1
         assert custom_calls(fn, jnp.ones((2, 64)), weight) == rows
@@ -229,9 +239,10 @@ def test_float_matmul_calls_the_kernels_for_bf16_rows_only():
 def test_without_avx512_bf16_xla_multiplies_the_rows(monkeypatch):
     flags = cpu_kernels._cpu_flags() - {cpu_kernels.ROWS_CPU_FLAG}
     monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: flags)
+    backend = one_device()
+    assert not backend.few_rows and backend.kernels is not None
     x, w, want, scale = operands(96, 200, False, rows=3)
-    fn = jax.jit(lambda x, w: float_matmul(x, w, "...i,io->...o"))
-    assert not cpu_kernels.rows_enabled() and cpu_kernels.enabled()
+    fn = jax.jit(lambda x, w: backend.dot(x, w, "...i,io->...o"))
     assert custom_calls(fn, x, w) == 0
     assert np.all(np.abs(np.asarray(fn(x, w)) - want) <= 1e-5 * scale + 1e-6)
 
@@ -239,12 +250,13 @@ def test_without_avx512_bf16_xla_multiplies_the_rows(monkeypatch):
 @needs_kernels
 def test_turned_off_the_padded_dot_serves(monkeypatch):
     monkeypatch.setitem(cpu_kernels._state, "digest", None)
+    backend = one_device()
+    assert backend.kernels is None and backend.describe()["cpu_kernels"] == "off"
     x, w, want, scale = operands(96, 200, False)
-    fn = jax.jit(lambda x, w: float_matmul(x, w, "...i,io->...o"))
+    fn = jax.jit(lambda x, w: backend.dot(x, w, "...i,io->...o"))
     assert custom_calls(fn, x[None], w) == 0
     got = np.asarray(fn(x[None], w))[0]
     assert np.all(np.abs(got - want) <= 1e-5 * scale + 1e-6)
-    assert cpu_kernels.signature() == "cpu_kernels=off"
 
 
 @needs_kernels
@@ -463,7 +475,7 @@ def test_decode_attention_reads_every_fp8_code_exactly():
 def test_decode_attention_writing_equals_xla_write_then_attention(pool):
     """decode_attention_writing: the pools afterwards equal XLA's scatter of the new keys and
     values (astype's rounding to bf16) bit for bit, untouched elsewhere, a slot past the pool
-    dropped; its output equals decode_attention's over those pools bit for bit."""
+    dropped; its output is the float64 reference attention over those pools."""
     rng = np.random.default_rng(7)
     L, P, Z, K, G, H, M, layer = 2, 12, 8, 3, 3, 64, 4, 1
     T, B = 5, 4
@@ -493,10 +505,18 @@ def test_decode_attention_writing_equals_xla_write_then_attention(pool):
     leaves = lambda a: np.asarray(jax.tree.leaves(a)[0])  # noqa: E731
     np.testing.assert_array_equal(leaves(kw_pool), leaves(k_want))
     np.testing.assert_array_equal(leaves(vw_pool), leaves(v_want))
-    want = jax.jit(lambda q, kp, vp: cpu_kernels.decode_attention(q, *common(kp, vp), **kw))(
-        q, k_want, v_want)
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
-    assert (np.asarray(out)[rows == B] == 0).all()
+    # The attention over the written pools, against the float64 reference (tolerance as in
+    # test_decode_attention_matches_a_float64_reference).
+    k64, v64 = (np.asarray(jax.tree.leaves(a)[0]) for a in (k_want, v_want))
+    if pool == "bf16 bits":
+        k64, v64 = (np.asarray(Bits16KV(bits=jnp.asarray(a)).dequantize(jnp.float32))
+                    for a in (k64, v64))
+    live = rows < B
+    want = attention_reference(q * np.float32(H ** -0.5), k64, v64, layer,
+                               tables[np.minimum(rows, B - 1)], np.where(live, pos, -1), Z,
+                               None, None)
+    np.testing.assert_allclose(np.asarray(out)[live], want[live], rtol=0, atol=1e-5)
+    assert (np.asarray(out)[~live] == 0).all()
     assert cpu_kernels.writing_supports(wrap(k))
     assert not cpu_kernels.writing_supports(quantize_kv(jnp.asarray(k), jnp.int8))
 

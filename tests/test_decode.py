@@ -153,7 +153,7 @@ def test_decode_loop_leaves_unlisted_rows_alone():
 
 
 forward_tokens = jax.jit(llama.forward_tokens, static_argnums=(1,),
-                         static_argnames=("attn_impl", "query_tile", "num_tiles"))
+                         static_argnames=("backend", "query_tile", "num_tiles"))
 
 
 @pytest.mark.parametrize("cache_kind", ["ring", "ring-window", "paged"])

@@ -7,21 +7,25 @@ amax / 127, so |x - x_hat| <= scale / 2; e4m3 keeps 3 mantissa bits, so |x - x_h
 for values in e4m3's normal range (>= 2^-6 * scale) and <= 2^-10 * scale below it.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.attention import attention, ragged_attention, ragged_meta, reference_attention
+from jaxinfer import backends
+from jaxinfer.backends.attention import ragged_attention, reference_attention
+from jaxinfer.ragged_meta import ragged_meta
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import memory
 from jaxinfer.kv_cache import KV_DTYPES, PagedKVCache, QuantizedKV, kv_buffer, quantize_kv
 from jaxinfer.models import llama
 from jaxinfer.token_batch import host_batch
 
-forward = jax.jit(llama.forward, static_argnums=(1,), static_argnames=("attn_impl",))
+forward = jax.jit(llama.forward, static_argnums=(1,), static_argnames=("backend",))
 forward_tokens = jax.jit(llama.forward_tokens, static_argnums=(1,),
-                         static_argnames=("attn_impl", "query_tile", "num_tiles"))
+                         static_argnames=("backend", "query_tile", "num_tiles"))
 CFG = ModelConfig("llama", vocab_size=97, d_model=64, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=32, ffn_dim=64, max_position_embeddings=512)
 
@@ -75,11 +79,13 @@ def _quantized_segment(B, S, K, H, dtype, seed):
 
 @pytest.mark.parametrize("kv", ["int8", "fp8"])
 def test_attention_over_quantized_keys_reads_what_was_stored(kv):
-    """attention() over QuantizedKV: the reference equals the reference over the dequantized
-    arrays (the same float math), and the Pallas kernels (interpret mode), which take codes and
-    scales, equal it within float32 rounding (1e-5). The model's path, ragged_attention over
-    the same keys as a quantized page pool (the jnp page loop, and the ragged Pallas kernel),
-    equals it within float32 rounding too."""
+    """Attention over QuantizedKV: the dense reference over the dequantized arrays, and the
+    Pallas flash and paged kernels (interpret mode), which take codes and scales, equal it
+    within float32 rounding (1e-5). The model's path, ragged_attention over the same keys as a
+    quantized page pool (the jnp work list, and the ragged Pallas kernel), equals it within
+    float32 rounding too."""
+    from pallas_kernels import flash_attention, paged_attention
+
     B, T, S, N, K, H = 2, 3, 16, 4, 2, 32
     k, v = _quantized_segment(B, S, K, H, KV_DTYPES[kv], seed=2)
     rng = np.random.default_rng(3)
@@ -88,17 +94,17 @@ def test_attention_over_quantized_keys_reads_what_was_stored(kv):
     qpos = lengths[:, None] - T + jnp.arange(T)[None]
     kpos = jnp.where(jnp.arange(S)[None] < lengths[:, None], jnp.arange(S)[None], -1)
     want = reference_attention(q, qpos, [(k.dequantize(), v.dequantize(), kpos)])
-    got = attention(q, qpos, [(k, v, kpos)])
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    flash = attention(q, qpos, [(k, v, kpos)], implementation="flash",
-                      lengths=(lengths - T, lengths))
+    scales = dict(k_scale=k.scale, v_scale=v.scale)
+    flash = flash_attention(q, k.typed_codes, v.typed_codes, q_offset=lengths - T,
+                            kv_lengths=lengths, interpret=True, **scales)
     np.testing.assert_allclose(np.asarray(flash), np.asarray(want), atol=1e-5, rtol=0)
     # Single-token decode through the paged kernel: the rows' keys as pages of 4.
-    pages = jax.tree.map(lambda a: a.reshape((B * S // 4, 4) + a.shape[2:]), (k, v))
+    pages = jax.tree.map(lambda a: a.reshape((B * S // 4, 4) + a.shape[2:]),
+                         (k.typed_codes, v.typed_codes, k.scale, v.scale))
     tables = jnp.arange(B * S // 4, dtype=jnp.int32).reshape(B, S // 4)
-    one = attention(q[:, -1:], qpos[:, -1:], [(k, v, kpos)], implementation="paged",
-                    lengths=(lengths - 1, lengths), pages=(*pages, tables))
-    np.testing.assert_allclose(np.asarray(one), np.asarray(want[:, -1:]), atol=1e-5, rtol=0)
+    one = paged_attention(q[:, -1], pages[0], pages[1], lengths, tables, k_scale=pages[2],
+                          v_scale=pages[3], interpret=True)
+    np.testing.assert_allclose(np.asarray(one), np.asarray(want[:, -1]), atol=1e-5, rtol=0)
     # The flat step: the rows' T queries side by side over a one-layer pool of 4-slot pages.
     pool = jax.tree.map(lambda a: a.reshape((1, B * S) + a.shape[2:]), (k, v))
     assert isinstance(pool[0], QuantizedKV)
@@ -109,8 +115,9 @@ def test_attention_over_quantized_keys_reads_what_was_stored(kv):
     if _ragged_kernel_importable():
         impls.append("pallas")
     for impl in impls:
-        flat = ragged_attention(q.reshape(B * T, N, H), *pool, 0, tables, meta, page_size=4,
-                                implementation=impl)
+        backend = dataclasses.replace(backends.default(), attention=impl)
+        flat = ragged_attention(backend, q.reshape(B * T, N, H), *pool, 0, tables, meta,
+                                page_size=4)
         np.testing.assert_allclose(np.asarray(flat), flat_want, atol=1e-5, rtol=0,
                                    err_msg=impl)
 
@@ -197,7 +204,8 @@ def test_quantized_cache_under_the_model(kv, layout):
     else:
         cache = _paged(CFG, 3, 16, dtype, rng)
         kw = {"paged": {}, "paged-flat": dict(flat=True), "paged-flat-bits": dict(flat=True),
-              "paged-pallas": dict(attn_impl="pallas")}[layout]
+              "paged-pallas": dict(backend=dataclasses.replace(backends.default(),
+                                                               attention="pallas"))}[layout]
     if layout == "paged-flat-bits":
         typed = cache
         cache = cache.replace(**{n: kv_buffer(getattr(cache, n).shape, dtype, fp8_bits=True)

@@ -5,34 +5,43 @@ wrong read shows. Chunked prefill and decode through the paged cache equal a ful
 (float32, 1e-5), with the jnp attention (a loop over each row's pages) and with the ragged paged
 attention kernel (interpret mode). The jnp attention equals the dense reference on a mixed
 batch of decode rows, prefill chunks, an empty row and a window; its decode rows both through
-the jnp loop and through the native CPU decode kernel (jaxinfer.cpu_kernels) where it builds.
+the jnp loop and through the native CPU decode kernel (jaxinfer.backends.cpu_kernels) where it
+builds.
 """
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer import cpu_kernels
+from jaxinfer import backends
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache import Bits16KV, PagedKVCache
 from jaxinfer.models import llama
 
-forward = jax.jit(llama.forward, static_argnums=(1,), static_argnames=("attn_impl",))
+forward = jax.jit(llama.forward, static_argnums=(1,), static_argnames=("backend",))
 
 CFG = ModelConfig("llama", vocab_size=97, d_model=64, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=32, ffn_dim=64, max_position_embeddings=512)
 PAGE = 4
 
 
+def with_attention(attention: str):
+    return dataclasses.replace(backends.default(), attention=attention)
+
+
 @pytest.fixture(params=["jnp", "cpu_kernel"])
-def decode_path(request, monkeypatch):
-    """Decode rows through the jnp loop (the native kernels off) or the native CPU kernel."""
+def decode_path(request):
+    """The Backend whose decode rows go through the jnp loop (the native kernels off) or the
+    native CPU kernel."""
+    backend = backends.resolve(num_devices=1)
     if request.param == "jnp":
-        monkeypatch.setitem(cpu_kernels._state, "digest", None)
-    elif not cpu_kernels.enabled():
+        return dataclasses.replace(backend, kernels=None, few_rows=False)
+    if backend.kernels is None:
         pytest.skip("the native CPU kernels are not built here")
-    return request.param
+    return backend
 
 
 def _paged_cache(cfg, B, pages_per_row, rng, window=None):
@@ -46,7 +55,7 @@ def _paged_cache(cfg, B, pages_per_row, rng, window=None):
     return cache.replace(k=nan, v=nan)
 
 
-def _run(cfg, params, prompts, steps, chunk, attn_impl):
+def _run(cfg, params, prompts, steps, chunk, attention):
     """Chunked prefill of ragged prompts, then `steps` greedy decode steps; returns the logits
     of every prompt position and decode step per row."""
     rng = np.random.default_rng(0)
@@ -60,7 +69,7 @@ def _run(cfg, params, prompts, steps, chunk, attn_impl):
         for b, p in enumerate(prompts):
             toks[b, :num[b]] = p[s:s + num[b]]
         h, cache = forward(params, cfg, jnp.asarray(toks), cache, jnp.asarray(num),
-                           attn_impl=attn_impl)
+                           backend=with_attention(attention))
         lg = np.asarray(llama.lm_head(params, h))
         for b in range(B):
             logits[b].extend(lg[b, :num[b]])
@@ -68,7 +77,7 @@ def _run(cfg, params, prompts, steps, chunk, attn_impl):
     seqs = [list(p) + [int(nxt[b])] for b, p in enumerate(prompts)]
     for _ in range(steps):
         h, cache = forward(params, cfg, jnp.asarray(nxt[:, None]), cache,
-                           jnp.ones(B, jnp.int32), attn_impl=attn_impl)
+                           jnp.ones(B, jnp.int32), backend=with_attention(attention))
         lg = np.asarray(llama.lm_head(params, h))[:, 0]
         for b in range(B):
             logits[b].append(lg[b])
@@ -78,12 +87,12 @@ def _run(cfg, params, prompts, steps, chunk, attn_impl):
     return [np.stack(x) for x in logits], seqs, cache
 
 
-@pytest.mark.parametrize("attn_impl", ["reference", "pallas"])
-def test_paged_prefill_and_decode_equal_full_forward(attn_impl):
+@pytest.mark.parametrize("attention", ["reference", "pallas"])
+def test_paged_prefill_and_decode_equal_full_forward(attention):
     params = llama.init_params(CFG, jax.random.key(0))
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, CFG.vocab_size, n).tolist() for n in (13, 1, 22)]
-    got, seqs, cache = _run(CFG, params, prompts, steps=5, chunk=8, attn_impl=attn_impl)
+    got, seqs, cache = _run(CFG, params, prompts, steps=5, chunk=8, attention=attention)
     for b, seq in enumerate(seqs):
         full = np.asarray(llama.sequence_logits(params, CFG, jnp.asarray([seq[:-1]])))[0]
         assert np.isfinite(got[b]).all()
@@ -95,7 +104,7 @@ def test_paged_sliding_window_matches_dense():
     cfg = CFG.replace(sliding_window=5)
     params = llama.init_params(cfg, jax.random.key(2))
     prompt = np.random.default_rng(3).integers(0, cfg.vocab_size, 19).tolist()
-    got, seqs, _ = _run(cfg, params, [prompt], steps=4, chunk=8, attn_impl="reference")
+    got, seqs, _ = _run(cfg, params, [prompt], steps=4, chunk=8, attention="reference")
     full = np.asarray(llama.sequence_logits(params, cfg, jnp.asarray([seqs[0][:-1]])))[0]
     np.testing.assert_allclose(got[0], full, atol=1e-5, rtol=0)
 
@@ -132,7 +141,7 @@ def test_loop_attention_equals_reference(window, softcap, tile, decode_path):
         num_queries[4] = 1
     query_start = np.array([2, 0, 3, 1, 4], np.int32)
     _check_loop_attention(kv_lengths, num_queries, query_start, M=6, T=16, window=window,
-                          softcap=softcap, tile=tile)
+                          softcap=softcap, tile=tile, backend=decode_path)
 
 
 @pytest.mark.parametrize("window,static", [(None, False), (11, False), (None, True)])
@@ -147,7 +156,7 @@ def test_decode_work_list_spans_rows_and_iterations(window, static, decode_path)
     query_start = np.array([5, 0, 1, 2, 0, 3, 4], np.int32)
     _check_loop_attention(kv_lengths, num_queries, query_start, M=16, T=8, window=window,
                           softcap=None, tile=1, single_pages_per_block=2,
-                          static_pages=16 if static else None)
+                          static_pages=16 if static else None, backend=decode_path)
 
 
 @pytest.mark.parametrize("window,softcap,tile", [(None, None, 1), (11, None, 1), (None, 5.0, 1),
@@ -161,7 +170,7 @@ def test_loop_attention_over_a_bf16_pool(window, softcap, tile, decode_path):
     query_start = np.array([5, 0, 1, 2, 0, 3, 6], np.int32)
     _check_loop_attention(kv_lengths, num_queries, query_start, M=16, T=12, window=window,
                           softcap=softcap, tile=tile, pool_dtype=jnp.bfloat16,
-                          single_pages_per_block=2)
+                          single_pages_per_block=2, backend=decode_path)
 
 
 @pytest.mark.parametrize("max_pairs,static", [(None, False), (3, False), (3, True),
@@ -173,7 +182,7 @@ def test_prefill_work_list_spans_tiles_rows_and_iterations(monkeypatch, max_pair
     window of tiles (the path of a forward over thousands of rows) with a tile's blocks split
     over iterations; static=True takes the differentiable forward's static trip count. Each
     row still equals the dense reference over its keys."""
-    import jaxinfer.work_list as work_list
+    import jaxinfer.backends.work_list as work_list
 
     if max_pairs is not None:
         monkeypatch.setattr(work_list, "MAX_PAIRS", max_pairs)
@@ -186,14 +195,14 @@ def test_prefill_work_list_spans_tiles_rows_and_iterations(monkeypatch, max_pair
 
 
 def _check_loop_attention(kv_lengths, num_queries, query_start, *, M, T, window, softcap, tile,
-                          pool_dtype=jnp.float32, **meta_kw):
+                          pool_dtype=jnp.float32, backend=None, **meta_kw):
     """ragged_attention (the jnp path) over a NaN-filled pool with shuffled pages == the dense
     reference over each row's keys; tokens of no row get zeros. With pool_dtype bfloat16 the
     pool is a 16-bit one as the engine keeps it on CPU (kv_cache.Bits16KV), the reference sees
     the same bf16-rounded keys and values in float32, and the tolerance is bf16's (2e-2
     absolute on outputs of order 1: decode multiplies keys by queries rounded to bf16)."""
-    from jaxinfer.attention import (num_tiles_bound, ragged_attention, ragged_meta,
-                                    reference_attention)
+    from jaxinfer.backends.attention import ragged_attention, reference_attention
+    from jaxinfer.ragged_meta import num_tiles_bound, ragged_meta
 
     rng = np.random.default_rng(7)
     B, N, K, H = len(kv_lengths), 4, 2, 32
@@ -218,8 +227,9 @@ def _check_loop_attention(kv_lengths, num_queries, query_start, *, M, T, window,
                        jnp.asarray(kv_lengths), num_tokens=T, query_tile=tile,
                        num_tiles=num_tiles_bound(T, tile, B), page_size=Z,
                        sliding_window=window, **meta_kw)
-    got = ragged_attention(jnp.asarray(q), k_all, v_all, 0, jnp.asarray(tables), meta,
-                           page_size=Z, sliding_window=window, softcap=softcap)
+    got = ragged_attention(backend or with_attention("reference"), jnp.asarray(q), k_all,
+                           v_all, 0, jnp.asarray(tables), meta, page_size=Z,
+                           sliding_window=window, softcap=softcap)
     got = np.asarray(got)
     assert np.isfinite(got).all()
     owned = np.zeros(T, bool)

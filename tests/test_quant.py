@@ -263,8 +263,12 @@ def test_matmul_equals_dense_product_of_the_dequantized_weight(monkeypatch, tile
     as an einsum with the dequantized weight, for every kind and both orientations (linear
     [in, out] grouped on axis 0, the tied head [V, D] on axis 1). float32: the tiles' dots
     sum in another order, so equal to a few ulps of the result's magnitude (rtol 1e-5)."""
-    monkeypatch.setattr(quant.compute, "TILE_ELEMENTS", tile_elements)
-    monkeypatch.setattr(quant.compute, "TILE_ELEMENTS_ONE_BUFFER", tile_elements)
+    from jaxinfer import backends
+    from jaxinfer.backends import products
+
+    monkeypatch.setattr(products, "TILE_ELEMENTS", tile_elements)
+    monkeypatch.setattr(products, "TILE_ELEMENTS_ONE_BUFFER", tile_elements)
+    backend = backends.default()
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
     w = weights((64, 192))
@@ -277,13 +281,14 @@ def test_matmul_equals_dense_product_of_the_dequantized_weight(monkeypatch, tile
              (quant.quantize_int8(w.T, 1, 32), "nd,vd->nv"),
              (quant.quantize_int4(w.T, 1, 32, symmetric=True), "nd,vd->nv")]
     for qw, spec in cases:
-        got = jax.jit(lambda x, qw: quant.matmul(x, qw, spec))(x, qw)
+        got = jax.jit(lambda x, qw: quant.matmul(x, qw, spec, backend))(x, qw)
         want = jnp.einsum(spec, x, quant.dequantize(qw), precision="highest")
         assert got.shape == want.shape == (3, 192)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5,
                                    atol=1e-5 * float(jnp.max(jnp.abs(want))))
     if tile_elements < 64 * 192:
-        assert quant.compute._tile((64, 192), 1) == 24 and quant.compute._tile((192, 64), 0) == 24
+        assert quant.compute._tile((64, 192), 1, tile_elements) == 24
+        assert quant.compute._tile((192, 64), 0, tile_elements) == 24
 
 
 def test_fp8_decoded_from_raw_bytes_exactly():
@@ -302,7 +307,13 @@ def test_fp8_weights_times_fp8_activations(monkeypatch):
     fp8 x fp8 dot with x quantized per token. Its only error against the dequantized weight's
     product is x's e4m3 rounding, |x - x_hat| <= 2^-4 |x| (or 2^-10 of the token's scale below
     e4m3's normal range), so |y - x @ W| <= (2^-4 |x| + 2^-10 s) @ |W| (+ float32 slack)."""
-    monkeypatch.setattr(quant.compute, "FP8_ACTIVATIONS", True)
+    import dataclasses
+
+    from jaxinfer import backends
+
+    backend = dataclasses.replace(backends.default(), platform="gpu", kernels=None,
+                                  few_rows=False)
+    assert backend.fp8_activations
     rng = np.random.default_rng(5)
     x = rng.standard_normal((4, 64)).astype(np.float32)
     x[1] *= 1e-3                     # tokens of very different magnitude
@@ -310,7 +321,7 @@ def test_fp8_weights_times_fp8_activations(monkeypatch):
     w = weights((64, 48))
     for qw, spec in [(quant.quantize_fp8(w, 0), "ni,io->no"),
                      (quant.quantize_fp8(w.T, 1), "nd,vd->nv")]:
-        f = jax.jit(lambda x, qw: quant.matmul(x, qw, spec))
+        f = jax.jit(lambda x, qw: quant.matmul(x, qw, spec, backend))
         assert "f8E4M3FN" in f.lower(jnp.asarray(x), qw).as_text().split("dot_general")[1][:200]
         got = np.asarray(f(jnp.asarray(x), qw), np.float64)
         wd = np.asarray(quant.dequantize(qw), np.float64)
@@ -322,4 +333,4 @@ def test_fp8_weights_times_fp8_activations(monkeypatch):
         assert (got[2] == 0).all()
     grouped = quant.quantize_int4(w, 0, 32).replace(kind="fp8")
     with pytest.raises(ValueError, match="per-channel symmetric fp8 weight"):
-        quant.matmul(jnp.asarray(x), grouped, "ni,io->no")
+        quant.matmul(jnp.asarray(x), grouped, "ni,io->no", backend)

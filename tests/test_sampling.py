@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import jaxinfer as ji
-from jaxinfer import cpu_kernels
+from jaxinfer import backends
 from jaxinfer.sampling import (SamplingArrays, apply_repetition_penalty, filtered_logits,
                                mark_seen, sample)
 
@@ -165,7 +165,7 @@ def test_top_k_among_equal_logits_keeps_the_lowest_indices(candidates):
     then keeps nothing there) and 0.0 above -0.0."""
     rng = np.random.default_rng(11)
     B, V = 24, 300
-    special = cpu_kernels.enabled() or not candidates
+    special = backends.default().kernels is not None or not candidates
     values = np.array([2.0, 1.0, 0.0, -0.0 if special else 0.0, -1.0, -np.inf,
                        np.nan if special else -2.0], np.float32)
     logits = values[rng.choice(len(values), (B, V), p=[.05, .15, .3, .3, .15, .03, .02])]
@@ -368,12 +368,17 @@ def _reference_draw(probs, seed, index):
 @pytest.mark.parametrize("native", [False, True], ids=["two levels", "native where built"])
 @pytest.mark.parametrize("V,block", [(1000, 64), (4096, 1024), (1030, 256), (50, 1024)])
 def test_blocked_argmax_equals_numpy(V, block, native):
-    """sampling.argmax against numpy's argmax (first index of the maximum; NaN counts as the
+    """The backend's argmax against numpy's argmax (first index of the maximum; NaN counts as the
     maximum, its first occurrence wins) on random rows, ties inside a block and across blocks,
     rows of -inf, rows with NaN, a V that is not a multiple of the block (padded), leading axes,
     and bf16 input; in two levels, and through the native CPU kernel where it is built (float32
     rows longer than a block)."""
-    from jaxinfer.sampling import argmax
+    import dataclasses
+
+    from jaxinfer.backends.sort import argmax
+    backend = backends.resolve(num_devices=1)
+    if not native:
+        backend = dataclasses.replace(backend, kernels=None, few_rows=False)
     rng = np.random.default_rng(V)
     x = rng.standard_normal((12, V)).astype(np.float32)
     x[1, [3, 7]] = 9.0                              # a tie inside one block
@@ -386,7 +391,7 @@ def test_blocked_argmax_equals_numpy(V, block, native):
     x[7, V - 1] = -1e30                             # the only finite entry is the last
     x[8, [10, V - 3]] = [np.inf, np.nan]            # +inf before a NaN: the NaN wins
     x[9, [V - 4, 2]] = np.inf                       # two +inf: the first
-    f = jax.jit(lambda a: argmax(a, block, native))
+    f = jax.jit(lambda a: argmax(backend, a, block))
     np.testing.assert_array_equal(np.asarray(f(jnp.asarray(x))), np.argmax(x, axis=-1))
     x3 = x.reshape(3, 4, V)
     np.testing.assert_array_equal(np.asarray(f(jnp.asarray(x3))), np.argmax(x3, axis=-1))

@@ -135,7 +135,7 @@ def test_verify_emits_the_target_distribution(drafter):
     sp = _sampling(N, temperature=1.0, top_k=4)
     accepted, token = jax.jit(verify)(np.broadcast_to(logits, (N, k + 1, V)), drafts,
                                       np.full(N, k, np.int32), sp, np.zeros((N, V), bool),
-                                      np.zeros(N, np.int32), draft_probs)
+                                      np.zeros(N, np.int32), draft_probs=draft_probs)
     accepted, token = np.asarray(accepted), np.asarray(token)
     first = np.where(accepted > 0, drafts[:, 0], token)
     second = np.where(accepted > 1, drafts[:, 1], token)[accepted > 0]

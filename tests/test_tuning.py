@@ -1,5 +1,6 @@
-"""The process-wide XLA flags jaxinfer sets on CPU (jaxinfer.tuning.set_cpu_xla_flags): when
-they are added, and what the scheduler flag does to a compiled program's scratch memory."""
+"""The process-wide XLA flags jaxinfer sets on CPU (backends.set_xla_flags, called by LLM()):
+when they are added, that importing jaxinfer adds none, and what the scheduler flag does to a
+compiled program's scratch memory."""
 
 import os
 import subprocess
@@ -7,7 +8,7 @@ import sys
 
 import pytest
 
-from jaxinfer import tuning
+from jaxinfer.backends import tuning
 
 FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler"
 
@@ -16,6 +17,7 @@ FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler"
 _CHAIN = """
 import os, sys
 import jaxinfer
+jaxinfer.backends.set_xla_flags()   # as LLM() does, before any backend starts
 import jax, jax.numpy as jnp, numpy as np
 from jaxinfer import quant
 ws = [jax.tree.map(jnp.asarray, quant.quantize_int8(
@@ -40,8 +42,18 @@ def _chain(xla_flags):
     return out[-2], int(out[-1])
 
 
+def test_importing_jaxinfer_leaves_xla_flags_as_the_user_set_them():
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    code = "import jaxinfer, os; print(os.environ.get('XLA_FLAGS'))"
+    for given in (None, "--xla_force_host_platform_device_count=2"):
+        run_env = dict(env) if given is None else {**env, "XLA_FLAGS": given}
+        out = subprocess.run([sys.executable, "-c", code], env=run_env, capture_output=True,
+                             text=True, timeout=120, check=True).stdout.split()
+        assert out == [str(given)]
+
+
 def test_scheduler_flag_reuses_one_scratch_buffer():
-    """Imported first, jaxinfer selects XLA:CPU's memory-minimizing scheduler, and the six
+    """With set_xla_flags called first, XLA:CPU's memory-minimizing scheduler runs, and the six
     dequantized [256, 1024] float32 copies (1 MiB each) share one scratch buffer; with the flag
     set back to XLA's default by the user (which jaxinfer leaves alone) each has its own."""
     one_mib = 256 * 1024 * 4
@@ -136,7 +148,7 @@ def test_program_jit_hands_its_options_to_xla(monkeypatch):
     x, w = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((64, 96), (96, 128)))
     monkeypatch.setattr(tuning, "COMPILER_OPTIONS_JAXLIB", (tuning._jaxlib_version(),))
     backend = jax.default_backend()
-    real = tuning.for_backend(backend)
+    real = tuning.for_platform(backend)
     bad = dataclasses.replace(real, compiler_options=(("xla_cpu_opt_preset", "NO_SUCH_PRESET"),))
     monkeypatch.setitem(tuning.TUNING, backend, bad)
     with pytest.raises(Exception, match="NO_SUCH_PRESET"):

@@ -120,7 +120,8 @@ class Engine:
                  capacity: int, dtype, paged: Optional[PagedSlots] = None,
                  num_pages: int = 0, draft: Optional[tuple] = None,
                  partitioner: Optional[Partitioner] = None, kv_dtype=None,
-                 ring_capacity: int = 0, program_index: Optional[str] = None):
+                 ring_capacity: int = 0, program_index: Optional[str] = None,
+                 backend=None):
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.ecfg = engine_cfg
@@ -141,7 +142,8 @@ class Engine:
                              page_size=paged.page_size if paged is not None else 16,
                              num_pages=num_pages, paged=paged is not None, draft=draft,
                              partitioner=partitioner, eos_ids=self.eos_ids,
-                             ring_capacity=ring_capacity, program_index=program_index)
+                             ring_capacity=ring_capacity, program_index=program_index,
+                             backend=backend)
         self.scheduler = Scheduler(B, engine_cfg.max_num_batched_tokens,
                                    engine_cfg.prefill_chunk, paged, data,
                                    fill_buckets=self.runner.fill_buckets)
@@ -152,6 +154,7 @@ class Engine:
 
     # Attributes tests, benchmarks and LLM read.
     params = property(lambda self: self.runner.params)
+    backend = property(lambda self: self.runner.backend)
     state = property(lambda self: self.runner.state)
     draft_kw = property(lambda self: self.runner.draft_kw)
     num_pages = property(lambda self: self.runner.num_pages)

@@ -7,14 +7,14 @@ lowers each step program before that cache can answer (about 0.6 s of tracing an
 lowering for SmolLM2's flat step on the development CPU). This cache keys a compiled program by
 what decides it, without tracing anything:
 - the program (the jitted function's module and name) and the static arguments' repr (the
-  model config, attention implementation, step sizes);
+  model config, the Backend, step sizes);
 - the abstract dynamic arguments: their tree structure (static dataclass fields included) and
   each leaf's shape, dtype, weak type and placement;
 - a fingerprint of the code that traces it (every .py and .cc file of jaxinfer and
-  pallas_kernels), of jax's and jaxlib's versions, XLA_FLAGS, the backend and its devices, jax's
-  configuration values, the backend's tuning table (jaxinfer.tuning) and the build of the CPU
-  kernels in use (jaxinfer.cpu_kernels.signature(), which also registers them before any
-  entry is loaded).
+  pallas_kernels), of jax's and jaxlib's versions, the XLA flags, the platform and its devices
+  (backends.signature()) and jax's configuration values. The Backend, with the CPU kernels'
+  build, is a static argument of every program (LLM() resolves it, which registers the
+  kernels, before any entry is loaded).
 An entry holds the serialized executable (jax.experimental.serialize_executable), compressed,
 and the pickled input and output trees; a hit loads it and calls it with the dynamic
 arguments. Any change to the code or the environment misses, and a miss compiles through jit's
@@ -95,24 +95,23 @@ def code_fingerprint() -> str:
                         h.update(os.path.relpath(path, root).encode() + b"\0")
                         with open(path, "rb") as f:
                             h.update(f.read() + b"\0")
-        devices = jax.devices()
+        from jaxinfer import backends
+
         for part in (jax.__version__, importlib.metadata.version("jaxlib"),
-                     os.environ.get("XLA_FLAGS", ""), jax.default_backend(),
-                     repr([(d.platform, d.device_kind, d.id) for d in devices])):
+                     backends.signature()):
             h.update(part.encode() + b"\0")
         _FINGERPRINT = h.hexdigest()
     return _FINGERPRINT
 
 
 def _settings() -> str:
-    """jax's configuration values (those that can change a traced program) and the backend's
-    tuning table, read at each key: both may change during a process."""
-    from jaxinfer import cpu_kernels, tuning
-
+    """jax's configuration values (those that can change a traced program), read at each key:
+    they may change during a process. (The Backend, with the CPU kernels' build, is a static
+    argument of every program, so it is in the key with the other static arguments.)"""
     values = sorted((k, repr(v)) for k, v in jax.config.values.items()
                     if k not in _CONFIG_NOT_IN_KEY
                     and not k.startswith(_CONFIG_PREFIXES_NOT_IN_KEY))
-    return repr(values) + repr(tuning.for_backend()) + cpu_kernels.signature()
+    return repr(values)
 
 
 def _leaf_signature(x) -> str:
@@ -391,7 +390,7 @@ class ProgramCache:
 
 
 def static_argnames(fn) -> tuple:
-    """The static keyword arguments of a jax.jit function or a tuning.loop_jit."""
+    """The static keyword arguments of a jax.jit function or a backends.tuning.program_jit."""
     if hasattr(fn, "jit_kwargs"):
         return tuple(fn.jit_kwargs.get("static_argnames", ()))
     info = fn._jit_info  # jax's record of a jit's arguments (AttributeError where it is not)

@@ -19,7 +19,8 @@ from typing import Optional
 import jax
 import numpy as np
 
-from jaxinfer import decode, sharding, speculative_loop, tuning
+from jaxinfer import backends, decode, sharding, speculative_loop
+from jaxinfer.backends import Backend
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine import buckets, programs
 from jaxinfer.engine.programs import ProgramCache
@@ -47,8 +48,12 @@ class Runner:
                  capacity: int, dtype, kv_dtype, page_size: int, num_pages: int,
                  paged: bool, draft: Optional[tuple] = None,
                  partitioner: Optional[Partitioner] = None, eos_ids: tuple = (),
-                 ring_capacity: int = 0, program_index: Optional[str] = None):
+                 ring_capacity: int = 0, program_index: Optional[str] = None,
+                 backend: Optional[Backend] = None):
         self.cfg, self.ecfg = cfg, engine_cfg
+        # The ops' implementations, a static argument of every program (jaxinfer.backends).
+        self.backend = backend if backend is not None else backends.resolve(
+            engine_cfg.attention, head_dim=cfg.head_dim)
         self.partitioner = partitioner
         # Weights and state are committed to the device (or to their shardings on the mesh):
         # jit keys its compiled programs on whether each argument is.
@@ -64,7 +69,7 @@ class Runner:
         self.ring_capacity = ring_capacity
         self.eos_ids = eos_ids
         self.spec = engine_cfg.speculative
-        tune = tuning.for_backend()
+        tune = self.backend.tuning
         self.query_tile = tune.query_tile
         budget = engine_cfg.max_num_batched_tokens
         self.token_buckets = buckets.geometric(budget, min(tune.min_tokens, budget),
@@ -104,8 +109,7 @@ class Runner:
     def _zeros(self, shape: tuple[int, ...]):
         """An empty K or V buffer: on the host (placed with the rest of the state), or made
         shard by shard on the mesh."""
-        tune = tuning.for_backend()
-        bits = dict(bits16=tune.kv_16bit_as_bits, fp8_bits=tune.kv_fp8_as_bits)
+        bits = dict(bits16=self.backend.kv_bits16, fp8_bits=self.backend.kv_fp8_bits)
         if self.partitioner is None:
             return kv_buffer(shape, self.kv_dtype, np.zeros, **bits)
         axes = PagedKVCache.KV_AXES
@@ -226,7 +230,7 @@ class Runner:
     def _step_call(self, state, batch, sample_rows, next_tokens) -> tuple:
         """The flat step's program and arguments: (jitted, args, kwargs)."""
         return decode.step_jit, (self.params, state, batch, sample_rows, next_tokens), dict(
-            cfg=self.cfg, attn_impl=self.ecfg.attention, query_tile=self.query_tile,
+            cfg=self.cfg, backend=self.backend, query_tile=self.query_tile,
             **self.draft_kw)
 
     def _step(self, batch, sample_rows, next_tokens):
@@ -268,7 +272,7 @@ class Runner:
     def _loop_call(self, state, rows, draft_on, exit_on_stop: bool) -> tuple:
         """The multi-step decode program and arguments, (jitted, args, kwargs): the decode loop,
         or with speculation the speculative loop (draft_on [B]: rows that may draft)."""
-        kw = dict(cfg=self.cfg, num_steps=self.ecfg.decode_steps, attn_impl=self.ecfg.attention,
+        kw = dict(cfg=self.cfg, num_steps=self.ecfg.decode_steps, backend=self.backend,
                   exit_on_stop=np.bool_(exit_on_stop), **self.draft_kw)
         if self.spec is None:
             return decode.decode_loop, (self.params, state, rows), kw

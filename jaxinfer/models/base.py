@@ -35,12 +35,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import sharding, tuning
-from jaxinfer.attention import ragged_attention, write_and_attend
+from jaxinfer import backends, sharding
+from jaxinfer.backends import Backend
+from jaxinfer.backends.tuning import program_jit
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache import PagedKVCache
-from jaxinfer.layers import float_matmul, rope_angles, rope_inv_freq
-from jaxinfer.quant import QuantizedWeight, matmul, take_rows
+from jaxinfer.layers import product, rope_angles, rope_inv_freq
+from jaxinfer.quant import QuantizedWeight, take_rows
 from jaxinfer.quant import logical_axes as quant_logical_axes
 from jaxinfer.ragged_meta import RaggedMeta, num_tiles_bound, ragged_meta
 from jaxinfer.token_batch import TokenBatch
@@ -59,7 +60,7 @@ class ModelParams:
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["cache", "k_all", "v_all", "slots", "local_k_all",
                                 "local_v_all", "local_slots", "metas", "rope", "layer"],
-                   meta_fields=["attn_impl"])
+                   meta_fields=["backend"])
 @dataclasses.dataclass(frozen=True)
 class Context:
     """What a layer's attention needs of the step: the pools it writes and reads, where the
@@ -78,7 +79,7 @@ class Context:
     metas: tuple                    # one RaggedMeta per window of cfg.windows, in its order
     rope: dict                      # RoPE base -> (cos, sin) [1, T, H/2]
     layer: Any                      # the running layer's index in its pool: int or int32 []
-    attn_impl: str
+    backend: Backend                # the implementations of the step's ops (jaxinfer.backends)
 
     def angles(self, cfg: ModelConfig, i: int) -> tuple[jax.Array, jax.Array]:
         """(cos, sin) [1, T, H/2] of layer i's RoPE base."""
@@ -124,19 +125,10 @@ def attend(ctx: Context, cfg: ModelConfig, i: int, q: jax.Array, k: jax.Array,
             cache.local_tables()
     else:
         pools, slots, tables = (ctx.k_all, ctx.v_all), ctx.slots, cache.block_tables
-    meta, kw = ctx.meta(cfg, window), dict(page_size=cache.page_size, sliding_window=window,
-                                           sm_scale=cfg.query_scale)
-    # The native decode kernel writes the new keys and values itself where it serves the step
-    # (attention.write_and_attend); otherwise XLA writes them and ragged_attention reads.
-    fused = None if ctx.attn_impl != "reference" else write_and_attend(
-        q, k, v, slots, *pools, ctx.layer, tables, meta, **kw)
-    if fused is not None:
-        o, k_all, v_all = fused
-    else:
-        k_all, v_all = (cache.write_layer(pool, ctx.layer, new, slots)
-                        for pool, new in zip(pools, (k, v)))
-        o = ragged_attention(q, k_all, v_all, ctx.layer, tables, meta,
-                             implementation=ctx.attn_impl, wraps=ring or cache.wraps, **kw)
+    o, k_all, v_all = ctx.backend.attend(
+        q, k, v, slots, *pools, ctx.layer, tables, ctx.meta(cfg, window), cache.write_layer,
+        page_size=cache.page_size, sliding_window=window, sm_scale=cfg.query_scale,
+        wraps=ring or cache.wraps)
     if ring:
         return o, ctx.replace(local_k_all=k_all, local_v_all=v_all)
     return o, ctx.replace(k_all=k_all, v_all=v_all)
@@ -251,7 +243,7 @@ class Family:
     def with_float32_activations(params: ModelParams) -> ModelParams:
         """params with the vectors (norm weights, biases) in float32 and the matrices as they
         are: activations and the KV cache then run in float32 while every matmul reads 16-bit
-        weights (layers.float_matmul)."""
+        weights (Backend.dot)."""
         def vec(x):
             if isinstance(x, jax.Array) and x.ndim == 1:
                 return x.astype(jnp.float32)
@@ -280,20 +272,19 @@ class Family:
         from jaxinfer.layers import rms_norm
         return rms_norm(h, params.final_norm, cfg.rms_norm_eps)
 
-    def head(self, params: ModelParams, h: jax.Array) -> jax.Array:
-        """h [..., D] (already normalised) -> logits [..., V] in float32."""
+    def head(self, params: ModelParams, h: jax.Array,
+             backend: Optional[Backend] = None) -> jax.Array:
+        """h [..., D] (already normalised) -> logits [..., V] in float32 (backend: default
+        backends.default())."""
+        backend = backend if backend is not None else backends.default()
         if params.lm_head is None:
-            if isinstance(params.embed, QuantizedWeight):
-                return matmul(h, params.embed, "...D,VD->...V")
-            return float_matmul(h, params.embed, "...D,VD->...V")
-        if isinstance(params.lm_head, QuantizedWeight):
-            return matmul(h, params.lm_head, "...D,DV->...V")
-        return float_matmul(h, params.lm_head, "...D,DV->...V")
+            return product(h, params.embed, "...D,VD->...V", backend)
+        return product(h, params.lm_head, "...D,DV->...V", backend)
 
     # -- built from the pieces ---------------------------------------------------------------------
 
     def context(self, cfg: ModelConfig, batch: TokenBatch, cache: PagedKVCache, *,
-                attn_impl: str = "reference", query_tile: int = 16,
+                backend: Optional[Backend] = None, query_tile: int = 16,
                 num_tiles: Optional[int] = None, differentiable: bool = False) -> Context:
         """The step's attention context (see Context), once per forward."""
         T, B, Z = batch.num_tokens, cache.batch, cache.page_size
@@ -321,15 +312,17 @@ class Family:
                        local_k_all=cache.local_k, local_v_all=cache.local_v,
                        local_slots=None if ring is None else ring.write_slots(batch.rows,
                                                                               positions),
-                       metas=metas, rope=rope, layer=0, attn_impl=attn_impl)
+                       metas=metas, rope=rope, layer=0,
+                       backend=backend if backend is not None else backends.default())
 
     def forward_tokens(self, params: ModelParams, cfg: ModelConfig, batch: TokenBatch,
-                       cache: PagedKVCache, *, attn_impl: str = "reference",
+                       cache: PagedKVCache, *, backend: Optional[Backend] = None,
                        query_tile: int = 16, num_tiles: Optional[int] = None,
                        differentiable: bool = False) -> tuple[jax.Array, PagedKVCache]:
         """Runs a flat step's tokens (jaxinfer.token_batch) through the model and appends their
         K/V to the cache. Returns the final-normed hidden states [T, D] and the cache with each
-        row's length advanced by its num_queries.
+        row's length advanced by its num_queries. backend: the ops' implementations (default
+        backends.default()).
 
         Every matmul sees [T, D] at once. Each layer writes its new K/V into the donated cache
         first (in place) and then attends over the cache alone: a ring is sized so that the
@@ -343,7 +336,7 @@ class Family:
         an argument: jax traces and lowers a kind once and reuses that for every layer of the
         kind (SmolLM2's 30 layers: one trace), and XLA inlines the calls, so the compiled
         program is the unrolled one."""
-        ctx = self.context(cfg, batch, cache, attn_impl=attn_impl, query_tile=query_tile,
+        ctx = self.context(cfg, batch, cache, backend=backend, query_tile=query_tile,
                            num_tiles=num_tiles, differentiable=differentiable)
         h = rows(self.embed(params, cfg, batch.tokens))
         kinds = {}
@@ -360,8 +353,8 @@ class Family:
         return self.final_norm(params, cfg, h), cache
 
     def forward(self, params: ModelParams, cfg: ModelConfig, tokens: jax.Array,
-                cache: PagedKVCache, num_new: jax.Array, *, rows: jax.Array | None = None,
-                attn_impl: str = "reference",
+                cache: PagedKVCache, num_new: jax.Array, *,
+                backend: Optional[Backend] = None, rows: jax.Array | None = None,
                 differentiable: bool = False) -> tuple[jax.Array, PagedKVCache]:
         """forward_tokens for a block of tokens [R, T]: block row i feeds cache row rows[i]
         (None: row i) its first num_new[i] tokens, at positions cache.lengths[row] + t (the rest
@@ -369,7 +362,7 @@ class Family:
         R, T = tokens.shape
         batch = TokenBatch.dense(tokens, num_new, rows, cache.batch)
         tile = min(T, DENSE_QUERY_TILE)
-        h, cache = self.forward_tokens(params, cfg, batch, cache, attn_impl=attn_impl,
+        h, cache = self.forward_tokens(params, cfg, batch, cache, backend=backend,
                                        query_tile=tile, num_tiles=R * -(-T // tile),
                                        differentiable=differentiable)
         return h.reshape(R, T, -1), cache
@@ -380,13 +373,20 @@ class Family:
 DENSE_QUERY_TILE = 16
 
 
-@functools.partial(tuning.program_jit, static_argnums=(1,), static_argnames=("kv_cache_dtype",))
 def sequence_logits(params: ModelParams, cfg: ModelConfig, tokens: jax.Array,
-                    kv_cache_dtype: str | None = None) -> jax.Array:
+                    kv_cache_dtype: str | None = None,
+                    backend: Optional[Backend] = None) -> jax.Array:
     """Logits [B, T, V] (float32) of full sequences tokens [B, T] from an empty cache, for any
     family (cfg.architecture picks it): the scoring forward (evaluation, perplexity, draft
-    training, tests). kv_cache_dtype "int8" / "fp8": every layer attends to its keys and values
-    as a quantized cache stores them."""
+    training, tests), differentiable. kv_cache_dtype "int8" / "fp8": every layer attends to
+    its keys and values as a quantized cache stores them. backend: default backends.default()."""
+    return _sequence_logits(params, cfg, tokens, kv_cache_dtype,
+                            backend if backend is not None else backends.default())
+
+
+@functools.partial(program_jit, static_argnums=(1, 3, 4))
+def _sequence_logits(params: ModelParams, cfg: ModelConfig, tokens: jax.Array,
+                     kv_cache_dtype: str | None, backend: Backend) -> jax.Array:
     from jaxinfer.kv_cache import KV_DTYPES
     from jaxinfer.models import get_model
 
@@ -396,8 +396,8 @@ def sequence_logits(params: ModelParams, cfg: ModelConfig, tokens: jax.Array,
         KV_DTYPES[kv_cache_dtype]
     cache = PagedKVCache.ring(cfg.num_layers, B, T, cfg.num_kv_heads, cfg.head_dim, dtype)
     h, _ = model.forward(params, cfg, tokens, cache, jnp.full((B,), T, jnp.int32),
-                         differentiable=True)
-    return model.head(params, h)
+                         backend=backend, differentiable=True)
+    return model.head(params, h, backend)
 
 
 def stack_experts(arrays: list[np.ndarray]) -> np.ndarray:

@@ -120,16 +120,17 @@ class Gemma3(Family):
         cos, sin = ctx.angles(cfg, i)
         with jax.named_scope("attention"):
             x = norm(h, lp.attn_norm, eps)
-            q = norm(linear(x, lp.wq).reshape(1, T, N, H), lp.q_norm, eps)
-            k = norm(linear(x, lp.wk).reshape(1, T, K, H), lp.k_norm, eps)
-            v = linear(x, lp.wv).reshape(T, K, H)
+            q = norm(linear(x, lp.wq, backend=ctx.backend).reshape(1, T, N, H), lp.q_norm, eps)
+            k = norm(linear(x, lp.wk, backend=ctx.backend).reshape(1, T, K, H), lp.k_norm, eps)
+            v = linear(x, lp.wv, backend=ctx.backend).reshape(T, K, H)
             q = sharding.constrain(apply_rope(q, cos, sin)[0], (None, "q_heads", None))
             o, ctx = attend(ctx, cfg, i, q, apply_rope(k, cos, sin)[0], v)
             o = o.reshape(T, N * H)
-            h = rows(h + norm(linear(o, lp.wo), lp.post_attn_norm, eps))
+            h = rows(h + norm(linear(o, lp.wo, backend=ctx.backend), lp.post_attn_norm, eps))
         with jax.named_scope("mlp"):
             x2 = norm(h, lp.mlp_norm, eps)
-            y = gated_mlp(x2, lp.w_gate, lp.w_up, lp.w_down, "gelu_tanh", taps)
+            y = gated_mlp(x2, lp.w_gate, lp.w_up, lp.w_down, "gelu_tanh",
+                          backend=ctx.backend, taps=taps)
             h = rows(h + norm(y, lp.post_mlp_norm, eps))
         if taps is not None:
             taps.update(x_attn=x, attn_out=o, x_mlp=x2)

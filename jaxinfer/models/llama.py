@@ -84,9 +84,9 @@ def attention_block(lp, cfg: ModelConfig, i: int, h: jax.Array, ctx: Context,
     cos, sin = ctx.angles(cfg, i)
     with jax.named_scope("attention"):
         x = rms_norm(h, lp.attn_norm, cfg.rms_norm_eps)
-        q = linear(x, lp.wq, lp.bq).reshape(1, T, N, H)
-        k = linear(x, lp.wk, lp.bk).reshape(1, T, K, H)
-        v = linear(x, lp.wv, lp.bv).reshape(T, K, H)
+        q = linear(x, lp.wq, lp.bq, backend=ctx.backend).reshape(1, T, N, H)
+        k = linear(x, lp.wk, lp.bk, backend=ctx.backend).reshape(1, T, K, H)
+        v = linear(x, lp.wv, lp.bv, backend=ctx.backend).reshape(T, K, H)
         if lp.q_norm is not None:
             q = rms_norm(q, lp.q_norm, cfg.rms_norm_eps)
             k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
@@ -95,7 +95,7 @@ def attention_block(lp, cfg: ModelConfig, i: int, h: jax.Array, ctx: Context,
         o = o.reshape(T, N * H)
         if taps is not None:
             taps.update(x_attn=x, attn_out=o)
-        return rows(h + linear(o, lp.wo)), ctx
+        return rows(h + linear(o, lp.wo, backend=ctx.backend)), ctx
 
 
 class Llama(Family):
@@ -117,7 +117,8 @@ class Llama(Family):
             x = rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps)
             if taps is not None:
                 taps.update(x_mlp=x)
-            return rows(h + gated_mlp(x, lp.w_gate, lp.w_up, lp.w_down, "silu", taps)), ctx
+            return rows(h + gated_mlp(x, lp.w_gate, lp.w_up, lp.w_down, "silu",
+                                         backend=ctx.backend, taps=taps)), ctx
 
     def hf_config(self, hf, path):
         return {"qk_norm": self.name == "qwen3"}

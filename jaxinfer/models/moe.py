@@ -11,7 +11,7 @@ router and E SwiGLU experts. Routing (`route`):
 The experts run as grouped matmuls over the assignments sorted by expert (`expert_ffn`), never
 as a dense all-experts product: each expert multiplies only the rows routed to it. Routing,
 sorting and dispatch are inside the jitted step. Two grouped matmuls, per backend
-(`tuning.grouped_matmul`):
+(the backend's `tuning.grouped_matmul`):
   "ragged_dot"  jax.lax.ragged_dot (GPU and TPU lower it to a grouped kernel);
   "tiles"       XLA:CPU, whose ragged_dot is a masked product with every expert. With few
                 experts (most of them busy in a step), rounds of one batched product over
@@ -37,10 +37,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxinfer import sharding, tuning
+from jaxinfer import sharding
 from jaxinfer.config import ModelConfig
 from jaxinfer.layers import rms_norm
-from jaxinfer.layers.linear import float_matmul
 from jaxinfer.models.base import Family, rows, stack_experts
 from jaxinfer.models.llama import (attention_block, attention_specs, read_attention_gguf,
                                    read_attention_hf, vocab_specs)
@@ -79,13 +78,9 @@ def route(logits: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     raise ValueError(f"unknown router {cfg.router!r}")
 
 
-def _dot(x, w, spec):
-    return float_matmul(x, w, spec)
-
-
-def _ragged_ffn(xs, sizes, w_gate, w_up, w_down, rows=None):
+def _ragged_ffn(xs, sizes, w_gate, w_up, w_down, rows=None, dot=None):
     """SwiGLU of the sorted rows xs [M, D] by lax.ragged_dot: rows past sum(sizes) give 0.
-    rows: as _cpu_ffn's, unused (ragged_dot has no tiles to size)."""
+    rows, dot: as _cpu_ffn's, unused (ragged_dot has no tiles to size)."""
     def rd(x, w):
         if jnp.finfo(x.dtype).bits > jnp.finfo(w.dtype).bits:
             x = x.astype(w.dtype)
@@ -101,7 +96,7 @@ def tile_rows(num_rows: int, num_experts: int) -> int:
     return int(min(64, max(4, 1 << (share - 1).bit_length())))
 
 
-def _tiled_ffn(xs, sizes, w_gate, w_up, w_down, rows=None):
+def _tiled_ffn(xs, sizes, w_gate, w_up, w_down, rows=None, dot=None):
     """SwiGLU of the sorted rows xs [M, D] (group e: sizes[e] rows from sum(sizes[:e])), one
     tile of m rows of one expert per loop step, over the occupied tiles only, m sized for
     `rows` rows (default M) over the E experts. Rows past sum(sizes) give 0."""
@@ -123,13 +118,13 @@ def _tiled_ffn(xs, sizes, w_gate, w_up, w_down, rows=None):
         r = first[i] + offsets                                            # [m]
         valid = r < last[i]
         x = jnp.where(valid[:, None], xs[jnp.minimum(r, M - 1)], 0)
-        hidden = jax.nn.silu(_dot(x, w_gate[e], "mD,DF->mF")) * _dot(x, w_up[e], "mD,DF->mF")
-        y = _dot(hidden.astype(xs.dtype), w_down[e], "mF,FD->mD")
+        hidden = jax.nn.silu(dot(x, w_gate[e], "mD,DF->mF")) * dot(x, w_up[e], "mD,DF->mF")
+        y = dot(hidden.astype(xs.dtype), w_down[e], "mF,FD->mD")
         return out.at[jnp.where(valid, r, M)].set(y, mode="drop")
     return jax.lax.fori_loop(0, ends[-1], body, jnp.zeros((M, D), jnp.float32))
 
 
-def _rounds_ffn(xs, sizes, w_gate, w_up, w_down, rows=None):
+def _rounds_ffn(xs, sizes, w_gate, w_up, w_down, rows=None, dot=None):
     """SwiGLU of the sorted rows xs [M, D] in rounds: round r takes rows r*m .. r*m + m - 1
     of every expert's group at once, one batched product over all E experts (each expert's
     weights read once a round), as many rounds as the largest group needs. m is twice the
@@ -146,28 +141,29 @@ def _rounds_ffn(xs, sizes, w_gate, w_up, w_down, rows=None):
         rows_ = starts[:, None] + within[None]                            # [E, m]
         valid = within[None] < sizes[:, None]
         x = jnp.where(valid[..., None], xs[jnp.minimum(rows_, M - 1)], 0)  # [E, m, D]
-        hidden = (jax.nn.silu(_dot(x, w_gate, "EmD,EDF->EmF"))
-                  * _dot(x, w_up, "EmD,EDF->EmF"))
-        y = _dot(hidden.astype(xs.dtype), w_down, "EmF,EFD->EmD")
+        hidden = (jax.nn.silu(dot(x, w_gate, "EmD,EDF->EmF"))
+                  * dot(x, w_up, "EmD,EDF->EmF"))
+        y = dot(hidden.astype(xs.dtype), w_down, "EmF,EFD->EmD")
         return out.at[jnp.where(valid, rows_, M).reshape(-1)].set(y.reshape(-1, D),
                                                                    mode="drop")
     return jax.lax.fori_loop(0, (jnp.max(sizes) + m - 1) // m, body,
                              jnp.zeros((M, D), jnp.float32))
 
 
-def _cpu_ffn(xs, sizes, w_gate, w_up, w_down, rows=None):
+def _cpu_ffn(xs, sizes, w_gate, w_up, w_down, rows=None, dot=None):
     """XLA:CPU's grouped matmul: rounds over all experts where E * m rows stay within 4 rows
     (few experts: a decode step routes to most of them), else tiles over the occupied ones.
     rows: how many of xs's M rows the E experts get in a balanced step (default M; with
-    experts split over devices, this device's share)."""
+    experts split over devices, this device's share). dot(x, w, spec): the backend's float
+    product."""
     M, E = xs.shape[0], sizes.shape[0]
     rows = M if rows is None else max(1, rows)
     rounds = E * 2 * tile_rows(rows, E) <= 4 * rows
-    return (_rounds_ffn if rounds else _tiled_ffn)(xs, sizes, w_gate, w_up, w_down, rows)
+    return (_rounds_ffn if rounds else _tiled_ffn)(xs, sizes, w_gate, w_up, w_down, rows, dot)
 
 
 def _local_experts(x, weights, experts, w_gate, w_up, w_down, *, axes: tuple, k: int,
-                   num_experts: int):
+                   num_experts: int, backend):
     """The contribution of this device's El experts to every token: x [T, D], weights and
     experts [T, k]; the expert weights hold experts e0 .. e0 + El - 1 (e0 from the device's
     position along the expert mesh axes) of num_experts. Returns [T, D] in x's dtype, psummed
@@ -187,17 +183,18 @@ def _local_experts(x, weights, experts, w_gate, w_up, w_down, *, axes: tuple, k:
     sizes = jnp.zeros((El + 1,), jnp.int32).at[key].add(1)[:El]
     token = order // k
     xs = x[token]                                                         # [M, D]
-    grouped = _cpu_ffn if tuning.for_backend().grouped_matmul == "tiles" else _ragged_ffn
-    ys = grouped(xs, sizes, w_gate, w_up, w_down, rows=-(-xs.shape[0] * El // num_experts))
+    grouped = _cpu_ffn if backend.tuning.grouped_matmul == "tiles" else _ragged_ffn
+    ys = grouped(xs, sizes, w_gate, w_up, w_down, rows=-(-xs.shape[0] * El // num_experts),
+                 dot=backend.dot)
     w = jnp.where(mine, weights, 0.0).reshape(-1)[order]
     out = jnp.zeros((T, D), jnp.float32).at[token].add(ys * w[:, None]).astype(x.dtype)
     # In the activations' dtype, as the partitioner's all-reduces of a tensor-parallel MLP.
     return jax.lax.psum(out, axes) if axes else out
 
 
-def expert_ffn(x: jax.Array, lp: MoELayerParams, cfg: ModelConfig) -> jax.Array:
+def expert_ffn(x: jax.Array, lp: MoELayerParams, cfg: ModelConfig, backend) -> jax.Array:
     """The routed experts of one layer for the step's tokens x [T, D] -> [T, D]."""
-    logits = _dot(x, lp.router, "TD,DE->TE")                              # [T, E] float32
+    logits = backend.dot(x, lp.router, "TD,DE->TE")                       # [T, E] float32
     weights, experts = route(logits, cfg)
     k = cfg.experts_per_token
     mesh_shape = sharding.context_mesh_shape()
@@ -206,13 +203,13 @@ def expert_ffn(x: jax.Array, lp: MoELayerParams, cfg: ModelConfig) -> jax.Array:
         split = sharding.spec_for(lp.w_gate.shape, ("experts", "embed", "ffn"), mesh_shape)[0]
     if not split:  # one device, or experts replicated (their ffn axis may split over tensor)
         return _local_experts(x, weights, experts, lp.w_gate, lp.w_up, lp.w_down, axes=(), k=k,
-                              num_experts=cfg.num_experts)
+                              num_experts=cfg.num_experts, backend=backend)
     axes = (split,) if isinstance(split, str) else tuple(split)
     x_spec = sharding.spec_for(x.shape, ("rows", "embed"), mesh_shape)
     t_spec = P(x_spec[0], None)
     w_spec = P(split, None, None)
     fn = jax.shard_map(lambda *a: _local_experts(*a, axes=axes, k=k,
-                                                 num_experts=cfg.num_experts),
+                                                 num_experts=cfg.num_experts, backend=backend),
                        in_specs=(x_spec, t_spec, t_spec, w_spec, w_spec, w_spec),
                        out_specs=x_spec, check_vma=False)
     return fn(x, weights, experts, lp.w_gate, lp.w_up, lp.w_down)
@@ -248,7 +245,7 @@ class MoE(Family):
             x = rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps)
             if taps is not None:
                 taps.update(x_mlp=x)
-            return rows(h + expert_ffn(x, lp, cfg)), ctx
+            return rows(h + expert_ffn(x, lp, cfg, ctx.backend)), ctx
 
     # -- files --------------------------------------------------------------------------------
 

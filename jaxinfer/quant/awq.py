@@ -102,7 +102,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import quant, tuning
+from jaxinfer import backends, quant
+from jaxinfer.backends.tuning import program_jit
 from jaxinfer.quant import formats
 from jaxinfer.evaluation import perplexity  # noqa: F401  (awq.perplexity, as before)
 from jaxinfer.config import ModelConfig
@@ -145,9 +146,10 @@ def _one_layer(cfg: ModelConfig, i: int) -> ModelConfig:
                        rope_theta=cfg.layer_rope_theta(i), layer_rope_thetas=None)
 
 
-# Compiled with the engine's compiler options (jaxinfer.tuning), as the model's forward is.
-@functools.partial(tuning.program_jit, static_argnums=(1,))
-def layer_forward(lp, cfg1: ModelConfig, h: jax.Array) -> tuple[jax.Array, LinearInputs]:
+# Compiled with the engine's compiler options (backends.tuning), as the model's forward is.
+@functools.partial(program_jit, static_argnums=(1, 3))
+def layer_forward(lp, cfg1: ModelConfig, h: jax.Array,
+                  backend: backends.Backend) -> tuple[jax.Array, LinearInputs]:
     """One decoder layer of the model's family (its protocol `layer`, with taps) over full
     sequences h [B, T, D] from an empty one-layer cache, causal; cfg1 is the layer's own
     config (`_one_layer`), so layers alike share a program. Returns the layer's output
@@ -158,8 +160,8 @@ def layer_forward(lp, cfg1: ModelConfig, h: jax.Array) -> tuple[jax.Array, Linea
     batch = TokenBatch.dense(jnp.zeros((B, T), jnp.int32), jnp.full((B,), T, jnp.int32),
                              None, B)
     tile = min(T, DENSE_QUERY_TILE)
-    ctx = model.context(cfg1, batch, cache, query_tile=tile, num_tiles=B * -(-T // tile),
-                        differentiable=True)
+    ctx = model.context(cfg1, batch, cache, backend=backend, query_tile=tile,
+                        num_tiles=B * -(-T // tile), differentiable=True)
     taps = {}
     out, _ = model.layer(lp, cfg1, 0, h.reshape(B * T, D), ctx, taps)
     return out.reshape(B, T, D), LinearInputs(
@@ -170,8 +172,9 @@ def run_layers(params, cfg: ModelConfig,
                tokens: jax.Array) -> Iterator[tuple[jax.Array, LinearInputs]]:
     """tokens [B, T] -> yields (output [B, T, D], LinearInputs) of each layer in turn."""
     h = get_model(cfg.architecture).embed(params, cfg, tokens)
+    backend = backends.default()
     for i, lp in enumerate(params.layers):
-        h, inputs = layer_forward(lp, _one_layer(cfg, i), h)
+        h, inputs = layer_forward(lp, _one_layer(cfg, i), h, backend)
         yield h, inputs
 
 
@@ -180,7 +183,7 @@ def calibration_logits(params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array
     `models.sequence_logits`."""
     model = get_model(cfg.architecture)
     *_, (h, _) = run_layers(params, cfg, tokens)
-    return model.head(params, model.final_norm(params, cfg, h))
+    return model.head(params, model.final_norm(params, cfg, h), backends.default())
 
 
 @jax.jit

@@ -1,16 +1,12 @@
 """Products with quantized weights: `matmul` (every linear, the head) and `take_rows` (the
 embedding lookup), the one place that dispatches on a QuantizedWeight's kind.
 
-On CPU the weight is dequantized inside the step, in tiles along its output axis (a scan over
-blocks) where the matrix is large, each tile's dot reading it while it is still in cache
-(XLA:CPU fuses no convert into a dot). How large a tile may be depends on XLA:CPU's scheduler
-(jaxinfer.tuning): with the memory-minimizing one that importing jaxinfer selects, every
-linear's dequantized copy reuses one scratch buffer, so a linear is dequantized whole and only
-the head is tiled (TILE_ELEMENTS_ONE_BUFFER); with XLA's default every copy has a buffer of
-its own, written and read through memory, and the tiles stay within a core's L2
-(TILE_ELEMENTS). Elsewhere, and on a mesh, the weight is
+Where the backend asks for tiles (Backend.quantized_tiles: one CPU device) the weight is
+dequantized inside the step in tiles along its output axis (a scan over blocks) where the
+matrix is larger than Backend.tile_elements(), each tile's dot reading it while it is still in
+cache (XLA:CPU fuses no convert into a dot). Elsewhere, and on a mesh, the weight is
 dequantized whole inside the step and XLA fuses or partitions that as it does any elementwise
-op; fp8 weights on a GPU multiply fp8 activations.
+op; fp8 weights multiply fp8 activations where the backend has fp8 matmuls.
 """
 
 from __future__ import annotations
@@ -20,39 +16,21 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from jaxinfer import sharding, tuning
+from jaxinfer import sharding
 from jaxinfer.quant.formats import FP8_MAX, INT4_BLOCK, QuantizedWeight, dequantize
 
-# Elements of one dequantized tile on CPU under XLA's default scheduler: 896 KiB of float32,
-# within a core's L2 (1 MiB here), so the converted tile is still in cache when its dot reads
-# it. Swept under that scheduler on SmolLM2 batch-1 decode, per-channel int8 against float32
-# (python benchmarks/quantization.py --configs none,int8@0 --tile_elements N --runs 5 with
-# XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=true): 2^16 0.62x, 2^17
-# 0.93-0.96x, 3 * 2^16 1.00-1.05x, 7 * 2^15 1.04x, 2^19 0.68x.
-TILE_ELEMENTS = 7 << 15
-# Elements of one tile where XLA:CPU reuses scratch buffers (tuning.cpu_keeps_one_scratch_buffer):
-# 8 MiB of float32, within the 32 MiB L3; SmolLM2's linears (at most 576 x 1536) are one tile
-# and its [49152, 576] head 16. Swept on SmolLM2 batch-1 decode, int8 against float32
-# (docs/quantization.md): 2^21 1.44x, 2^22 1.22-1.31x, 2^24 0.97x, 2^20 1.01x.
-TILE_ELEMENTS_ONE_BUFFER = 1 << 21
-
-
-def tile_elements() -> int:
-    """The most elements of one dequantized tile on CPU (the module docstring)."""
-    return TILE_ELEMENTS_ONE_BUFFER if tuning.cpu_keeps_one_scratch_buffer() else TILE_ELEMENTS
-
-
-def matmul(x: jax.Array, w: QuantizedWeight, spec: str) -> jax.Array:
+def matmul(x: jax.Array, w: QuantizedWeight, spec: str, backend) -> jax.Array:
     """einsum(spec, x, w) with w [2-D] quantized, accumulated in float32; the codes are what
     stays in memory, dequantized inside the jitted step (see the module docstring).
 
-    On one CPU device: tiles of at most tile_elements() along the output axis. Elsewhere a
+    With backend.quantized_tiles(): tiles of at most backend.tile_elements() along the output
+    axis. Elsewhere a
     per-channel weight without offsets (int8, fp8) multiplies its codes converted to x's dtype
     and scales the result; a grouped one is dequantized first. fp8 weights on a GPU multiply
-    fp8 activations (fp8_activations, _fp8_product)."""
-    if w.kind == "fp8" and fp8_activations():
+    fp8 activations where the backend has fp8 matmuls (_fp8_product)."""
+    if w.kind == "fp8" and backend.fp8_activations:
         return _fp8_product(x, w, spec)
-    if jax.default_backend() != "cpu" or sharding.context_mesh_shape() is not None:
+    if not backend.quantized_tiles() or sharding.context_mesh_shape() is not None:
         # On a mesh, a tile's dynamic slice of a split output axis would gather the whole
         # matrix on every device; dequantized whole, the codes stay split like the weight.
         if w.group_size == 0 and w.offset is None:
@@ -63,7 +41,7 @@ def matmul(x: jax.Array, w: QuantizedWeight, spec: str) -> jax.Array:
     if w.kind == "fp8":  # as raw bytes: XLA:CPU slices float8 arrays by converting them whole
         w = w.replace(q=jax.lax.bitcast_convert_type(jnp.asarray(w.q), jnp.uint8))
     out_axis = 1 - w.axis
-    tile = _tile(w.shape, out_axis)
+    tile = _tile(w.shape, out_axis, backend.tile_elements())
     if tile is None:
         return _cpu_product(x, w, spec)
 
@@ -76,15 +54,6 @@ def matmul(x: jax.Array, w: QuantizedWeight, spec: str) -> jax.Array:
     return jnp.moveaxis(ys, 0, -2).reshape(x.shape[:-1] + (n * tile,))
 
 
-# fp8 weights multiply fp8 activations (W8A8) where the hardware has fp8 matmuls: None = on
-# GPUs. Tests set it to check the path on CPU, where XLA runs fp8 dots too (slowly).
-FP8_ACTIVATIONS: Optional[bool] = None
-
-
-def fp8_activations() -> bool:
-    if FP8_ACTIVATIONS is not None:
-        return FP8_ACTIVATIONS
-    return jax.default_backend() == "gpu"
 
 
 def _fp8_product(x: jax.Array, w: QuantizedWeight, spec: str) -> jax.Array:
@@ -102,11 +71,10 @@ def _fp8_product(x: jax.Array, w: QuantizedWeight, spec: str) -> jax.Array:
     return y * x_scale * jnp.asarray(w.scale, jnp.float32).reshape(-1)
 
 
-def _tile(shape: tuple[int, int], out_axis: int) -> Optional[int]:
-    """The largest divisor of the output axis whose tile holds at most tile_elements(), or
+def _tile(shape: tuple[int, int], out_axis: int, limit: int) -> Optional[int]:
+    """The largest divisor of the output axis whose tile holds at most `limit` elements, or
     None when the whole matrix is one tile."""
     n_out, n_in = shape[out_axis], shape[1 - out_axis]
-    limit = tile_elements()
     if n_out * n_in <= limit:
         return None
     tile = max(limit // n_in, 1)

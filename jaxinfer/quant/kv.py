@@ -4,7 +4,7 @@ codes plus scales, so whatever attends (the reference or the Pallas kernels) deq
 reads and the cache never holds a float copy. Where XLA scatters into a float8 array by
 converting the whole array (XLA:CPU: about 0.2 s per layer's write into SmolLM2's pool), the
 float8 codes are kept as their uint8 bits (code_dtype names what they are) and read back as
-float8 after each gather (tuning.StepTuning.kv_fp8_as_bits).
+float8 after each gather (backends.tuning: kv_fp8_as_bits).
 """
 
 from __future__ import annotations

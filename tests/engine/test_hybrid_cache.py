@@ -9,6 +9,7 @@ a row, so every request below wraps the ring at least once, in its prefill chunk
 decode steps. The reference is the scoring forward over the whole sequence (sequence_logits:
 no ring, no pages, every key kept and masked by the window)."""
 
+import dataclasses
 import os
 
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 
 import jaxinfer as ji
+from jaxinfer import backends
 from jaxinfer.engine import memory
 from jaxinfer.models.base import sequence_logits
 
@@ -136,8 +138,8 @@ def test_sliding_window_ring_holds_a_whole_prefill_chunk():
         assert out.token_ids == _dense_greedy(llm, prompt, 12)
 
 
-@pytest.mark.parametrize("attn_impl", ["reference", "pallas"])
-def test_forward_over_a_hybrid_cache(attn_impl):
+@pytest.mark.parametrize("attention", ["reference", "pallas"])
+def test_forward_over_a_hybrid_cache(attention):
     """The model's forward over a hybrid cache, both attention paths (the Pallas kernel in
     interpret mode reads the ring with wraps=True): two rows fed in chunks of 8 and then one
     token a step, the local layers' ring 8 + 8 - 1 slots (two pages of 8) wrapping several
@@ -163,11 +165,12 @@ def test_forward_over_a_hybrid_cache(attn_impl):
                          lengths=jnp.zeros(B, jnp.int32), page_size=Z,
                          local_k=zeros(local, B * R), local_v=zeros(local, B * R), local_pages=R)
     tokens = np.random.default_rng(1).integers(3, cfg.vocab_size, (B, S)).astype(np.int32)
-    forward = jax.jit(model.forward, static_argnums=(1,), static_argnames=("attn_impl",))
+    forward = jax.jit(model.forward, static_argnums=(1,), static_argnames=("backend",))
+    backend = dataclasses.replace(backends.default(), attention=attention)
     got, pos = [], 0
     for width in [8] * 4 + [1] * (S - 32):
         h, cache = forward(params, cfg, jnp.asarray(tokens[:, pos:pos + width]), cache,
-                           jnp.full((B,), width, jnp.int32), attn_impl=attn_impl)
+                           jnp.full((B,), width, jnp.int32), backend=backend)
         got.append(np.asarray(model.head(params, h)))
         pos += width
     want = np.asarray(sequence_logits(params, cfg, jnp.asarray(tokens)))

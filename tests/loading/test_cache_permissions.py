@@ -13,7 +13,7 @@ import zipfile
 import jax
 import pytest
 
-from jaxinfer import cpu_kernels
+from jaxinfer.backends import cpu_kernels
 from jaxinfer.engine import programs
 from jaxinfer.loading import hub
 

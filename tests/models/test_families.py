@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 
 import jaxinfer as ji
-from jaxinfer import tuning
+import dataclasses
+
+from jaxinfer import backends
 from jaxinfer.config import ModelConfig
 from jaxinfer.loading.safetensors import load_hf_dir
 from jaxinfer.models import REGISTRY, get_model, moe, sequence_logits
@@ -60,12 +62,11 @@ def test_moe_block_matches_transformers(loaded, name, grouped, monkeypatch):
     """Layer 0's routed experts alone, both grouped matmuls: HF's sparse MoE block output."""
     cfg, params = loaded[name]
     golden = np.load(os.path.join(TINY, name, "golden.npz"))
-    tune = tuning.for_backend()
-    monkeypatch.setattr(tuning, "for_backend",
-                        lambda backend=None: tune.__class__(**{**vars(tune),
-                                                               "grouped_matmul": grouped}))
-    out = jax.jit(moe.expert_ffn, static_argnums=2)(jnp.asarray(golden["moe_input"]),
-                                                    params.layers[0], cfg)
+    backend = backends.default()
+    backend = dataclasses.replace(backend, tuning=dataclasses.replace(backend.tuning,
+                                                                      grouped_matmul=grouped))
+    out = jax.jit(moe.expert_ffn, static_argnums=(2, 3))(jnp.asarray(golden["moe_input"]),
+                                                         params.layers[0], cfg, backend)
     np.testing.assert_allclose(np.asarray(out), golden["moe_output"], rtol=0, atol=ATOL)
 
 
@@ -97,7 +98,8 @@ def test_cpu_grouped_matmuls_skip_empty_experts(fn, rows):
     sizes = np.array([2, 0, 19, 0, 1], np.int32)          # 22 of 23 rows; 19 > a round
     xs, wg, wu = (rng.normal(size=s).astype(np.float32) for s in ((M, D), (E, D, F), (E, D, F)))
     wd = rng.normal(size=(E, F, D)).astype(np.float32)
-    got = np.asarray(fn(*map(jnp.asarray, (xs, sizes, wg, wu, wd)), rows=rows))
+    got = np.asarray(fn(*map(jnp.asarray, (xs, sizes, wg, wu, wd)), rows=rows,
+                        dot=backends.default().dot))
     want = np.zeros((M, D), np.float32)
     start = 0
     for e, n in enumerate(sizes):

@@ -15,8 +15,9 @@ directory; should even that fail, the kernels are off. The handlers are
 registered with jax under names that carry the digest, so a program compiled against one build
 (and kept in JAX's or jaxinfer's caches) never runs another.
 
-They are used where the backend's tuning entry asks for them (`tuning.StepTuning.cpu_kernels`:
-the CPU) and only in a process of one CPU device (a custom call has no sharding rule). Nothing
+They are used where the platform's tuning asks for them (`tuning.StepTuning.cpu_kernels`:
+the CPU), by programs over one CPU device (a custom call has no sharding rule): the Backend
+(jaxinfer.backends) decides once, when it is resolved. Nothing
 else changes when they are missing: without a C++ compiler, on a CPU without AVX-512 (F, BW,
 VL), when the build fails (logged once) or with `JAXINFER_CPU_KERNELS=0`, the same products
 run as XLA dots and decode attention as the jnp work list. The contract of each kernel is in
@@ -182,29 +183,20 @@ def digest() -> str | None:
         return _state["digest"]
 
 
-def enabled() -> bool:
-    """Whether jitted programs traced now call the kernels: the default backend's tuning asks
-    for them, the process has one device, and they built."""
-    from jaxinfer import tuning
-
-    if not tuning.for_backend().cpu_kernels or jax.device_count() != 1:
-        return False
+def available() -> bool:
+    """Whether the kernels built and registered in this process (building them on first
+    call). Whether a program uses them is its Backend's decision (jaxinfer.backends)."""
     return digest() is not None
-
-
-def signature() -> str:
-    """What a cached program depends on: the build's digest where the kernels are enabled."""
-    return f"cpu_kernels={digest() if enabled() else 'off'}"
 
 
 def _target(name: str) -> str:
     return f"{dict(HANDLERS)[name]}_{digest()}"
 
 
-def rows_enabled() -> bool:
-    """Whether the few-row products (rows_times_matrix, matrix_times_rows) are used: the kernels
-    are enabled and the CPU has AVX512-BF16."""
-    return enabled() and ROWS_CPU_FLAG in _cpu_flags()
+def few_rows_supported() -> bool:
+    """Whether the CPU runs the few-row products (rows_times_matrix, matrix_times_rows and the
+    gated products): AVX512-BF16."""
+    return ROWS_CPU_FLAG in _cpu_flags()
 
 
 def _product(name: str, out_axis: int, spec: str):
@@ -255,14 +247,14 @@ def gated_rows_times_matrices(x: jax.Array, w_gate: jax.Array, w_up: jax.Array,
         x, w_gate, w_up, activation=np.int64(GATED_ACTIVATIONS.index(activation)))
 
 
-def gate_activation(name: str, g: jax.Array) -> jax.Array:
-    """The gate of a gated MLP as XLA computes it: silu, or GELU's tanh form."""
+def _gate(name: str, g: jax.Array) -> jax.Array:
+    """The gate as XLA computes it: silu, or GELU's tanh form (the kernel's JVP)."""
     return jax.nn.silu(g) if name == "silu" else jax.nn.gelu(g, approximate=True)
 
 
 def _gated_reference(activation, x, w_gate, w_up):
     dot = functools.partial(jnp.einsum, "mk,kf->mf", preferred_element_type=jnp.float32)
-    return (gate_activation(activation, dot(x, w_gate)) * dot(x, w_up)).astype(jnp.bfloat16)
+    return (_gate(activation, dot(x, w_gate)) * dot(x, w_up)).astype(jnp.bfloat16)
 
 
 @gated_rows_times_matrices.defjvp

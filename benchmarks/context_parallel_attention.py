@@ -11,8 +11,9 @@ hold (the ring holds 2 blocks, the all-gather all p) and in when the bytes move 
 overlap each exchange with the previous block's compute; the all-gather waits once). Measured
 against each other in benchmarks/context_parallel.py; see docs/scaling.md.
 
-The engine's chunked prefill uses neither: its keys are already in a cache sharded along the
-sequence, so it gathers the chunk's queries instead (see llama.forward_groups).
+A study kept beside its benchmark, not part of the engine: the engine's chunked prefill uses
+neither, since its keys are already in a page pool split over the data and sequence axes and a
+step's tokens split over `sequence` through the matmuls (docs/scaling.md).
 
 Shapes: q [B, T, N, H], k and v [B, T, K, H], q_positions and k_positions [B, T] (-1: padding
 key), T split over `sequence`, B over `data`, heads over `tensor`.
@@ -26,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer import sharding
-from jaxinfer.attention import heads_split_evenly, reference_attention
+from jaxinfer.backends.attention import heads_split_evenly, reference_attention
 
 METHODS = ("allgather", "ring")
 

@@ -1,11 +1,7 @@
-"""The jnp attention's page loops over a work list (jaxinfer.attention's paged_loop_attention):
-a step's tiles need their own numbers of blocks of pages, and a while loop walks the list of
-(tile, block) pairs, folding each iteration's pairs into their tiles' online softmax.
-docs/architecture.md ("Attention") has the measurements behind the shapes chosen here.
-
-The loops take `tiles` (jaxinfer.ragged_meta.Tiles) and gather_block(t, j0, key_dtype=float32)
--> (k, v, visible): keys (in key_dtype) and values (float32) [C, S, K, H] and visible
-[C, Q, S] of the block of pages from logical page j0[c] of tile t[c].
+"""The jnp attention's page loop over a work list (backends.attention's
+paged_loop_attention): a step's tiles need their own numbers of blocks of pages, and a loop
+walks the list of (tile, block) pairs, folding each iteration's pairs into their tiles' online
+softmax. docs/architecture.md ("Attention") has the measurements behind the shapes chosen here.
 """
 
 from __future__ import annotations
@@ -93,16 +89,16 @@ def _walk(tiles, static_blocks, stats: tuple, H: int, iteration):
     return acc / jnp.where(l == 0, 1.0, l)[..., None]
 
 
-def multi_query_loop(qt, gather_block, tiles, static_blocks, softcap):
-    """paged_loop_attention's loop for tiles of Q > 1 queries (prefill chunks, verification):
-    qt [Nt, Q, K, G, H] (scaled), gather_block(t, j0) as there. Returns [Nt * Q, N, H] float32.
+def tile_loop(qt, gather_block, tiles, static_blocks, softcap):
+    """The jnp attention of tiles of Q queries (decode rows, prefill chunks, verification):
+    qt [Nt, Q, K, G, H] (scaled), gather_block(t, j0) -> (k, v [C, S, K, H] float32, visible
+    [C, Q, S]). Returns [Nt * Q, N, H] float32.
 
-    A work list, as single_query_loop's: each iteration takes the next Nt (tile, block) pairs
-    (at most MAX_PAIRS), so empty tiles and short rows cost nothing. Nt is a static bound on
-    the step's tiles (num_tiles_bound: T / Q + the rows), so a loop over block indices computed
-    every tile to the longest row: a 64-token chunk of one row at 192-255 tokens is 4 tiles of
-    4 blocks, 16 pairs, one iteration, where the loop to the longest row ran 4 iterations of 20
-    tiles.
+    Each iteration takes the next (tile, block) pairs of the work list (Nt of them, at most
+    MAX_PAIRS), so empty tiles and short rows cost nothing: the trip count is ceil(sum of
+    blocks / Nt), where a loop over block indices runs max(blocks) times for every tile (one
+    row of 2,000 tokens among fifteen of 100 costs 2 iterations, not 16). static_blocks (a
+    differentiable forward): every tile walks that many blocks, a static trip count.
     """
     Nt, Q, K, G, H = qt.shape
 
@@ -120,49 +116,3 @@ def multi_query_loop(qt, gather_block, tiles, static_blocks, softcap):
 
     out = _walk(tiles, static_blocks, (K, G, Q), H, iteration)   # [Nt, K, G, Q, H]
     return out.transpose(0, 3, 1, 2, 4).reshape(Nt * Q, K * G, H)
-
-
-def single_query_loop(qt, gather_block, tiles, static_blocks, softcap,
-                      key_dtype=jnp.float32):
-    """paged_loop_attention's loop for tiles of one query (decode): qt [Nt, K, G, H] (scaled),
-    gather_block(t, j0, key_dtype) as there, keys in key_dtype. Returns [Nt, N, H] float32.
-
-    A work list rather than a loop to the longest row: tile t needs tiles.blocks[t] blocks of
-    pages, and each iteration takes the next Nt (tile, block) pairs of the list (at most
-    MAX_PAIRS), so the trip count is ceil(sum of blocks / Nt) where a loop over block indices
-    runs max(blocks) times for every tile (one row of 2,000 tokens among fifteen of 100 costs
-    16 + 15 blocks of 128 keys, 2 iterations, not 16 iterations of 16 blocks). Each pair's keys
-    fold into its tile's online softmax (_fold); a pair's probabilities use its tile's new
-    running maximum directly.
-
-    The key product is one dot per pair against block-diagonal queries: keys [S, K * H] as
-    gathered times qblk [K * H, K * G], whose block k holds kv head k's G queries and zeros
-    elsewhere. Written per kv head ([G, H] x [H, S]) the product needs the keys transposed to
-    [K, S, H] and runs as many tiny dots; as a broadcast multiply and a sum over H it reduces
-    along the minor axis. The block-diagonal dot does K times the multiplications (zeros) but
-    reads the keys as they lie, in key_dtype: bf16 over a bf16 cache, whose keys need no
-    conversion (the queries are rounded to bf16, as GPU kernels do), float32 otherwise. The
-    value product is a per-kv-head dot (as a multiply-reduce it was as fast over a float32 pool
-    and slower over a bf16 one; block-diagonal, XLA:CPU ran it as an unfused float32 dot three
-    times slower). docs/architecture.md ("Attention") has the measurements.
-    """
-    Nt, K, G, H = qt.shape
-    # qblk[t, (k, h), (j, g)] = qt[t, k, g, h] where j == k, else 0.
-    qblk = jnp.einsum("tkgh,kj->tkhjg", qt, jnp.eye(K, dtype=qt.dtype))
-    qblk = qblk.reshape(Nt, K * H, K * G).astype(key_dtype)
-
-    def iteration(t, tc, j0):
-        k, v, visible = gather_block(tc, j0, key_dtype)             # [C, S, K, H], [C, 1, S]
-        C, S = k.shape[:2]
-        s = jnp.einsum("csd,cde->cse", k.reshape(C, S, K * H), qblk[tc],
-                       preferred_element_type=jnp.float32).reshape(C, S, K, G)
-        if softcap is not None:
-            s = softcap * jnp.tanh(s / softcap)
-        s = jnp.where((visible[:, 0] & (t < Nt)[:, None])[:, :, None, None], s, -jnp.inf)
-
-        def weigh(m_pair):                                          # [C, K, G]
-            p = jnp.exp(s - m_pair[:, None])                        # [C, S, K, G]
-            return jnp.sum(p, axis=1), jnp.einsum("cskg,cskh->ckgh", p, v)
-        return jnp.max(s, axis=1), weigh
-
-    return _walk(tiles, static_blocks, (K, G), H, iteration).reshape(Nt, K * G, H)

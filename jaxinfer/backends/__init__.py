@@ -1,0 +1,225 @@
+"""The backend seam: what depends on the platform a model runs on, decided once.
+
+`resolve()` is called when an LLM is built (or, for a user's own `jaxinfer.step`, by
+`default()`) and returns a `Backend`: the platform, its tuning (backends.tuning), whether the
+native CPU kernels serve it, and the attention implementation. The Backend is frozen and
+hashable, a static argument of every jitted program, and the model, the layers and the sampler
+take from it every op whose implementation differs by platform:
+
+  dot, gated_hidden        float products and a gated MLP's hidden activations (products.py)
+  attend                   a layer's key/value write and its ragged attention (attention.py)
+  argmax, top, sort        the sampler's reductions (sort.py)
+  activation_dtype, kv_bits16, kv_fp8_bits, tuning      the dtype and storage policy
+
+Nothing outside this package imports cpu_kernels, asks jax which backend is the default, or
+reads XLA_FLAGS. Process-wide XLA flags are set by `set_xla_flags()` (called by LLM() and the
+launchers before a backend starts), never by importing jaxinfer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.backends import tuning
+from jaxinfer.backends.tuning import StepTuning
+
+log = logging.getLogger(__name__)
+
+ATTENTION = ("auto", "reference", "pallas")
+PALLAS_HEAD_DIMS = (32, 64, 128, 256)  # the head dims the Pallas attention kernels take
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """The implementations a model's programs use on one platform (see the module docstring).
+
+    platform: jax's platform name ("cpu", "gpu", "tpu"). kernels: the native CPU kernels'
+    build digest where they serve these programs (one CPU device), else None. few_rows: their
+    2-64-row bf16 products too (AVX512-BF16). attention: "reference" (the jnp work list, with
+    the native decode kernel where `kernels`) or "pallas" (the ragged paged attention kernel,
+    interpreted on CPU). one_scratch_buffer: XLA:CPU's memory-minimizing scheduler is in effect
+    (quantized weights are then dequantized whole rather than in cache-sized tiles)."""
+
+    platform: str
+    tuning: StepTuning
+    kernels: Optional[str] = None
+    few_rows: bool = False
+    attention: str = "reference"
+    one_scratch_buffer: bool = False
+
+    # ---- products -------------------------------------------------------------------------
+
+    def dot(self, x: jax.Array, w: jax.Array, spec: str) -> jax.Array:
+        """einsum(spec, x, w) for a float weight, in w's dtype with float32 accumulation."""
+        from jaxinfer.backends import products
+        return products.dot(self, x, w, spec)
+
+    def gated_hidden(self, x, w_gate, w_up, activation: str) -> Optional[jax.Array]:
+        """act(x @ w_gate) * (x @ w_up) in one kernel where one serves these operands, else
+        None (the caller composes it)."""
+        from jaxinfer.backends import products
+        return products.gated_hidden(self, x, w_gate, w_up, activation)
+
+    def quantized_tiles(self) -> bool:
+        """Whether quantized weights are dequantized in tiles inside the step (one CPU device):
+        elsewhere XLA fuses or partitions the dequantization as any elementwise op."""
+        return self.platform == "cpu"
+
+    def tile_elements(self) -> int:
+        """The most elements of one dequantized tile (quant.compute)."""
+        from jaxinfer.backends import products
+        return products.tile_elements(self)
+
+    @property
+    def fp8_activations(self) -> bool:
+        """fp8 weights multiply fp8 activations (W8A8): where the hardware has fp8 matmuls."""
+        return self.platform == "gpu"
+
+    # ---- attention ------------------------------------------------------------------------
+
+    def attend(self, q, k, v, slots, k_all, v_all, layer, tables, meta, write, **kw):
+        """Writes a layer's new keys and values k, v [T, K, H] at slots [T] of the pools
+        (write(pool, layer, new, slots) -> pool) and attends q [T, N, H] over them. Returns
+        (out [T, N, H], k_all, v_all). backends.attention.attend has the arguments."""
+        from jaxinfer.backends import attention
+        return attention.attend(self, q, k, v, slots, k_all, v_all, layer, tables, meta,
+                                write, **kw)
+
+    # ---- sampling -------------------------------------------------------------------------
+
+    def argmax(self, x: jax.Array) -> jax.Array:
+        """jnp.argmax over the last axis, as int32 (the first index of the maximum; the first
+        NaN where a row has one)."""
+        from jaxinfer.backends import sort
+        return sort.argmax(self, x)
+
+    def native_sort(self, x: jax.Array) -> bool:
+        """Whether sort/top of x order equal values by index with -0.0 equal to 0.0 and NaN
+        last (the native sort), rather than as lax.top_k and argsort do."""
+        return self.kernels is not None and x.dtype == jnp.float32
+
+    def sort(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Each row of x [B, V] in descending order: (values, indices) [B, V]."""
+        from jaxinfer.backends import sort
+        return sort.sort_descending(self, x)
+
+    def top(self, x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+        """The first k of sort(x): (values, indices) [B, k]."""
+        from jaxinfer.backends import sort
+        return sort.top(self, x, k)
+
+    # ---- dtypes and storage ---------------------------------------------------------------
+
+    def activation_dtype(self, dtype) -> jnp.dtype:
+        """The activations' dtype for weights of `dtype`: float32 where 16-bit elementwise
+        work is slow (tuning.float32_activations), else the weights' own."""
+        dtype = jnp.dtype(dtype)
+        if self.tuning.float32_activations and dtype.itemsize == 2:
+            return jnp.dtype(jnp.float32)
+        return dtype
+
+    @property
+    def kv_bits16(self) -> bool:
+        return self.tuning.kv_16bit_as_bits
+
+    @property
+    def kv_fp8_bits(self) -> bool:
+        return self.tuning.kv_fp8_as_bits
+
+    def describe(self) -> dict:
+        """Which implementation each op uses, for LLM.describe()."""
+        native = self.kernels is not None
+        if self.attention == "pallas":
+            attention = "Pallas ragged paged attention" + (" (interpreted)"
+                                                           if self.platform == "cpu" else "")
+        else:
+            attention = ("native decode kernel + jnp work list" if native
+                         else "jnp work list")
+        return {
+            "platform": self.platform,
+            "cpu_kernels": self.kernels or "off",
+            "products": ("native 1-row" + (" and 2-64-row" if self.few_rows else "")
+                         + " bf16 kernels, XLA dots beyond") if native else "XLA dots",
+            "gated_mlp": "native gate and up" if native and self.few_rows else "XLA",
+            "attention": attention,
+            "argmax_top_sort": "native" if native else "XLA",
+            "activations": "float32" if self.tuning.float32_activations else "weights' dtype",
+            "kv_storage": "16-bit as bits" if self.kv_bits16 else "as typed",
+        }
+
+
+def platform() -> str:
+    """jax's default platform (starts a backend)."""
+    return jax.default_backend()
+
+
+def resolve(attention: str = "auto", num_devices: Optional[int] = None,
+            head_dim: Optional[int] = None) -> Backend:
+    """The Backend of programs on jax's default platform over `num_devices` devices (default:
+    all of them; the native CPU kernels serve one device only). attention: "auto" (the
+    platform's default), "reference" or "pallas"; the kernels take a head_dim among
+    PALLAS_HEAD_DIMS (a ValueError for "pallas", the reference for "auto")."""
+    if attention not in ATTENTION:
+        raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
+    name = platform()
+    tune = tuning.for_platform(name)
+    devices = jax.device_count() if num_devices is None else num_devices
+    kernels, few_rows = None, False
+    if tune.cpu_kernels and devices == 1:
+        from jaxinfer.backends import cpu_kernels
+        kernels = cpu_kernels.digest()
+        few_rows = kernels is not None and cpu_kernels.few_rows_supported()
+    impl = tune.default_attention if attention == "auto" else attention
+    if impl == "pallas" and head_dim is not None and head_dim not in PALLAS_HEAD_DIMS:
+        if attention == "pallas":
+            raise ValueError(f"attention='pallas' needs a head dim in {PALLAS_HEAD_DIMS}; "
+                             f"this model's is {head_dim}")
+        impl = "reference"
+    return Backend(platform=name, tuning=tune, kernels=kernels, few_rows=few_rows,
+                   attention=impl, one_scratch_buffer=tuning.cpu_keeps_one_scratch_buffer())
+
+
+def default_dtype() -> str:
+    """LLM(dtype=None)'s dtype on this platform (backends.tuning)."""
+    return tuning.for_platform(platform()).default_dtype
+
+
+def default() -> Backend:
+    """resolve() with the defaults: the backend of a jaxinfer.step or scoring forward called
+    without one."""
+    return resolve()
+
+
+def signature() -> str:
+    """What compiled programs depend on beyond their arguments: the XLA flags and the
+    platform with its devices (the programs cache's key)."""
+    devices = [(d.platform, d.device_kind, d.id) for d in jax.devices()]
+    return f"{os.environ.get('XLA_FLAGS', '')}|{platform()}|{devices!r}"
+
+
+def set_xla_flags() -> list[str]:
+    """Adds the process-wide XLA flags the platform was tuned with (backends.tuning) to
+    XLA_FLAGS, where no backend has started yet; else says once that it is too late. Returns
+    the flags added. LLM() and the launchers call it first thing."""
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        if tuning.cpu_xla_flags_missing() and not _told:
+            _told.append(True)
+            log.info("jaxinfer: a jax backend started before LLM(); its XLA flags stay as they "
+                     "are (call jaxinfer.backends.set_xla_flags() first to tune them)")
+        return []
+    return tuning.set_cpu_xla_flags()
+
+
+_told: list = []
+
+
+__all__ = ["ATTENTION", "Backend", "StepTuning", "default", "default_dtype", "platform",
+           "resolve", "set_xla_flags", "signature"]

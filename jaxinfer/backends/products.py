@@ -1,0 +1,85 @@
+"""Float products and the gated MLP's hidden activations, per backend.
+
+Float weights may be narrower than the activations (16-bit weights with float32 activations on
+CPU): the activations are rounded to the weights' dtype and the products accumulate in
+float32. On CPU, bf16 products of one row and of 2 to cpu_kernels.MAX_ROWS rows go to the
+native kernels where the backend has them (XLA:CPU streams a one-row bf16 dot's weights slowly
+and repacks the whole matrix for a few-row one); otherwise a single 16-bit row is padded to two
+(XLA:CPU's one-row dot converts the whole weight matrix to float32 on every call).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+# Elements of one dequantized tile of a quantized weight on CPU (quant.compute): within a
+# core's L2 under XLA:CPU's default scheduler, where every dequantized copy has a buffer of its
+# own; within L3 under the memory-minimizing one, whose copies share one scratch buffer
+# (docs/quantization.md has the sweeps).
+TILE_ELEMENTS = 7 << 15
+TILE_ELEMENTS_ONE_BUFFER = 1 << 21
+
+
+def tile_elements(backend) -> int:
+    return TILE_ELEMENTS_ONE_BUFFER if backend.one_scratch_buffer else TILE_ELEMENTS
+
+
+def dot(backend, x: jax.Array, w: jax.Array, spec: str) -> jax.Array:
+    """einsum(spec, x, w) for a float w, in w's dtype with float32 accumulation (x rounded to
+    w's dtype when it is wider). spec's x operand is "...<contracted>"."""
+    if jnp.finfo(x.dtype).bits > jnp.finfo(w.dtype).bits:
+        x = x.astype(w.dtype)
+    lead = x.shape[:-1]
+    rows = math.prod(lead)
+    if backend.kernels is not None and w.dtype == jnp.bfloat16:
+        from jaxinfer.backends import cpu_kernels
+
+        many = rows >= 2
+        kernel = _row_kernel(spec, many) if (rows == 1 or (
+            backend.few_rows and 2 <= rows <= cpu_kernels.MAX_ROWS)) else None
+        if kernel is not None:
+            y = kernel(x.reshape(rows, -1) if many else x.reshape(-1), w)
+            return y.reshape(lead + y.shape[-1:])
+    if rows == 1 and w.dtype.itemsize == 2 and backend.tuning.pad_single_row_16bit_dots:
+        x2 = jnp.concatenate([x.reshape(1, -1), jnp.zeros((1, x.shape[-1]), x.dtype)])
+        y = jnp.einsum(spec, x2, w, preferred_element_type=jnp.float32)
+        return y[:1].reshape(lead + y.shape[-1:])
+    return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
+
+
+def _row_kernel(spec: str, many: bool):
+    """The native product for `spec` of one row (many: of [M, K] rows) against a 2-D weight:
+    w [K, N] or w [N, K] with K the row's axis; None for other specs."""
+    from jaxinfer.backends import cpu_kernels
+
+    operands, out = spec.split("->")
+    xs, ws = operands.split(",")
+    if len(ws) != 2 or not xs.startswith("...") or out != xs[:-1] + ws.replace(xs[-1], ""):
+        return None
+    if ws[0] == xs[-1]:
+        return cpu_kernels.rows_times_matrix if many else cpu_kernels.row_times_matrix
+    if ws[1] == xs[-1]:
+        return cpu_kernels.matrix_times_rows if many else cpu_kernels.matrix_times_row
+    return None
+
+
+def gated_hidden(backend, x: jax.Array, w_gate, w_up, activation: str) -> Optional[jax.Array]:
+    """act(x @ w_gate) * (x @ w_up) [..., F] in bf16 by the native kernel, for float32
+    activations of 2 to cpu_kernels.MAX_ROWS rows against 2-D bf16 weights where the backend
+    has the few-row kernels; None otherwise."""
+    rows = math.prod(x.shape[:-1])
+    if not (backend.few_rows and x.dtype == jnp.float32 and rows >= 2
+            and all(isinstance(w, jax.Array) and w.ndim == 2 and w.dtype == jnp.bfloat16
+                    for w in (w_gate, w_up))):
+        return None
+    from jaxinfer.backends import cpu_kernels
+
+    if rows > cpu_kernels.MAX_ROWS:
+        return None
+    hidden = cpu_kernels.gated_rows_times_matrices(
+        x.reshape(rows, -1).astype(jnp.bfloat16), w_gate, w_up, activation)
+    return hidden.reshape(x.shape[:-1] + hidden.shape[-1:])

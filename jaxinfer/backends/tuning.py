@@ -1,0 +1,213 @@
+"""Per-platform tuning of the device step, in one table (as the kernels' block_sizes.py).
+
+Each CPU entry was measured on XLA:CPU (the figures are in docs/architecture.md, "Backends");
+the GPU entry keeps XLA's defaults and the Pallas kernels until a GPU run measures otherwise.
+
+  min_tokens, query_tile     the smallest token bucket of a flat step, and the queries per tile
+                             of the jnp attention
+  bucket_growth              token and row buckets grow by this factor (fewer programs to
+                             compile where compiling is slow)
+  fill_token_buckets         the scheduler trims a prefilling step's chunks to a token bucket
+                             where a padding token costs what a real one does
+  compiler_options           XLA options of every engine program (program_jit): XLA:CPU's
+                             fast-compile preset compiles a third faster, programs as fast
+  loop_compiler_options      and of the device loops: loop-invariant code motion off, which
+                             hoisted a float32 copy of a bf16 embedding table out of the loop
+  pad_single_row_16bit_dots  XLA:CPU converts the whole weight matrix for a one-row bf16 dot:
+                             one row is padded to two
+  cpu_kernels                the native kernels of backends.cpu_kernels serve products,
+                             decode attention, argmax and sorting (docs/cpu_kernels.md)
+  float32_activations        16-bit elementwise work goes through float32 copies while 16-bit
+                             dots run at twice the float32 rate: 16-bit weights and KV cache,
+                             float32 activations
+  kv_16bit_as_bits           a scatter into a bf16 array converts the whole array: the 16-bit
+                             KV cache is kept as uint16 bits (kv_cache.Bits16KV)
+  kv_fp8_as_bits             the same for float8 KV codes (kept as uint8)
+  default_dtype              LLM(dtype=None); JAXINFER_DEFAULT_DTYPE overrides it
+  default_attention          attention="auto" ("reference": the jnp work list)
+  grouped_matmul             the experts' grouped matmul (models.moe): "tiles" where
+                             lax.ragged_dot multiplies every row by every expert
+
+One setting is process-wide, an XLA flag that XLA reads when jax starts its first backend:
+set_cpu_xla_flags (through backends.set_xla_flags, called by LLM() and the launchers) adds
+--xla_cpu_enable_concurrency_optimized_scheduler=false, whose memory-minimizing scheduler
+reuses one scratch buffer for the dequantized weights of an unrolled model where the default
+scheduler gives each its own. It is added only on jaxlib 0.10 (where it was measured), on a
+CPU-only installation or JAX_PLATFORMS=cpu, before any backend starts, and where XLA_FLAGS
+does not name it already (the user's setting wins).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.metadata
+import importlib.util
+import os
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTuning:
+    min_tokens: int = 16
+    query_tile: int = 16
+    bucket_growth: int = 2
+    fill_token_buckets: bool = False
+    compiler_options: tuple[tuple[str, str], ...] = ()
+    loop_compiler_options: tuple[tuple[str, str], ...] = ()
+    pad_single_row_16bit_dots: bool = False
+    float32_activations: bool = False
+    kv_16bit_as_bits: bool = False
+    kv_fp8_as_bits: bool = False
+    cpu_kernels: bool = False
+    default_dtype: str = "bfloat16"
+    default_attention: str = "pallas"
+    grouped_matmul: str = "ragged_dot"
+
+
+TUNING = {
+    "cpu": StepTuning(
+        min_tokens=16, query_tile=16, bucket_growth=4, fill_token_buckets=True,
+        compiler_options=(("xla_cpu_opt_preset", "CPU_OPT_PRESET_FAST_COMPILE"),),
+        loop_compiler_options=(("xla_disable_hlo_passes", "while-loop-invariant-code-motion"),),
+        pad_single_row_16bit_dots=True, float32_activations=True, kv_16bit_as_bits=True,
+        kv_fp8_as_bits=True,
+        cpu_kernels=True, default_dtype="bfloat16",
+        default_attention="reference", grouped_matmul="tiles"),
+    "gpu": StepTuning(),
+}
+
+
+def for_platform(name: str) -> StepTuning:
+    """The tuning of platform `name`; a platform without an entry gets the GPU's (XLA's
+    defaults and the kernels)."""
+    return TUNING.get(name, TUNING["gpu"])
+
+
+def compiler_options(backend: str, loop: bool) -> dict | None:
+    """The XLA options of the engine's programs on `backend`: its compiler_options where this
+    jaxlib is one they were measured on (COMPILER_OPTIONS_JAXLIB: XLA refuses an option it does
+    not know) and XLA_FLAGS does not name them (the user's setting wins), and for a device loop
+    its loop_compiler_options too."""
+    tune = for_platform(backend)
+    named = os.environ.get("XLA_FLAGS", "")
+    options = {k: v for k, v in tune.compiler_options if f"--{k}" not in named} \
+        if _jaxlib_version() in COMPILER_OPTIONS_JAXLIB else {}
+    if loop:
+        options.update(tune.loop_compiler_options)
+    return options or None
+
+
+class program_jit:
+    """jax.jit for the engine's device programs, compiled with the backend's compiler options
+    (compiler_options above; loop=True: a device loop's too). The jit is made at first use,
+    when the backend is known, one per backend; calls and .lower() go to it."""
+
+    def __init__(self, fun=None, *, loop: bool = False, **jit_kwargs):
+        self.fun, self.loop, self.jit_kwargs, self.jits = fun, loop, jit_kwargs, {}
+        if fun is not None:
+            functools.update_wrapper(self, fun)
+
+    def _jitted(self):
+        backend = jax.default_backend()
+        if backend not in self.jits:
+            self.jits[backend] = jax.jit(self.fun, compiler_options=compiler_options(
+                backend, self.loop), **self.jit_kwargs)
+        return self.jits[backend]
+
+    def __call__(self, *args, **kwargs):
+        if _tracing(args, kwargs):
+            # Called inside another jit or transformation (the scoring forward under a
+            # training step's grad): JAX takes compiler options on top-level jits only, and
+            # the outer program's options apply to the whole of it.
+            if "nested" not in self.jits:
+                self.jits["nested"] = jax.jit(self.fun, **self.jit_kwargs)
+            return self.jits["nested"](*args, **kwargs)
+        return self._jitted()(*args, **kwargs)
+
+    def lower(self, *args, **kwargs):
+        return self._jitted().lower(*args, **kwargs)
+
+
+def _tracing(args, kwargs) -> bool:
+    """Whether a JAX trace is running around this call (jax's trace state where this jax has
+    it, else whether an argument is a tracer)."""
+    from jax._src import core
+
+    clean = getattr(core, "trace_state_clean", None)
+    if clean is not None:
+        return not clean()
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((args, kwargs)))
+
+
+def loop_jit(fun=None, **jit_kwargs) -> program_jit:
+    """program_jit for a device loop (decode_loop, speculative_loop)."""
+    return program_jit(fun, loop=True, **jit_kwargs)
+
+
+_SCHEDULER_FLAG = "xla_cpu_enable_concurrency_optimized_scheduler"
+# Process-wide XLA flags for the CPU backend (see the module docstring), by flag name.
+CPU_XLA_FLAGS = {_SCHEDULER_FLAG: "false"}
+# jaxlib versions (major, minor) the flags were measured on, and so known to exist in.
+CPU_XLA_FLAGS_JAXLIB = ((0, 10),)
+# The same for the backends' compiler_options.
+COMPILER_OPTIONS_JAXLIB = ((0, 10),)
+
+
+def set_cpu_xla_flags() -> list[str]:
+    """Adds CPU_XLA_FLAGS to os.environ["XLA_FLAGS"] where they apply (the module docstring:
+    jaxlib 0.10, a CPU-only installation or JAX_PLATFORMS=cpu, no backend started, a
+    flag not named there already). Returns the flags added."""
+    from jax._src import xla_bridge
+
+    if _jaxlib_version() not in CPU_XLA_FLAGS_JAXLIB or xla_bridge.backends_are_initialized():
+        return []
+    if not cpu_only():
+        return []
+    return add_xla_flags(CPU_XLA_FLAGS)
+
+
+def cpu_only() -> bool:
+    """Whether jax will run on the CPU alone: JAX_PLATFORMS=cpu, or JAX_PLATFORMS unset and
+    no accelerator plugin installed."""
+    platforms = [p for p in os.environ.get("JAX_PLATFORMS", "").split(",") if p]
+    return platforms == ["cpu"] or not (platforms or _accelerator_plugin_installed())
+
+
+def add_xla_flags(flags: dict) -> list[str]:
+    """Appends flags (name -> value) to os.environ["XLA_FLAGS"], each one not named there
+    already. Returns the flags added."""
+    current = os.environ.get("XLA_FLAGS", "")
+    added = [f"--{name}={value}" for name, value in flags.items()
+             if f"--{name}" not in current]
+    if added:
+        os.environ["XLA_FLAGS"] = " ".join([current] + added).strip()
+    return added
+
+
+def cpu_xla_flags_missing() -> bool:
+    """Whether set_cpu_xla_flags would add a flag (applicable here and not yet named)."""
+    named = os.environ.get("XLA_FLAGS", "")
+    return (_jaxlib_version() in CPU_XLA_FLAGS_JAXLIB and cpu_only()
+            and any(f"--{name}" not in named for name in CPU_XLA_FLAGS))
+
+
+def cpu_keeps_one_scratch_buffer() -> bool:
+    """Whether XLA:CPU's memory-minimizing scheduler is in effect (set_cpu_xla_flags, or the
+    user's own XLA_FLAGS): scratch buffers are then reused across an unrolled program."""
+    flag = f"--{_SCHEDULER_FLAG}="
+    flags = os.environ.get("XLA_FLAGS", "")
+    if flag not in flags:
+        return False
+    return flags.rpartition(flag)[2].split(" ")[0].lower() in ("false", "0")
+
+
+def _jaxlib_version() -> tuple[int, int]:
+    return tuple(int(p) for p in importlib.metadata.version("jaxlib").split(".")[:2])
+
+
+def _accelerator_plugin_installed() -> bool:
+    """A GPU or other plugin that jax would start (its entry points), or libtpu."""
+    return bool(importlib.metadata.entry_points(group="jax_plugins")) or \
+        importlib.util.find_spec("libtpu") is not None
