@@ -15,7 +15,7 @@ max(compute, weights and cache read once) + collectives, with no overlap assumed
 estimates, not measurements.
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
-      python benchmarks/scaling.py --config jaxinfer/configs/llama-3-8b.json --out /tmp/scaling.json
+      python benchmarks/scaling.py --config configs/models/llama-3-8b.json --out /tmp/scaling.json
 """
 
 from __future__ import annotations
@@ -29,12 +29,13 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+MODELS_DIR = os.path.join(ROOT, "configs", "models")  # HF config.json files of full-size models
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxinfer import configs, sharding  # noqa: E402
+from jaxinfer import sharding  # noqa: E402
 from jaxinfer.config import MeshConfig  # noqa: E402
 from jaxinfer.kv_cache import PagedKVCache  # noqa: E402
 from jaxinfer.loading.safetensors import config_from_hf  # noqa: E402
@@ -179,7 +180,8 @@ def measure(cfg, mesh_cfg, batch, tokens, capacity) -> dict:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", default=configs.path("llama-3-8b"))
+    ap.add_argument("--config", default=os.path.join(MODELS_DIR, "llama-3-8b.json"),
+                    help="an HF config.json (default: configs/models/llama-3-8b.json)")
     ap.add_argument("--degrees", default="1,2,4,8")
     ap.add_argument("--decode_batch", type=int, default=8)
     ap.add_argument("--decode_context", type=int, default=8192)

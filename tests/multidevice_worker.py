@@ -110,12 +110,11 @@ def random_model_runs(shape: dict, variants: dict) -> dict:
     import jax.numpy as jnp
 
     import jaxinfer as ji
-    from jaxinfer import configs
     from jaxinfer.loading.checkpoint import save_checkpoint
     from jaxinfer.loading.safetensors import config_from_hf
     from jaxinfer.models import llama
 
-    with open(configs.path("llama-3-8b")) as f:
+    with open(os.path.join(ROOT, "configs", "models", "llama-3-8b.json")) as f:
         hf = json.load(f)
     hf.update(shape)
     cfg = config_from_hf(hf)
@@ -155,7 +154,11 @@ def kvrep() -> dict:
 def kernels() -> dict:
     import jaxinfer as ji
 
-    from jaxinfer import attention, sharding
+    import dataclasses
+
+    from jaxinfer import backends, sharding
+    from jaxinfer.backends.attention import ragged_attention
+    from jaxinfer.ragged_meta import ragged_meta
 
     shape = dict(hidden_size=128, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=256)
@@ -170,10 +173,10 @@ def kernels() -> dict:
     part = sharding.Partitioner(sharding.make_mesh(ji.MeshConfig(data=2, tensor=2)))
 
     def call(q, k, v, tables, start, count, lengths):
-        meta = attention.ragged_meta(start, count, lengths, num_tokens=8, query_tile=4,
-                                     num_tiles=6, page_size=16)
-        return attention.ragged_attention(q, k, v, 0, tables, meta, page_size=16,
-                                          implementation="pallas")
+        meta = ragged_meta(start, count, lengths, num_tokens=8, query_tile=4, num_tiles=6,
+                           page_size=16)
+        backend = dataclasses.replace(backends.default(), attention="pallas")
+        return ragged_attention(backend, q, k, v, 0, tables, meta, page_size=16)
     with part.active():
         text = str(jax.make_jaxpr(call)(q, pool, pool, tables, n, n, n))
     out["kernel_shard_map"] = "shard_map" in text and "in_specs=(P(None, 'tensor'" in text
@@ -221,11 +224,12 @@ def context() -> dict:
     import jax.numpy as jnp
 
     import jaxinfer as ji
-    from jaxinfer import configs, context_parallel, sharding
-    from jaxinfer.attention import reference_attention
+    from jaxinfer import sharding
+    from jaxinfer.backends.attention import reference_attention
     from jaxinfer.loading.safetensors import config_from_hf
 
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import context_parallel_attention as context_parallel
     import scaling
 
     B, T, N, K, H = 2, 64, 8, 2, 16
@@ -253,7 +257,7 @@ def context() -> dict:
             "mesh": ji.MeshConfig(data=2, tensor=2),
             "speculative": ji.SpeculativeConfig("draft", num_draft_tokens=3, draft_model=path)}})
     out["replica_pages"] = replica_pages()
-    with open(configs.path("llama-3-8b")) as f:
+    with open(os.path.join(ROOT, "configs", "models", "llama-3-8b.json")) as f:
         hf = json.load(f)
     hf.update(shape)
     cfg = config_from_hf(hf)
@@ -265,7 +269,7 @@ def context() -> dict:
 def big() -> dict:
     import jax.numpy as jnp
 
-    from jaxinfer import configs, decode, sharding
+    from jaxinfer import decode, sharding
     from jaxinfer.config import MeshConfig
     from jaxinfer.kv_cache import PagedKVCache
     from jaxinfer.loading.safetensors import config_from_hf
@@ -279,7 +283,7 @@ def big() -> dict:
     # The stated KV budget: 64 sequences of 8,192 tokens in 16-token pages, bfloat16.
     seqs, seq_len, page = 64, 8192, 16
     for name in ("llama-3-8b", "llama-3-70b"):
-        with open(configs.path(name)) as f:
+        with open(os.path.join(ROOT, "configs", "models", name + ".json")) as f:
             cfg = config_from_hf(json.load(f))
         params = jax.eval_shape(lambda: llama.init_params(cfg, jax.random.key(0), jnp.bfloat16))
         axes = sharding.param_axes(cfg, params, llama.param_specs)

@@ -74,7 +74,7 @@ def build_spec():
     chat = _CHAT.value if _CHAT.present or "chat" not in preset else preset["chat"]
     job_seed = sampling.pop("seed")  # per request: derived from it and the custom_id
     SamplingParams(**sampling)  # plain-text sampling checked before the model loads
-    mesh = distributed.mesh_config()
+    mesh = common.build_mesh(preset)
     return JobSpec(
         input_path=_INPUT.value, output_dir=_OUTPUT.value, llm_kwargs=llm_kwargs,
         input_format=_FORMAT.value, sampling=sampling, chat=chat, seed=job_seed,
@@ -88,22 +88,23 @@ def build_spec():
 def run() -> dict:
     """Everything main does, minus error handling; returns the summary."""
     from jaxinfer.batch import merge, run_local
+    from jaxinfer.config import MeshConfig
 
     if _MERGE.value:
         return merge(_MERGE.value)
     spec = build_spec()
     with open(spec.input_path, "rb"):  # a missing input fails before the model loads
         pass
+    mesh = None if spec.mesh is None else MeshConfig(*spec.mesh)  # as job.json records it
     with _early_lock(spec):  # a directory another run works in is refused before the load
         if _RUNNER.value == "ray":
             from jaxinfer.batch import ray_runner
 
-            mesh = distributed.mesh_config()
             return ray_runner.run_ray(spec, num_workers=_NUM_WORKERS.value,
                                       address=_RAY_ADDRESS.value, mesh=mesh,
                                       cpus_per_worker=_WORKER_CPUS.value,
                                       gpus_per_worker=_WORKER_GPUS.value)
-        llm = common.make_llm(spec.llm_kwargs, warmup=_WARMUP.value)
+        llm = common.make_llm(spec.llm_kwargs, mesh, warmup=_WARMUP.value)
         import jax
 
         return run_local(llm, spec, writer=jax.process_index() == 0)

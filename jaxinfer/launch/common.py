@@ -5,10 +5,15 @@ flags and --config, and turns them into LLM and SamplingParams keyword arguments
 multi-process flags live in launch/distributed.py.
 
 --config takes a preset name (jaxinfer/configs/NAME.json, shipped in the package) or a path to a
-JSON file shaped {"model": {LLM kwargs}, "sampling": {SamplingParams kwargs}, "chat": bool};
-flags passed on the command line override the preset. A preset's "speculative" entry is a dict of
-SpeculativeConfig fields. Defaults come from the library, so the command line and the Python API
-agree.
+JSON file, such as the deployment configs in the repository's configs/ folder, shaped
+
+    {"description": str, "model": {LLM kwargs}, "sampling": {SamplingParams kwargs},
+     "chat": bool, "mesh": {"data": d, "tensor": t, "sequence": s}}
+
+every section optional ("description" is for the reader and ignored). Flags passed on the
+command line override the preset, one setting at a time (--tensor replaces only the preset's
+"tensor"). A preset's model "speculative" entry is a dict of SpeculativeConfig fields. Defaults
+come from the library, so the command line and the Python API agree.
 """
 
 from __future__ import annotations
@@ -19,10 +24,12 @@ import json
 import os
 import sys
 import time
+from typing import Optional
 
 from absl import app, flags, logging
 
-from jaxinfer import configs
+from jaxinfer import backends, configs
+from jaxinfer.config import MeshConfig
 from jaxinfer.engine.request import SamplingParams
 from jaxinfer.launch import distributed
 from jaxinfer.speculative import SpeculativeConfig
@@ -39,11 +46,11 @@ def _llm_defaults() -> dict:
 
 LLM_DEFAULTS = _llm_defaults()
 
-PRESET_SECTIONS = ("model", "sampling", "chat")
+PRESET_SECTIONS = ("description", "model", "sampling", "chat", "mesh")
 
 CONFIG = flags.DEFINE_string("config", None, "Preset name in jaxinfer/configs/ (e.g. "
-                             "smollm2-cpu) or path to a preset JSON file; explicit flags "
-                             "override it.")
+                             "smollm2-cpu) or path to a preset JSON file (e.g. "
+                             "configs/smollm2-135m-cpu.json); explicit flags override it.")
 # Model / engine (LLM kwargs).
 MODEL_FLAGS = ("model", "dtype", "max_seq_len", "max_num_seqs", "quantization",
                "kv_cache_dtype", "attention", "page_size", "num_pages", "prefill_chunk",
@@ -112,8 +119,8 @@ def resolve_preset_path(name_or_path: str) -> str:
 
 
 def load_preset(name_or_path: str) -> dict:
-    """Reads and checks a preset: {"model": {...}, "sampling": {...}, "chat": bool}, each
-    section optional."""
+    """Reads and checks a preset: {"description": str, "model": {...}, "sampling": {...},
+    "chat": bool, "mesh": {...}}, each section optional."""
     path = resolve_preset_path(name_or_path)
     try:
         with open(path, encoding="utf-8") as f:
@@ -132,9 +139,33 @@ def load_preset(name_or_path: str) -> dict:
         bad = sorted(set(value) - set(allowed))
         if bad:
             raise ValueError(f"preset {path}: unknown {section} keys {bad}")
+    if "mesh" in preset.get("model", {}):
+        raise ValueError(f"preset {path}: the mesh goes in its own 'mesh' section, not in "
+                         "'model'")
+    spec = preset.get("model", {}).get("speculative")
+    if spec is not None and (not isinstance(spec, dict) or set(spec) - set(_SPEC_DEFAULTS)):
+        raise ValueError(f"preset {path}: model.speculative must be an object with keys among "
+                         f"{', '.join(_SPEC_DEFAULTS)}, got {spec!r}")
     if not isinstance(preset.get("chat", False), bool):
         raise ValueError(f"preset {path}: 'chat' must be true or false")
+    if not isinstance(preset.get("description", ""), str):
+        raise ValueError(f"preset {path}: 'description' must be a string")
+    _check_mesh(preset.get("mesh", {}), path)
     return preset
+
+
+def _check_mesh(mesh, path: str) -> None:
+    if not isinstance(mesh, dict):
+        raise ValueError(f"preset {path}: 'mesh' must be an object like "
+                         '{"data": 1, "tensor": 8, "sequence": 1}')
+    unknown = sorted(set(mesh) - set(distributed.MESH_AXES))
+    if unknown:
+        raise ValueError(f"preset {path}: unknown mesh keys {unknown}; expected "
+                         f"{', '.join(distributed.MESH_AXES)}")
+    for axis, degree in mesh.items():
+        if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
+            raise ValueError(f"preset {path}: mesh.{axis} must be a positive integer, got "
+                             f"{degree!r}")
 
 
 def preset_from_flag() -> dict:
@@ -144,7 +175,8 @@ def preset_from_flag() -> dict:
 def build_settings(preset: dict) -> tuple[dict, dict]:
     """(LLM kwargs, SamplingParams kwargs): the preset, overridden by flags passed explicitly.
     A flag that is neither passed nor in the preset contributes its default (the library's).
-    The LLM kwargs' "speculative" is a SpeculativeConfig or None."""
+    The LLM kwargs' "speculative" is a SpeculativeConfig or None. The mesh comes from
+    build_mesh: a batch job records it beside the LLM kwargs, not among them."""
     llm_kwargs = dict(preset.get("model", {}))
     sampling_kwargs = dict(preset.get("sampling", {}))
     for names, kwargs in ((MODEL_FLAGS, llm_kwargs), (SAMPLING_FLAGS, sampling_kwargs)):
@@ -162,15 +194,21 @@ def build_settings(preset: dict) -> tuple[dict, dict]:
     return llm_kwargs, sampling_kwargs
 
 
-def make_llm(llm_kwargs: dict, warmup: bool = False):
-    """Starts jax.distributed (a no-op for one process), builds the LLM on the mesh flags'
-    mesh, and warms it up when asked; timings go to stderr."""
+def build_mesh(preset: dict) -> Optional[MeshConfig]:
+    """The MeshConfig of the preset's "mesh" section and the --data/--tensor/--sequence flags
+    passed explicitly (distributed.mesh_config); None for one device."""
+    return distributed.mesh_config(preset.get("mesh"))
+
+
+def make_llm(llm_kwargs: dict, mesh: Optional[MeshConfig] = None, warmup: bool = False):
+    """Starts jax.distributed (a no-op for one process), builds the LLM on `mesh` (a
+    MeshConfig, from build_mesh; None: one device), and warms it up when asked; timings go to
+    stderr."""
     from jaxinfer.llm import LLM
 
     kwargs = dict(llm_kwargs)
     model = kwargs.pop("model")
     distributed.initialize()
-    mesh = distributed.mesh_config()
     if mesh is not None:
         kwargs["mesh"] = mesh
     t0 = time.perf_counter()
@@ -183,9 +221,13 @@ def make_llm(llm_kwargs: dict, warmup: bool = False):
 
 
 def run_main(argv, run, errors=(ValueError, NotImplementedError)):
-    """The launchers' main: no positional arguments, absl logging at WARNING unless
-    --verbosity was given, and bad input (`errors`) as a one-line message instead of a
-    traceback. Returns run()'s result."""
+    """The launchers' main: the process-wide XLA flags set before anything can start a jax
+    backend (jax.distributed, the mesh, the model), no positional arguments, absl logging at
+    WARNING unless --verbosity was given, and bad input (`errors`) as a one-line message
+    instead of a traceback. Returns run()'s result."""
+    # XLA reads its flags once, when the first backend starts; LLM() sets them too, but
+    # distributed.initialize() runs before it.
+    backends.set_xla_flags()
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if not FLAGS["verbosity"].present:

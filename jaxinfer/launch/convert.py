@@ -70,6 +70,12 @@ def convert(model: str, output: str, dtype: str = "float32", overwrite: bool = F
 
 
 def main(argv):
+    from jaxinfer import backends
+
+    # First thing, as common.run_main does for generate, serve and batch (this script cannot
+    # import launch.common: their --model flags clash). XLA reads its flags when the first
+    # backend starts, here inside load_model.
+    backends.set_xla_flags()
     FLAGS = flags.FLAGS
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")

@@ -5,6 +5,9 @@ one mesh over every process's devices. `--coordinator_address host:port --num_pr
 --process_id i` start jax.distributed explicitly; without them, a cluster environment that jax
 recognises (SLURM, Open MPI, Kubernetes JobSet, Cloud TPU) or JAX_COORDINATOR_ADDRESS starts
 it; otherwise the script runs as a single process.
+
+The mesh is a preset's "mesh" section ({"data": d, "tensor": t, "sequence": s}, each optional),
+each degree overridden by its flag (--data, --tensor, --sequence) when that is passed.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index, 0-
 _DATA = flags.DEFINE_integer("data", 1, "Data-parallel degree of the mesh.")
 _TENSOR = flags.DEFINE_integer("tensor", 1, "Tensor-parallel degree of the mesh.")
 _SEQUENCE = flags.DEFINE_integer("sequence", 1, "Sequence-parallel degree of the mesh.")
+MESH_AXES = ("data", "tensor", "sequence")  # a preset's "mesh" keys, MeshConfig's fields
 
 # Variables by which jax.distributed recognises a cluster it can join without arguments.
 _CLUSTER_ENV = ("JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE",
@@ -48,7 +52,11 @@ def initialize() -> None:
         jax.distributed.initialize()
 
 
-def mesh_config() -> Optional[MeshConfig]:
-    """The --data/--tensor/--sequence mesh, or None when every degree is 1."""
-    mesh = MeshConfig(data=_DATA.value, tensor=_TENSOR.value, sequence=_SEQUENCE.value)
+def mesh_config(preset_mesh: Optional[dict] = None) -> Optional[MeshConfig]:
+    """The mesh of a preset's "mesh" section (checked by common.load_preset), each degree
+    replaced by its flag where that was passed on the command line; a degree in neither is 1.
+    None when every degree is 1 (one device)."""
+    preset_mesh = preset_mesh or {}
+    mesh = MeshConfig(**{f.name: f.value if f.present else preset_mesh.get(f.name, f.value)
+                         for f in (_DATA, _TENSOR, _SEQUENCE)})
     return None if (mesh.data, mesh.tensor, mesh.sequence) == (1, 1, 1) else mesh

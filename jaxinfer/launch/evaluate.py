@@ -23,7 +23,7 @@ import time
 import jax
 from absl import app, flags
 
-from jaxinfer import evaluation
+from jaxinfer import backends, evaluation
 from jaxinfer.quant import KV_DTYPES, MODES
 
 DEFAULT_TEXT = "/usr/share/common-licenses/GPL-3"
@@ -90,6 +90,10 @@ def _nbytes(params) -> int:
 
 def main(argv):
     del argv
+    # First thing, as common.run_main does for generate, serve and batch (this script cannot
+    # import launch.common: their --model flags clash). XLA reads its flags when the first
+    # backend starts, here inside load_model.
+    backends.set_xla_flags()
     F = flags.FLAGS
     r = evaluate(F.model, F.quantization, F.kv_cache_dtype, F.text, F.max_tokens, F.window,
                  F.reference, F.group_size, F.reference_model)

@@ -7,11 +7,13 @@
     # one of N processes (each host runs this with its own --process_id):
     python -m jaxinfer.launch.generate --coordinator_address host0:1234 --num_processes N \
         --process_id i --data 2 --sequence 4 --prompt ...
+    python -m jaxinfer.launch.generate --config configs/smollm2-135m-ngram-cpu.json --prompt ...
 
 --config takes a preset name (jaxinfer/configs/NAME.json, shipped in the package) or a path to a
-JSON file shaped {"model": {LLM kwargs}, "sampling": {SamplingParams kwargs}, "chat": bool};
-flags passed on the command line override the preset. Sampling flag defaults are SamplingParams' defaults
-(greedy decoding).
+JSON file shaped {"model": {LLM kwargs}, "sampling": {SamplingParams kwargs}, "chat": bool,
+"mesh": {"data": d, "tensor": t, "sequence": s}} (launch.common; the repository's configs/
+folder holds deployment configs to copy). Flags passed on the command line override the preset.
+Sampling flag defaults are SamplingParams' defaults (greedy decoding).
 
 Prints each answer, then a table of per-request metrics (TTFT, mean inter-token latency, decode
 tokens/s, finish reason) and an aggregate line. The first request of a run pays for XLA
@@ -115,7 +117,9 @@ def beam_report(prompts: list[str], results, wall_s: float) -> str:
 def run() -> str:
     """Everything main does, minus error handling; returns the report."""
     prompts = read_prompts(_PROMPT.value, _PROMPTS_FILE.value)
-    llm_kwargs, sampling_kwargs, chat = build_settings(common.preset_from_flag())
+    preset = common.preset_from_flag()
+    llm_kwargs, sampling_kwargs, chat = build_settings(preset)
+    mesh = common.build_mesh(preset)
     params = SamplingParams(**sampling_kwargs)  # checked before the model loads
     beam = None
     if _BEAM_WIDTH.value:
@@ -124,7 +128,7 @@ def run() -> str:
         beam = BeamSearchParams(beam_width=_BEAM_WIDTH.value, max_tokens=params.max_tokens,
                                 length_penalty=_LENGTH_PENALTY.value,
                                 ignore_eos=params.ignore_eos, stop=params.stop)
-    llm = common.make_llm(llm_kwargs, warmup=_WARMUP.value)
+    llm = common.make_llm(llm_kwargs, mesh, warmup=_WARMUP.value)
 
     t0 = time.perf_counter()
     if beam is not None:

@@ -4,6 +4,7 @@
     python -m jaxinfer.launch.serve --config smollm2-cpu --port 8080 --api_key secret \\
         --max_waiting 64
     python -m jaxinfer.launch.serve --tensor 2 --host 0.0.0.0   # on a mesh, reachable from others
+    python -m jaxinfer.launch.serve --config configs/smollm2-135m-chat-server.json
 
 Then any OpenAI client: `openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key=...)`.
 Endpoints: POST /v1/completions, POST /v1/chat/completions (stream: true for server-sent
@@ -11,7 +12,8 @@ events), GET /v1/models, GET /health (200 once the model is loaded and warmed), 
 (Prometheus). Binds 127.0.0.1 unless --host says otherwise. SIGTERM drains: no new requests,
 running ones finish or are aborted after --drain_timeout, exit 0. The contract is in
 docs/serving.md; the model, engine, quantization, speculative, mesh and --config flags are
-those of launch.generate (sampling is per request, so the sampling flags are refused).
+those of launch.generate (sampling is per request, so the sampling flags are refused, and a
+preset's "sampling" and "chat" sections are not used).
 """
 
 from __future__ import annotations
@@ -74,7 +76,9 @@ def run() -> int:
     from jaxinfer.serve import ServeConfig, serve_forever
 
     check_flags()
-    llm_kwargs, _ = common.build_settings(common.preset_from_flag())
+    preset = common.preset_from_flag()
+    llm_kwargs, _ = common.build_settings(preset)
+    mesh = common.build_mesh(preset)
     cfg = ServeConfig(model_name=_NAME.value or llm_kwargs["model"],
                       api_key=_API_KEY.value or os.environ.get("JAXINFER_API_KEY") or None,
                       max_waiting=_MAX_WAITING.value, max_body_bytes=_MAX_BODY.value,
@@ -84,7 +88,7 @@ def run() -> int:
     def load():
         import jax
 
-        llm = common.make_llm(llm_kwargs, warmup=_WARMUP.value)
+        llm = common.make_llm(llm_kwargs, mesh, warmup=_WARMUP.value)
         if jax.process_count() > 1:
             raise NotImplementedError("serving from several processes is not supported yet: "
                                       "run one process (a mesh of its local devices)")
