@@ -1,11 +1,32 @@
-"""Online serving: jaxinfer's OpenAI server against llama-cpp-python's (llama_cpp.server), with
-the same client, prompts and Poisson arrivals, one server after the other, on loopback.
+"""Online serving: jaxinfer's OpenAI server against llama.cpp's servers (llama-cpp-python's
+llama_cpp.server, llama.cpp's own llama-server), with the same client and prompts, one server
+after the other, on loopback: Poisson arrivals rate by rate, or --burst (all at once).
 
     pip install -e ".[bench,serve]"   # llama-cpp-python compiles llama.cpp on install
     python benchmarks/serving.py [--rates 0.5,1,2,4,8] [--num-requests 32] [--max-tokens 32]
         [--prompt-words 60] [--servers jaxinfer,llamacpp] [--rate-time-limit 240]
         [--jaxinfer-args "--dtype bfloat16 --max_num_seqs 16 --max_seq_len 512"]
         [--threads 2] [--out benchmarks/results/serving]
+
+    bash benchmarks/build_llama_server.sh   # llama-server and an F16 GGUF, ~/.cache/jaxinfer-bench
+    python benchmarks/serving.py --burst --num-requests 64 --max-tokens 128 --rounds 2 \
+        --servers jaxinfer,llamaserver-f16,llamaserver-q4_1 [--slots 16] [--slot-context 512]
+
+Servers (--servers):
+  jaxinfer          python -m jaxinfer.launch.serve on the default model (--jaxinfer-args)
+  llamacpp          python -m llama_cpp.server on the same GGUF: one stream at a time
+  llamaserver-q4_1  llama.cpp's llama-server on the same GGUF (Q4_1), --slots parallel slots
+                    with continuous batching (-np --slots -cb), -c --slots x --slot-context,
+                    -t/-tb --threads; binary and files under --llama-cpp-dir
+  llamaserver-f16   the same on an F16 copy of that file (the build script writes it)
+
+--burst: --num-requests requests sent at t=0 (not streamed), each a prompt of 20-30 random
+token ids from the vocabulary's normal tokens (chat-sized, as benchmarks/throughput.py's chat
+workload; sent as token ids so every server gets the same tokens), greedy, EOS ignored, every
+request exactly --max-tokens tokens (checked). Each of --rounds rounds draws new prompts (so no
+prefix cache helps) and serves them with every server in turn. Reports output tokens per
+second (tokens / time from the first send to the last answer) per server and round, and each
+server's tok/s over the first server's in the same round.
 
 Each server starts as a subprocess on a free 127.0.0.1 port (jaxinfer: python -m
 jaxinfer.launch.serve, compiled before it reports healthy; llama.cpp: python -m
@@ -20,7 +41,7 @@ for --max-tokens tokens, greedy, with EOS suppressed (jaxinfer: ignore_eos; llam
 logit_bias -100 on the EOS ids), so both generate the same number of tokens. A rate's requests
 still running --rate-time-limit seconds after its first send are cancelled and count as misses.
 
-Per rate and server (the openai client's stream, times taken as chunks arrive):
+Poisson mode, per rate and server (the openai client's stream, times taken as chunks arrive):
   TTFT        send to the first chunk with text, p50 / p99 over requests
   ITL         a request's mean gap between tokens, (last chunk - first chunk) / (tokens - 1),
               p50 / p99 over requests (jaxinfer streams several tokens per chunk)
@@ -33,7 +54,11 @@ plot (latency and goodput against the request rate) to --out.
 --threads is llama.cpp's thread count. On a machine that other work shares, 1 is its best
 setting: its OpenMP threads spin at barriers, and with the two cores contended a 32-token request
 took 5.9-40 s at 2 threads against 1.3 s at 1 (measured on this machine under a load average
-of 5). jaxinfer's XLA thread pool has no such setting (see benchmarks/throughput.py).
+of 5). llama-server alike: 16 requests of 64 tokens ran at 7-10 tok/s at 2 threads, 94-109 with
+OMP_WAIT_POLICY=passive in the environment (threads sleep at barriers; the servers inherit it,
+jaxinfer uses no OpenMP) and 124-129 at 1 thread (load average 6-7). jaxinfer's XLA thread pool
+has no such setting (see benchmarks/throughput.py). --burst records the load average and the
+OMP_ variables in RESULTS.json.
 
 llama-cpp-python builds llama.cpp for the build machine's CPU. Where the CPU reports AMX but the
 virtual machine does not let processes use it (llama.cpp then dies on `ldtilecfg`, a general
@@ -120,9 +145,34 @@ class ServerProcess:
         self.log.close()
 
 
+def llama_server_gguf(args, kind: str, q4_1: str) -> str:
+    if kind == "q4_1":
+        return q4_1
+    stem = os.path.basename(q4_1).removesuffix(".gguf").removesuffix(".Q4_1")
+    path = os.path.join(args.llama_cpp_dir, "models", f"{stem}.F16.gguf")
+    if not os.path.exists(path):
+        raise SystemExit(f"{path} not found: run bash benchmarks/build_llama_server.sh")
+    return path
+
+
 def make_servers(args, gguf: str, eos_ids: list[int], out: str) -> dict:
     servers = {}
     py = [sys.executable]
+    for kind in ("f16", "q4_1"):
+        name = f"llamaserver-{kind}"
+        if name not in args.servers:
+            continue
+        binary = os.path.join(args.llama_cpp_dir, "build", "bin", "llama-server")
+        if not os.path.exists(binary):
+            raise SystemExit(f"{binary} not found: run bash benchmarks/build_llama_server.sh")
+        port = free_port()
+        cmd = [binary, "-m", llama_server_gguf(args, kind, gguf), "--alias", MODEL,
+               "--host", "127.0.0.1", "--port", str(port), "-np", str(args.slots), "-cb",
+               "-c", str(args.slots * args.slot_context), "-t", str(args.threads),
+               "-tb", str(args.threads)]
+        servers[name] = (ServerProcess(name, cmd, "/health", port,
+                                       os.path.join(out, f"{name}.log")),
+                         {"ignore_eos": True})
     if "jaxinfer" in args.servers:
         port = free_port()
         cmd = py + ["-m", "jaxinfer.launch.serve", "--model", MODEL, "--port", str(port),
@@ -181,6 +231,49 @@ async def run_rate(url: str, rate: float, prompts: list[str], gaps: list[float],
         t.cancel()
     await client.close()
     return [t.result() if t in done else {"error": "timed out"} for t in tasks]
+
+
+async def run_burst(url: str, prompts: list, args, extra: dict) -> dict:
+    """All prompts sent at once, not streamed; output tok/s from the first send to the last
+    answer."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="-", max_retries=0,
+                                timeout=args.rate_time_limit)
+    t0 = time.perf_counter()
+    outs = await asyncio.gather(*[client.completions.create(
+        model=MODEL, prompt=p, max_tokens=args.max_tokens, temperature=0, extra_body=extra)
+        for p in prompts])
+    span = time.perf_counter() - t0
+    await client.close()
+    tokens = [o.usage.completion_tokens for o in outs]
+    if tokens != [args.max_tokens] * len(prompts):
+        raise RuntimeError(f"{url} generated {sum(tokens)} tokens, not "
+                           f"{args.max_tokens * len(prompts)}")
+    return {"span_s": span, "tokens": sum(tokens), "tok_per_s": sum(tokens) / span}
+
+
+def burst(args, servers: dict, vocab, rng: random.Random) -> dict:
+    """--rounds rounds, each new prompts served by every server in turn."""
+    draw = lambda n: [[int(rng.choice(vocab)) for _ in range(rng.randint(20, 30))]  # noqa: E731
+                      for _ in range(n)]
+    results = {name: [] for name in servers}
+    for name, (server, extra) in servers.items():
+        asyncio.run(run_burst(server.url, draw(2), args, extra))  # untimed
+    for r in range(args.rounds):
+        prompts = draw(args.num_requests)
+        for name, (server, extra) in servers.items():
+            res = asyncio.run(run_burst(server.url, prompts, args, extra))
+            results[name].append(res)
+            print(f"[{name}] round {r}: {res['tokens']} tokens in {res['span_s']:.1f} s, "
+                  f"{res['tok_per_s']:.1f} tok/s", flush=True)
+    first = next(iter(results))
+    ratios = {name: [a["tok_per_s"] / b["tok_per_s"] for a, b in zip(runs, results[first])]
+              for name, runs in results.items()}
+    for name, runs in results.items():
+        print(f"{name:<18} tok/s " + " ".join(f"{x['tok_per_s']:7.1f}" for x in runs)
+              + f"   / {first}: " + " ".join(f"{x:.2f}" for x in ratios[name]))
+    return {"rounds": results, "ratio_to_" + first: ratios}
 
 
 def summarize(results: list[dict]) -> dict:
@@ -245,10 +338,19 @@ def main() -> None:
     p.add_argument("--jaxinfer-args",
                    default="--dtype bfloat16 --max_num_seqs 16 --max_seq_len 512")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--burst", action="store_true")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--slots", type=int, default=16)
+    p.add_argument("--slot-context", type=int, default=512)
+    p.add_argument("--llama-cpp-dir",
+                   default=os.path.expanduser("~/.cache/jaxinfer-bench/llama.cpp"))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=os.path.join("benchmarks", "results", "serving"))
+    p.add_argument("--out", default=None,
+                   help="default benchmarks/results/serving, with --burst serving_burst")
     args = p.parse_args()
     args.servers = args.servers.split(",")
+    args.out = args.out or os.path.join("benchmarks", "results",
+                                        "serving_burst" if args.burst else "serving")
     rates = [float(r) for r in args.rates.split(",")]
     os.makedirs(args.out, exist_ok=True)
 
@@ -270,6 +372,25 @@ def main() -> None:
         "ttft_s": SLO_TTFT_S, "itl_s": SLO_ITL_S, "sustained_fraction": SUSTAINED},
         "results": {}, "startup_s": {}}
     servers = make_servers(args, gguf, list(tokenizer.eos_token_ids), args.out)
+    servers = {name: servers[name] for name in args.servers}
+    if args.burst:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from throughput import normal_token_ids
+
+        report = {"config": vars(args), "startup_s": {}, "loadavg_start": os.getloadavg(),
+                  "env": {k: v for k, v in os.environ.items() if k.startswith("OMP_")}}
+        try:
+            for name, (server, _) in servers.items():
+                report["startup_s"][name] = server.start(args.startup_timeout)
+            report.update(burst(args, servers, normal_token_ids(gguf)[0].tolist(), rng))
+            report["loadavg_end"] = os.getloadavg()
+        finally:
+            for server, _ in servers.values():
+                server.stop()
+        with open(os.path.join(args.out, "RESULTS.json"), "w") as fh:
+            json.dump(report, fh, indent=1)
+        print(f"wrote {args.out}/RESULTS.json")
+        return
     try:
         for name, (server, extra) in servers.items():
             report["startup_s"][name] = server.start(args.startup_timeout)
