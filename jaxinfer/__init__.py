@@ -5,14 +5,15 @@
     print(llm.generate("The capital of France is")[0].text)
 """
 
-from jaxinfer.config import MeshConfig
-from jaxinfer.decode import DecodeState, RowParams, StepOutput, admit_rows, step
+from jaxinfer.config import MeshConfig, SpeculativeConfig
+from jaxinfer.device.loop import decode_loop
+from jaxinfer.device.state import DecodeState, RowParams, admit_rows
+from jaxinfer.device.step import StepOutput, step
+from jaxinfer.device.token_batch import TokenBatch
 from jaxinfer.engine.request import RequestMetrics, RequestOutput, SamplingParams
 from jaxinfer.llm import LLM, EncodedPrompt
-from jaxinfer.speculative import SpeculativeConfig
-from jaxinfer.token_batch import TokenBatch
 
-__all__ = ["LLM", "EncodedPrompt", "MeshConfig", "RequestMetrics", "RequestOutput", "SamplingParams",
-           "SpeculativeConfig", "step", "admit_rows", "DecodeState", "RowParams", "StepOutput",
-           "TokenBatch"]
+__all__ = ["LLM", "EncodedPrompt", "MeshConfig", "RequestMetrics", "RequestOutput",
+           "SamplingParams", "SpeculativeConfig", "step", "decode_loop", "admit_rows",
+           "DecodeState", "RowParams", "StepOutput", "TokenBatch"]
 __version__ = "0.1.0"

@@ -6,10 +6,7 @@ They are hashable so jitted functions can take them as static arguments.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Optional
-
-if TYPE_CHECKING:  # annotations only: speculative imports this module
-    from jaxinfer.speculative import SpeculativeConfig
+from typing import Optional
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +120,43 @@ class MeshConfig:
                 raise ValueError(f"MeshConfig.{name} must be a positive int, got {v!r}")
 
 
+_METHODS = ("ngram", "draft")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """method "ngram": prompt lookup (the last n tokens matched against the row's prompt and
+    output, the continuation of the match proposed); "draft": a smaller model sharing the
+    target's vocabulary (draft_model: an alias or a path). num_draft_tokens: k proposed per
+    step. ngram_max: the longest suffix matched (down to min(2, ngram_max))."""
+
+    method: str = "ngram"            # "ngram" | "draft"
+    num_draft_tokens: int = 4
+    draft_model: Optional[str] = None
+    ngram_max: int = 3
+
+    def __post_init__(self):
+        if self.method not in _METHODS:
+            raise ValueError(f"SpeculativeConfig.method must be one of {_METHODS}, "
+                             f"got {self.method!r}")
+        for name in ("num_draft_tokens", "ngram_max"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if self.num_draft_tokens > MAX_DRAFT_TOKENS:
+            raise ValueError(f"num_draft_tokens={self.num_draft_tokens} exceeds the limit of "
+                             f"{MAX_DRAFT_TOKENS}")
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError("method 'draft' needs draft_model (an alias or a path)")
+
+    @property
+    def ngram_min(self) -> int:
+        return min(2, self.ngram_max)
+
+
+MAX_DRAFT_TOKENS = 16  # each value compiles its own verification step
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """What the engine was built with (`LLM.engine_config`). The LLM passes every field; the
@@ -134,4 +168,4 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # token budget of one mixed step (decodes + prefill)
     dtype: str = "float32"
     attention: str = "reference"
-    speculative: Optional["SpeculativeConfig"] = None  # jaxinfer.speculative
+    speculative: Optional[SpeculativeConfig] = None

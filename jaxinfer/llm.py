@@ -24,10 +24,10 @@ from jaxinfer.engine.engine import Engine, Request
 from jaxinfer.engine.paged import PagedSlots
 from jaxinfer.engine.request import RequestMetrics, RequestOutput, SamplingParams
 from jaxinfer.engine.textstream import TextStream
-from jaxinfer.kv_cache import KV_DTYPES, ring_capacity
+from jaxinfer.device.kv_cache import KV_DTYPES, ring_capacity
 from jaxinfer.models import get_model
-from jaxinfer.sampling import MAX_LOGPROBS
-from jaxinfer.speculative import SpeculativeConfig
+from jaxinfer.device.sampling import MAX_LOGPROBS
+from jaxinfer.config import SpeculativeConfig
 from jaxinfer.user_input import check_text
 
 
@@ -433,10 +433,10 @@ class LLM:
                 self.abort(rid)
 
     def beam_search(self, prompts: Union[Prompt, Sequence[Prompt]], params=None) -> list:
-        """Beam search (jaxinfer.beam_search.BeamSearchParams; default width 4, 64 tokens) for
+        """Beam search (jaxinfer.engine.beam_search.BeamSearchParams; default width 4, 64 tokens) for
         each prompt: a BeamSearchOutput per prompt, in order, its sequences best first. Needs
         an engine with no unfinished requests."""
-        from jaxinfer.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+        from jaxinfer.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 
         params = params or BeamSearchParams()
         if not isinstance(params, BeamSearchParams):

@@ -17,7 +17,7 @@ import uuid
 from typing import Any, Optional, Sequence
 
 from jaxinfer.engine.request import RequestOutput, SamplingParams
-from jaxinfer.sampling import MAX_LOGPROBS
+from jaxinfer.device.sampling import MAX_LOGPROBS
 from jaxinfer.user_input import check_tree, show
 
 COMPLETIONS = "/v1/completions"

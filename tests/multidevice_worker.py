@@ -158,7 +158,7 @@ def kernels() -> dict:
 
     from jaxinfer import backends, sharding
     from jaxinfer.backends.attention import ragged_attention
-    from jaxinfer.ragged_meta import ragged_meta
+    from jaxinfer.device.ragged_meta import ragged_meta
 
     shape = dict(hidden_size=128, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=256)
@@ -269,9 +269,10 @@ def context() -> dict:
 def big() -> dict:
     import jax.numpy as jnp
 
-    from jaxinfer import decode, sharding
+    from jaxinfer import sharding
     from jaxinfer.config import MeshConfig
-    from jaxinfer.kv_cache import PagedKVCache
+    from jaxinfer.device.state import DecodeState
+    from jaxinfer.device.kv_cache import PagedKVCache
     from jaxinfer.loading.safetensors import config_from_hf
     from jaxinfer.models import llama
 
@@ -295,8 +296,8 @@ def big() -> dict:
                                     cfg.head_dim), jnp.bfloat16),
             block_tables=jax.ShapeDtypeStruct((seqs, seq_len // page), jnp.int32),
             lengths=jax.ShapeDtypeStruct((seqs,), jnp.int32), page_size=page)
-        state = jax.eval_shape(lambda: decode.DecodeState.create(cfg, seqs, seq_len,
-                                                                 jnp.bfloat16, cache=cache))
+        state = jax.eval_shape(lambda: DecodeState.create(cfg, seqs, seq_len, jnp.bfloat16,
+                                                          cache=cache))
 
         def per_device(tree, axes_tree):
             whole = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))

@@ -143,7 +143,7 @@ def test_smollm2_bfloat16_on_cpu(smollm2_gguf):
     prompt = "The capital of France is"
     greedy = ji.SamplingParams(max_tokens=8, temperature=0.0)
     assert bf16.generate([prompt], greedy)[0].text == f32.generate([prompt], greedy)[0].text
-    from jaxinfer.kv_cache import Bits16KV
+    from jaxinfer.device.kv_cache import Bits16KV
     kvs = jax.tree.leaves(bf16._engine.state.cache, is_leaf=lambda x: isinstance(x, Bits16KV))
     bits = [x for x in kvs if isinstance(x, Bits16KV)]
     assert bits and all(x.dtype == jnp.bfloat16 and x.bits.dtype == jnp.uint16 for x in bits)

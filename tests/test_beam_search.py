@@ -14,7 +14,7 @@ import pytest
 from safetensors.numpy import load_file
 
 import jaxinfer as ji
-from jaxinfer.beam_search import BeamSearchParams
+from jaxinfer.engine.beam_search import BeamSearchParams
 
 TINY = os.path.join(os.path.dirname(__file__), "data", "tiny_models", "llama")
 # Chosen (from seeded random ones) so that EOS ends hypotheses at every width tested.

@@ -13,7 +13,7 @@ import pytest
 
 from jaxinfer import backends
 from jaxinfer.backends import cpu_kernels
-from jaxinfer.kv_cache import Bits16KV, PagedKVCache
+from jaxinfer.device.kv_cache import Bits16KV, PagedKVCache
 from jaxinfer.layers import gated_mlp
 from jaxinfer.quant.kv import QuantizedKV, quantize_kv
 

@@ -13,11 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer import decode
+from jaxinfer.device import state as device_state
+from jaxinfer.device.loop import decode_loop
+from jaxinfer.device.step import step_jit
 from jaxinfer.config import ModelConfig
-from jaxinfer.kv_cache import PagedKVCache
+from jaxinfer.device.kv_cache import PagedKVCache
+from jaxinfer.device.token_batch import TokenBatch
 from jaxinfer.models import llama
-from jaxinfer.sampling import SamplingArrays
+from jaxinfer.device.sampling import SamplingArrays
 
 # Jitted so each shape compiles once (an eager lax.scan would re-trace on every call).
 forward = jax.jit(llama.forward, static_argnums=(1,))
@@ -96,7 +99,7 @@ def _rows(B, max_new, temperature=0.0, seed=0, stop=-1):
                         top_k=np.zeros(B, np.int32), top_p=np.ones(B, np.float32),
                         min_p=np.zeros(B, np.float32), repetition_penalty=np.ones(B, np.float32),
                         seed=np.full(B, seed, np.uint32))
-    return decode.RowParams(sampling=sp, max_new=np.full(B, max_new, np.int32),
+    return device_state.RowParams(sampling=sp, max_new=np.full(B, max_new, np.int32),
                             stop_ids=np.full((B, 2), stop, np.int32),
                             logprobs=np.zeros(B, bool), prompt_logprobs=np.zeros(B, bool))
 
@@ -104,12 +107,14 @@ def _rows(B, max_new, temperature=0.0, seed=0, stop=-1):
 def _started(cfg, params, rows, prompts, capacity=64):
     """A state whose rows hold the prompts [B, T] (all real) and their first sampled token."""
     B = prompts.shape[0]
-    state = decode.DecodeState.create(cfg, B, capacity, num_stop_ids=2)
-    state = decode.admit_rows(state, np.ones(B, bool), np.zeros(B, np.int32),
-                              np.zeros(B, np.int32), rows)
-    first, state = decode.prefill(params, state, prompts,
-                                  np.full(B, prompts.shape[1], np.int32), cfg=cfg)
-    return first, state
+    state = device_state.DecodeState.create(cfg, B, capacity, num_stop_ids=2)
+    state = device_state.admit_rows(state, np.ones(B, bool), np.zeros(B, np.int32),
+                                    np.zeros(B, np.int32), rows)
+    batch = TokenBatch.dense(jnp.asarray(prompts), jnp.full((B,), prompts.shape[1], jnp.int32),
+                             None, B)
+    out, state = step_jit(params, state, batch, jnp.arange(B, dtype=jnp.int32), cfg=cfg,
+                          query_tile=prompts.shape[1])
+    return out.tokens, state
 
 
 def test_decode_loop_matches_stepwise_greedy():
@@ -117,7 +122,7 @@ def test_decode_loop_matches_stepwise_greedy():
     params = _params(TINY, 3)
     prompt = np.random.default_rng(3).integers(0, TINY.vocab_size, 11).tolist()
     first, state = _started(TINY, params, _rows(1, max_new=9), np.asarray([prompt], np.int32))
-    state, out, num_out, done, _ = decode.decode_loop(params, state, np.asarray([0], np.int32),
+    state, out, num_out, done, _, _ = decode_loop(params, state, np.asarray([0], np.int32),
                                                       cfg=TINY, num_steps=16)
     got = [int(first[0])] + np.asarray(out)[0, :int(num_out[0])].tolist()
     assert len(got) == 9 and bool(done[0])
@@ -134,7 +139,7 @@ def test_decode_loop_stops_rows_independently():
     rows = _rows(B, max_new=6).replace(max_new=np.asarray([2, 6, 4], np.int32))
     _, state = _started(TINY, params, rows, prompts)
     # Row 1 twice in a padded list (B marks empty entries) would be an error; list each once.
-    state, out, num_out, done, _ = decode.decode_loop(
+    state, out, num_out, done, _, _ = decode_loop(
         params, state, np.asarray([2, 0, 1, B], np.int32), cfg=TINY, num_steps=8)
     assert np.asarray(num_out).tolist() == [1, 5, 3]  # the first token came from prefill
     assert np.asarray(done).all()
@@ -146,7 +151,7 @@ def test_decode_loop_leaves_unlisted_rows_alone():
     B = 3
     prompts = np.random.default_rng(6).integers(0, TINY.vocab_size, (B, 4)).astype(np.int32)
     _, state = _started(TINY, params, _rows(B, max_new=6), prompts)
-    state, out, num_out, done, _ = decode.decode_loop(
+    state, out, num_out, done, _, _ = decode_loop(
         params, state, np.asarray([1, B], np.int32), cfg=TINY, num_steps=3)
     assert np.asarray(num_out).tolist() == [0, 3, 0]
     assert np.asarray(state.cache.lengths).tolist() == [4, 4 + 3, 4]
@@ -161,7 +166,7 @@ def test_flat_step_equals_separate_full_forwards(cache_kind):
     """One flat step holding a decode token for rows 2 and 0 and an 8-token prefill chunk for
     row 1 (in that order in the batch, padding after them; row 3 idle) == each sequence's full
     forward. The sliding-window ring is window + 8 slots: it wraps under the chunk."""
-    from jaxinfer.token_batch import host_batch
+    from jaxinfer.device.token_batch import host_batch
 
     cfg = TINY if cache_kind != "ring-window" else dataclasses.replace(TINY, sliding_window=6)
     params = _params(cfg, 5)

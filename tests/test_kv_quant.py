@@ -16,12 +16,12 @@ import pytest
 
 from jaxinfer import backends
 from jaxinfer.backends.attention import ragged_attention, reference_attention
-from jaxinfer.ragged_meta import ragged_meta
+from jaxinfer.device.ragged_meta import ragged_meta
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import memory
-from jaxinfer.kv_cache import KV_DTYPES, PagedKVCache, QuantizedKV, kv_buffer, quantize_kv
+from jaxinfer.device.kv_cache import KV_DTYPES, PagedKVCache, QuantizedKV, kv_buffer, quantize_kv
 from jaxinfer.models import llama
-from jaxinfer.token_batch import host_batch
+from jaxinfer.device.token_batch import host_batch
 
 forward = jax.jit(llama.forward, static_argnums=(1,), static_argnames=("backend",))
 forward_tokens = jax.jit(llama.forward_tokens, static_argnums=(1,),

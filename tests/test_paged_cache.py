@@ -18,7 +18,7 @@ import pytest
 
 from jaxinfer import backends
 from jaxinfer.config import ModelConfig
-from jaxinfer.kv_cache import Bits16KV, PagedKVCache
+from jaxinfer.device.kv_cache import Bits16KV, PagedKVCache
 from jaxinfer.models import llama
 
 forward = jax.jit(llama.forward, static_argnums=(1,), static_argnames=("backend",))
@@ -202,7 +202,7 @@ def _check_loop_attention(kv_lengths, num_queries, query_start, *, M, T, window,
     the same bf16-rounded keys and values in float32, and the tolerance is bf16's (2e-2
     absolute on outputs of order 1: decode multiplies keys by queries rounded to bf16)."""
     from jaxinfer.backends.attention import ragged_attention, reference_attention
-    from jaxinfer.ragged_meta import num_tiles_bound, ragged_meta
+    from jaxinfer.device.ragged_meta import num_tiles_bound, ragged_meta
 
     rng = np.random.default_rng(7)
     B, N, K, H = len(kv_lengths), 4, 2, 32

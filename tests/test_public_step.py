@@ -11,7 +11,7 @@ import numpy as np
 import jaxinfer as ji
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import llama
-from jaxinfer.token_batch import host_batch
+from jaxinfer.device.token_batch import host_batch
 
 TINY = ModelConfig("llama", vocab_size=97, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
                    head_dim=8, ffn_dim=64, rope_theta=10000.0, max_position_embeddings=512)

@@ -1,4 +1,4 @@
-"""The sampler (jaxinfer.sampling) against independent references and exact properties.
+"""The sampler (jaxinfer.device.sampling) against independent references and exact properties.
 
 - filtered_logits == a float64 numpy implementation of the documented filter chain, on a batch
   whose rows each carry different (temperature, top_k, top_p, min_p);
@@ -17,7 +17,7 @@ import pytest
 
 import jaxinfer as ji
 from jaxinfer import backends
-from jaxinfer.sampling import (SamplingArrays, apply_repetition_penalty, filtered_logits,
+from jaxinfer.device.sampling import (SamplingArrays, apply_repetition_penalty, filtered_logits,
                                mark_seen, sample)
 
 _filtered = jax.jit(filtered_logits)
@@ -404,7 +404,7 @@ def test_blocked_argmax_equals_numpy(V, block, native):
 def test_draw_against_reference_and_zero_weights():
     """sampling.draw on rows whose weights are unnormalised, sparse (zeros must never be
     drawn, even at u near 0 or 1) and span several blocks, against a float64 inverse CDF."""
-    from jaxinfer.sampling import draw
+    from jaxinfer.device.sampling import draw
     rng = np.random.default_rng(7)
     B, V = 64, 1000                         # 4 blocks of 256, the last one partial
     w = rng.random((B, V)) * (rng.random((B, V)) < 0.05) * rng.uniform(0.1, 50, (B, 1))

@@ -4,11 +4,11 @@
 - verify: the empirical distribution of the emitted tokens == the exact target distribution
   (chi-square, with drafts that are point proposals and drafts sampled from a distribution q),
   and the sample size is shown to detect a 2% total-variation error;
-- speculative_loop, greedy: the same tokens as decode_loop, on a ring, a wrapping
+- decode_loop with drafts, greedy: the same tokens as without, on a ring, a wrapping
   sliding-window ring and a paged pool with NaN in every unused slot, with rows accepting
   different counts and rollback across page boundaries; stop ids end rows as in decode_loop;
   the device-kept n-gram history ends as each row's prompt and output;
-- speculative_loop, sampled: the first two tokens follow the model's exact joint distribution
+- decode_loop with drafts, sampled: the first two tokens follow the model's exact joint distribution
   (n-gram and draft model); n-gram speculation emits exactly decode_loop's sampled tokens;
 - the LLM API on the real model: greedy speculative output == the HF goldens, token by token
   (one golden copies its input, so EOS arrives inside a run of accepted drafts).
@@ -23,13 +23,15 @@ import numpy as np
 import pytest
 
 import jaxinfer as ji
-from jaxinfer import decode, speculative_loop
+from jaxinfer.device import state as device_state
+from jaxinfer.device.loop import decode_loop
+from jaxinfer.device.step import step_jit
 from jaxinfer.config import ModelConfig
-from jaxinfer.kv_cache import PagedKVCache
+from jaxinfer.device.kv_cache import PagedKVCache
 from jaxinfer.models import llama
-from jaxinfer.sampling import SamplingArrays
-from jaxinfer.speculative import ngram_propose, verify
-from jaxinfer.token_batch import TokenBatch
+from jaxinfer.device.sampling import SamplingArrays
+from jaxinfer.device.drafting import ngram_propose, verify
+from jaxinfer.device.token_batch import TokenBatch
 
 TINY = ModelConfig("llama", vocab_size=16, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
                    head_dim=8, ffn_dim=64, rope_theta=10000.0, max_position_embeddings=512)
@@ -45,7 +47,7 @@ def _sampling(B, temperature=0.0, top_k=0, seed=None):
 
 
 def _rows(B, max_new, stop=-1, **sampling):
-    return decode.RowParams(sampling=_sampling(B, **sampling),
+    return device_state.RowParams(sampling=_sampling(B, **sampling),
                             max_new=np.full(B, max_new, np.int32),
                             stop_ids=np.full((B, 2), stop, np.int32),
                             logprobs=np.zeros(B, bool), prompt_logprobs=np.zeros(B, bool))
@@ -177,7 +179,7 @@ def _prefill(cfg, params, prompts, cache, rows, draft=None, chunk=None, draft_ca
     whose ring (draft_capacity slots a row) is prefilled too. chunk: feed the prompts in flat
     steps of at most that many tokens a row (a sliding-window ring holds window + the most
     tokens a row writes in one call), each row sampling in the step that ends its prompt;
-    None: one decode.prefill."""
+    None: one step of the whole prompts."""
     B, T = len(prompts), max(len(p) for p in prompts)
     C = T if chunk is None else chunk
     toks = np.zeros((B, -(-T // C) * C), np.int32)
@@ -186,31 +188,27 @@ def _prefill(cfg, params, prompts, cache, rows, draft=None, chunk=None, draft_ca
         toks[b, :len(p)] = p
         hist[b, :len(p)] = p
     draft_params, draft_cfg = draft or (None, None)
-    state = decode.DecodeState.create(cfg, B, 0, cache=cache, draft_cfg=draft_cfg,
-                                      draft_capacity=draft_capacity, history=HISTORY,
-                                      num_stop_ids=rows.stop_ids.shape[1])
-    state = decode.admit_rows(state, np.ones(B, bool), np.zeros(B, np.int32),
-                              np.zeros(B, np.int32), rows, hist)
+    state = device_state.DecodeState.create(cfg, B, 0, cache=cache, draft_cfg=draft_cfg,
+                                            draft_capacity=draft_capacity, history=HISTORY,
+                                            num_stop_ids=rows.stop_ids.shape[1])
+    state = device_state.admit_rows(state, np.ones(B, bool), np.zeros(B, np.int32),
+                                    np.zeros(B, np.int32), rows, hist)
     lens = np.array([len(p) for p in prompts], np.int32)
-    if chunk is None:
-        first, state = decode.prefill(params, state, toks, lens, cfg=cfg,
-                                      draft_params=draft_params, draft_cfg=draft_cfg)
-        return state, [[int(t)] for t in np.asarray(first)]
     first = np.zeros(B, np.int32)
     for s in range(0, toks.shape[1], C):
         num = np.clip(lens - s, 0, C).astype(np.int32)
         ends = (lens > s) & (lens <= s + C)
         sample_rows = np.where(ends, np.arange(B), B).astype(np.int32)
         batch = TokenBatch.dense(jnp.asarray(toks[:, s:s + C]), jnp.asarray(num), None, B)
-        out, state = decode.step_jit(params, state, batch, sample_rows, cfg=cfg, query_tile=C,
-                                     draft_params=draft_params, draft_cfg=draft_cfg)
+        out, state = step_jit(params, state, batch, sample_rows, cfg=cfg, query_tile=C,
+                              draft_params=draft_params, draft_cfg=draft_cfg)
         first = np.where(ends, np.asarray(out.tokens), first)
     return state, [[int(t)] for t in first]
 
 
 def _generate(cfg, params, prompts, cache, rows, spec, draft_on=None, steps=4, k=4, draft=None,
               chunk=None):
-    """Every row to its end through decode_loop or speculative_loop (n-gram drafts from the
+    """Every row to its end through decode_loop, with drafts or without (n-gram drafts from the
     history the device keeps in the state, or draft = (params, cfg) of a draft model). Each
     dispatch lists the rows not yet done (padded with B to a fixed length, as the engine
     does). Checks that the device's history ends as each row's prompt and output. Returns
@@ -223,14 +221,14 @@ def _generate(cfg, params, prompts, cache, rows, spec, draft_on=None, steps=4, k
     for _ in range(100):
         if spec:
             on = np.ones(B, bool) if draft_on is None else draft_on
-            state, out, num, done, _, c = speculative_loop.speculative_loop(
+            state, out, num, done, _, c = decode_loop(
                 params, state, listed, on, cfg=cfg, num_steps=steps, num_draft=k,
                 ngram_max=3, ngram_min=1, draft_params=draft_params, draft_cfg=draft_cfg)
             counts += np.stack([np.asarray(c.steps), np.asarray(c.drafted),
                                 np.asarray(c.accepted)])
         else:
-            state, out, num, done, _ = decode.decode_loop(params, state, listed, cfg=cfg,
-                                                          num_steps=steps)
+            state, out, num, done, _, _ = decode_loop(params, state, listed, cfg=cfg,
+                                                      num_steps=steps)
         out, num, done = np.asarray(out), np.asarray(num), np.asarray(done)
         for b in range(B):
             out_ids[b] += out[b, :num[b]].tolist()
@@ -274,7 +272,7 @@ def _draft_of(cfg, params, seed):
 @pytest.mark.parametrize("cache_kind,drafter", [("ring", "ngram"), ("ring_window", "ngram"),
                                                 ("paged", "ngram"), ("ring", "draft"),
                                                 ("ring_window", "draft"), ("paged", "draft")])
-def test_speculative_loop_greedy_equals_decode_loop(cache_kind, drafter):
+def test_drafting_greedy_equals_plain_decoding(cache_kind, drafter):
     cfg = TINY.replace(vocab_size=97)
     k = 4
     if cache_kind == "ring_window":
@@ -330,7 +328,7 @@ def test_stop_ids_end_rows_as_in_decode_loop():
 
 @pytest.mark.parametrize("drafter", ["ngram", "draft"])
 def test_sampled_speculation_follows_the_models_joint_distribution(drafter):
-    """The first two tokens after a fixed context, drawn through speculative_loop with drafts
+    """The first two tokens after a fixed context, drawn through decode_loop with drafts
     on, against the exact joint p(x) p(y | x) from full forwards (V=16: 256 outcomes). The
     draft model's proposals are sampled from its own q (top_k=0, temperature 1)."""
     cfg = TINY
@@ -364,7 +362,7 @@ def test_sampled_speculation_follows_the_models_joint_distribution(drafter):
         state = state.replace(last_token=jnp.full((B,), prompt[-1], jnp.int32),
                               num_generated=jnp.zeros((B,), jnp.int32),
                               history=jnp.asarray(hist))
-        state, out, num, done, _, c = speculative_loop.speculative_loop(
+        state, out, num, done, _, c = decode_loop(
             params, state, np.arange(B, dtype=np.int32), np.ones(B, bool), cfg=cfg,
             num_steps=2, num_draft=3, ngram_max=3, ngram_min=1, draft_params=draft_params,
             draft_cfg=draft_cfg)

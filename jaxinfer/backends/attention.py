@@ -25,8 +25,8 @@ import jax.numpy as jnp
 
 from jaxinfer import sharding
 from jaxinfer.backends.work_list import tile_loop
-from jaxinfer.kv_cache import Bits16KV, QuantizedKV, dense
-from jaxinfer.ragged_meta import RaggedMeta, Tiles
+from jaxinfer.device.kv_cache import Bits16KV, QuantizedKV, dense
+from jaxinfer.device.ragged_meta import RaggedMeta, Tiles
 
 KVSegment = tuple  # (k [B, S, K, H], v [B, S, K, H], k_positions [B, S])
 

@@ -142,7 +142,7 @@ def _tracing(args, kwargs) -> bool:
 
 
 def loop_jit(fun=None, **jit_kwargs) -> program_jit:
-    """program_jit for a device loop (decode_loop, speculative_loop)."""
+    """program_jit for a device loop (device.loop.decode_loop)."""
     return program_jit(fun, loop=True, **jit_kwargs)
 
 

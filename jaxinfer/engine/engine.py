@@ -24,7 +24,7 @@ from jaxinfer.engine import speculation
 from jaxinfer.engine.paged import PagedSlots
 from jaxinfer.engine.request import (CompletionOutput, RequestMetrics, RequestOutput,
                                      SamplingParams)
-from jaxinfer.engine.runner import Runner
+from jaxinfer.engine.runner import MAX_STOP_IDS, Runner
 from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.engine.textstream import TextStream
 from jaxinfer.sharding import Partitioner, fetch
@@ -146,7 +146,8 @@ class Engine:
                              backend=backend)
         self.scheduler = Scheduler(B, engine_cfg.max_num_batched_tokens,
                                    engine_cfg.prefill_chunk, paged, data,
-                                   fill_buckets=self.runner.fill_buckets)
+                                   fill_buckets=self.runner.fill_buckets,
+                                   decode_plan=self._plan_decode)
         self.spec = engine_cfg.speculative
         self.spec_rates = speculation.SpeculationRates()
         self.stats_counters = collections.Counter()
@@ -207,22 +208,33 @@ class Engine:
     # ---- one scheduling step -----------------------------------------------------------------
 
     def step(self) -> list[Request]:
-        """Runs one scheduling step; returns the requests that progressed (finished included)."""
+        """Runs one scheduling step; returns the requests that progressed (finished included).
+        The scheduler's plan is final: the runner applies its admissions, forks and block
+        tables, then runs its one dispatch."""
         with self.runner.on_mesh():
             self.runner.ensure_state()
             plan = self.scheduler.schedule()
-            if plan.admitted:
-                self.runner.admit(plan.admitted, self.scheduler.take_tables(always=True))
-            if plan.forked:
-                self.runner.admit([(c, c.fork_at) for c, _ in plan.forked],
-                                  self.scheduler.take_tables(always=True))
-                self.runner.fork([(p.slot, c.slot) for c, p in plan.forked], plan.page_copies)
+            self.runner.apply(plan.admitted + [(c, c.fork_at) for c, _ in plan.forked],
+                              plan.tables, [(p.slot, c.slot) for c, p in plan.forked],
+                              plan.page_copies)
             if plan.multi_step:
-                progressed = self._decode(plan.decode) if plan.decode else []
+                progressed = self._decode(plan) if plan.decode else []
             else:
-                self.runner.set_tables(self.scheduler.take_tables())
                 progressed = self._flat_step(plan)
         return list({id(req): req for req in progressed}.values())
+
+    def _plan_decode(self, decoding: list) -> tuple[int, Optional[np.ndarray]]:
+        """The scheduler's question for a multi-step dispatch: how many tokens each row may
+        take (its pages are reserved for them), and with speculation which rows draft."""
+        steps = self.ecfg.decode_steps
+        if self.spec is None:
+            return steps, None
+        draft_on = np.zeros(len(self.slots), bool)
+        for r in decoding:
+            draft_on[r.slot] = speculation.may_draft(r)
+        if draft_on.any() and not self.spec_rates.draft(len(decoding)):
+            draft_on[:] = False
+        return steps * (self.spec.num_draft_tokens + 1 if draft_on.any() else 1), draft_on
 
     def _flat_step(self, plan) -> list[Request]:
         """One flat step: a token for every decoding row, then the prefill chunks."""
@@ -252,7 +264,7 @@ class Engine:
         for req in sampling:
             try:
                 lp = result.logprobs.get(req.slot) if req.logprobs is not None else None
-                self._append(req, [result.tokens[req.slot]], stopped=False,
+                self._append(req, [result.tokens[req.slot]], done=result.done[req.slot],
                              lps=None if lp is None else [lp])
                 self._computed(req)
             except Exception:  # noqa: BLE001 - this request's failure, not the others'
@@ -280,27 +292,13 @@ class Engine:
         if self.paged is not None and req.finish_reason is None:
             self.paged.computed(req, len(req.prompt_ids) + len(req.token_ids) - 1)
 
-    def _decode(self, decoding: list[Request]) -> list[Request]:
+    def _decode(self, plan) -> list[Request]:
         """One decode dispatch of up to decode_steps steps per decoding row (with speculation
-        on, a speculative loop)."""
-        steps = self.ecfg.decode_steps
-        B = len(self.slots)
-        draft_on = np.zeros(B, bool)
-        if self.spec is not None:
-            for r in decoding:
-                draft_on[r.slot] = speculation.may_draft(r)
-            if draft_on.any() and not self.spec_rates.draft(len(decoding)):
-                draft_on[:] = False
-        per_step = self.spec.num_draft_tokens + 1 if draft_on.any() else 1
-        self.scheduler.reserve(decoding, steps * per_step)
-        decoding = [r for r in decoding if r.slot is not None]
-        if not decoding:
-            return []
-        self.runner.set_tables(self.scheduler.take_tables())
-        slots = [r.slot for r in decoding]
+        on, drafting where plan.draft_on says)."""
+        decoding, draft_on = plan.decode, plan.draft_on
         t0 = time.perf_counter()
-        out, num_out, done, lp, counts = self.runner.decode(slots, draft_on,
-                                                            exit_on_stop=bool(self.waiting))
+        out, num_out, done, lp, counts = self.runner.decode(
+            [r.slot for r in decoding], draft_on, exit_on_stop=bool(self.waiting))
         if counts is not None:
             self.spec_rates.record(len(decoding), bool(draft_on.any()), int(num_out.sum()),
                                    time.perf_counter() - t0)
@@ -309,7 +307,7 @@ class Engine:
             b, n = req.slot, int(num_out[req.slot])
             try:
                 lps = None if lp is None else [tuple(x[b, i] for x in lp) for i in range(n)]
-                self._append(req, out[b, :n].tolist(), stopped=bool(done[b]), lps=lps)
+                self._append(req, out[b, :n].tolist(), done=bool(done[b]), lps=lps)
                 self._computed(req)
             except Exception:  # noqa: BLE001 - this request's failure, not the others'
                 self._fail(req)
@@ -319,15 +317,17 @@ class Engine:
                                   int(counts.accepted[b]), self.stats_counters)
         return decoding
 
-    def _append(self, req: Request, new_ids: list[int], stopped: bool, lps=None) -> None:
-        """Adds tokens the device produced, applying EOS, stop strings and length limits.
-        lps: per token (top ids, top values, chosen logprob) when the request wants logprobs."""
+    def _append(self, req: Request, new_ids: list[int], done: bool, lps=None) -> None:
+        """Books tokens the device produced. The device decided whether the row is done (a
+        stop id, booked as its last token, or max_new); the host adds the stop strings, which
+        only text can show. A stop id ends the request with "stop" and is not part of the
+        output. lps: per token (top ids, top values, chosen logprob) when the request wants
+        logprobs."""
         now = time.perf_counter()
         if req.metrics.first_token_time is None and new_ids:
             req.metrics.first_token_time = now
-        eos = set(self.eos_ids) if not req.params.ignore_eos else set()
         for i, tok in enumerate(new_ids):
-            if tok in eos:
+            if done and i == len(new_ids) - 1 and self._is_stop_id(req, tok):
                 self._finish(req, "stop")
                 return
             req.token_ids.append(tok)
@@ -340,11 +340,13 @@ class Engine:
             if req.stream.add(tok):
                 self._finish(req, "stop")
                 return
-            if len(req.token_ids) >= req.max_new:
-                self._finish(req, "length")
-                return
-        if stopped:  # device stopped the row on a limit it knows (max_new)
+        if done:
             self._finish(req, "length")
+
+    def _is_stop_id(self, req: Request, token: int) -> bool:
+        """Whether token is among the row's stop ids on the device (runner.admit writes them:
+        the EOS ids unless ignore_eos)."""
+        return not req.params.ignore_eos and token in self.eos_ids[:MAX_STOP_IDS]
 
     # ---- warmup, sizing and stats ------------------------------------------------------------
 

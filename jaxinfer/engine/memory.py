@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.kv_cache import ring_capacity
+from jaxinfer.device.kv_cache import ring_capacity
 
 UTILIZATION = 0.9  # fraction of device memory the engine may use, as vLLM's default
 

@@ -19,14 +19,18 @@ from typing import Optional
 import jax
 import numpy as np
 
-from jaxinfer import backends, decode, sharding, speculative_loop
+from jaxinfer import backends, sharding
 from jaxinfer.backends import Backend
+from jaxinfer.device import state as device_state
+from jaxinfer.device.loop import decode_loop
+from jaxinfer.device.state import DecodeState, RowParams
+from jaxinfer.device.step import step_jit
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine import buckets, programs
 from jaxinfer.engine.programs import ProgramCache
-from jaxinfer.kv_cache import PagedKVCache, kv_buffer, ring_tables
+from jaxinfer.device.kv_cache import PagedKVCache, kv_buffer, ring_tables
 from jaxinfer.sharding import Partitioner, fetch
-from jaxinfer.token_batch import host_batch
+from jaxinfer.device.token_batch import host_batch
 
 MAX_STOP_IDS = 8
 # Programs warmup compiles at once (at most the CPUs the process may use);
@@ -39,6 +43,7 @@ class StepResult:
     """A flat step's outputs on the host."""
 
     tokens: dict          # slot -> sampled token
+    done: dict            # slot -> whether the row is done (a stop id, or max_new reached)
     logprobs: dict        # slot -> (ids, values, chosen), for rows that want them
     prompt_logprobs: Optional[tuple]  # (ids [T, k], values [T, k], chosen [T]) when wanted
 
@@ -78,7 +83,7 @@ class Runner:
         # Where padding costs what a real token costs (compute-bound backends), the scheduler
         # sizes each prefilling step to the bucket nearest its token count (buckets.fill).
         self.fill_buckets = self.token_buckets if tune.fill_token_buckets else None
-        self.state: Optional[decode.DecodeState] = None
+        self.state: Optional[DecodeState] = None
         # The flat steps, decode loops and state updates, loaded from (and written to) the
         # programs cache beside the XLA cache on one device (jaxinfer.engine.programs), recorded
         # under program_index for prefetch; None: jit dispatches (also with
@@ -95,7 +100,7 @@ class Runner:
         return self.partitioner.put_tree(
             params, sharding.param_axes(cfg, params, get_model(cfg.architecture).param_specs))
 
-    def _place_state(self, state: decode.DecodeState) -> decode.DecodeState:
+    def _place_state(self, state: DecodeState) -> DecodeState:
         if self.partitioner is None:
             return jax.device_put(state, self.device)
         return self.partitioner.put_tree(state, state.logical_axes())
@@ -116,7 +121,7 @@ class Runner:
         return kv_buffer(shape, self.kv_dtype, lambda sh, dt: self.partitioner.zeros(
             sh, dt, tuple(axes)[:len(sh)]), **bits)
 
-    def new_state(self) -> decode.DecodeState:
+    def new_state(self) -> DecodeState:
         """The device state: the page pool (or one ring per slot), the sliding-window layers'
         ring of a hybrid cache, and empty rows."""
         B, L = self.num_slots, self.cfg.num_layers
@@ -140,7 +145,7 @@ class Runner:
                              lengths=np.zeros(B, np.int32), page_size=Z, wraps=wraps, **ring)
         history = self.ecfg.max_seq_len if self.spec is not None and \
             self.spec.method == "ngram" else 0
-        return self._place_state(decode.DecodeState.create(
+        return self._place_state(DecodeState.create(
             self.cfg, B, self.capacity, self.dtype, cache=cache,
             draft_cfg=self.draft_kw["draft_cfg"], draft_capacity=self.ecfg.max_seq_len,
             history=history, num_stop_ids=MAX_STOP_IDS, xp=np))
@@ -157,7 +162,7 @@ class Runner:
         B = self.num_slots
         mask, start = np.zeros(B, bool), np.zeros(B, np.int32)
         generated = np.zeros(B, np.int32)
-        rows = decode.RowParams.empty(B, MAX_STOP_IDS)
+        rows = RowParams.empty(B, MAX_STOP_IDS)
         history = None if self.state.history is None else \
             np.zeros(self.state.history.shape, np.int32)
         for req, cached in admitted:
@@ -178,7 +183,8 @@ class Runner:
                 ids = req.prefill_ids[:history.shape[1]]
                 history[b, :len(ids)] = ids
         self.state = self._dispatch(("admit", tables is None), (
-            decode.admit_rows, (self.state, mask, start, generated, rows, history, tables), {}))
+            device_state.admit_rows, (self.state, mask, start, generated, rows, history, tables),
+            {}))
 
     def fork(self, rows: list, copies: list) -> None:
         """Forked sequences (already admitted): rows [(source slot, slot)], page copies
@@ -191,11 +197,22 @@ class Runner:
         for i, (s, d) in enumerate(copies):
             page_src[i], page_dst[i] = s, d
         self.state = self._dispatch(("fork",), (
-            decode.fork_rows, (self.state, src, dst, page_src, page_dst), {}))
+            device_state.fork_rows, (self.state, src, dst, page_src, page_dst), {}))
+
+    def apply(self, admitted: list, tables, forks: list = (), copies: list = ()) -> None:
+        """A plan's state changes before its dispatch: admitted rows [(request, start)] with
+        the block tables (or the tables alone, None: unchanged), then forks [(source slot,
+        slot)] with their page copies [(src page, dst page)]."""
+        if admitted:
+            self.admit(admitted, tables)
+        else:
+            self.set_tables(tables)
+        if forks:
+            self.fork(forks, copies)
 
     def set_tables(self, tables) -> None:
         if tables is not None:
-            self.state = self._dispatch(("tables",), (decode.set_block_tables,
+            self.state = self._dispatch(("tables",), (device_state.set_block_tables,
                                                       (self.state, tables), {}))
 
     # ---- the flat step -----------------------------------------------------------------------
@@ -219,17 +236,19 @@ class Runner:
                 t += len(ids)
         out, self.state = self._step(batch, sample_rows, nxt)
         # One device-to-host fetch: the tokens, and the logprobs only when a row wants them.
-        tokens, lp, prompt_lp = fetch((out.tokens, out.logprobs if want_logprobs else None,
-                                       out.prompt_logprobs if next_tokens is not None else None))
+        tokens, done, lp, prompt_lp = fetch((
+            out.tokens, out.done, out.logprobs if want_logprobs else None,
+            out.prompt_logprobs if next_tokens is not None else None))
         listed = [(i, int(s)) for i, s in enumerate(sample_rows) if s < self.num_slots]
         return StepResult(tokens={s: int(tokens[i]) for i, s in listed},
+                          done={s: bool(done[i]) for i, s in listed},
                           logprobs={} if lp is None else
                           {s: tuple(x[i] for x in lp) for i, s in listed},
                           prompt_logprobs=prompt_lp)
 
     def _step_call(self, state, batch, sample_rows, next_tokens) -> tuple:
         """The flat step's program and arguments: (jitted, args, kwargs)."""
-        return decode.step_jit, (self.params, state, batch, sample_rows, next_tokens), dict(
+        return step_jit, (self.params, state, batch, sample_rows, next_tokens), dict(
             cfg=self.cfg, backend=self.backend, query_tile=self.query_tile,
             **self.draft_kw)
 
@@ -258,25 +277,21 @@ class Runner:
 
     def decode(self, slots: list, draft_on: Optional[np.ndarray], exit_on_stop: bool):
         """One decode dispatch for the listed slots. Returns (out [B, W], num_out [B],
-        done [B], logprobs or None (fetched when asked), counts or None)."""
+        done [B], logprobs or None (fetched when asked), counts or None (without speculation))."""
         rows = self.rows_array(slots)
         call = self._loop_call(self.state, rows, draft_on, exit_on_stop)
-        if self.spec is not None:
-            self.state, out, num_out, done, lp, counts = self._dispatch(("loop", len(rows)), call)
-            counts = fetch(counts)
-        else:
-            self.state, out, num_out, done, lp = self._dispatch(("loop", len(rows)), call)
-            counts = None
+        self.state, out, num_out, done, lp, counts = self._dispatch(("loop", len(rows)), call)
+        counts = fetch(counts) if self.spec is not None else None
         return fetch((out, num_out, done)) + (lp, counts)
 
     def _loop_call(self, state, rows, draft_on, exit_on_stop: bool) -> tuple:
         """The multi-step decode program and arguments, (jitted, args, kwargs): the decode loop,
-        or with speculation the speculative loop (draft_on [B]: rows that may draft)."""
+        drafting with speculation on (draft_on [B]: rows that may draft)."""
         kw = dict(cfg=self.cfg, num_steps=self.ecfg.decode_steps, backend=self.backend,
                   exit_on_stop=np.bool_(exit_on_stop), **self.draft_kw)
         if self.spec is None:
-            return decode.decode_loop, (self.params, state, rows), kw
-        return speculative_loop.speculative_loop, (self.params, state, rows, draft_on), dict(
+            return decode_loop, (self.params, state, rows, None), kw
+        return decode_loop, (self.params, state, rows, draft_on), dict(
             kw, num_draft=self.spec.num_draft_tokens, ngram_max=self.spec.ngram_max,
             ngram_min=self.spec.ngram_min)
 

@@ -10,6 +10,10 @@ freed, requeued first, recomputed on readmission) while pages run short. With fi
 (the runner's token buckets, on backends where a padding token costs a real one), a prefilling
 step's chunks are trimmed to the bucket below its token count when that is nearer than the
 bucket above (buckets.fill); the trimmed tokens go in the next step.
+
+The plan is final for its dispatch: every page it needs is reserved (for a multi-step
+dispatch, as many tokens per row as decode_plan says the dispatch may emit), and it carries
+the block tables the device needs, taken once at the end.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from typing import Optional
+from typing import Callable, Optional
+
+import numpy as np
 
 from jaxinfer.engine import buckets
 from jaxinfer.engine.paged import PagedSlots
@@ -32,6 +38,8 @@ class SchedulerOutput:
     preempted: list = dataclasses.field(default_factory=list)
     forked: list = dataclasses.field(default_factory=list)       # [(sequence, its source)]
     page_copies: list = dataclasses.field(default_factory=list)  # [(src page, dst page)]
+    draft_on: Optional[np.ndarray] = None  # multi-step with speculation: [B] rows that draft
+    tables: Optional[np.ndarray] = None    # the block tables where they changed, else None
 
     @property
     def num_tokens(self) -> int:
@@ -41,7 +49,8 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, num_slots: int, max_num_batched_tokens: int, prefill_chunk: int,
                  paged: Optional[PagedSlots] = None, data: int = 1,
-                 fill_buckets: Optional[tuple[int, ...]] = None):
+                 fill_buckets: Optional[tuple[int, ...]] = None,
+                 decode_plan: Optional[Callable] = None):
         self.slots: list = [None] * num_slots
         self.waiting: collections.deque = collections.deque()
         self.budget = max_num_batched_tokens
@@ -49,6 +58,8 @@ class Scheduler:
         self.paged = paged
         self.data = data
         self.fill_buckets = fill_buckets
+        # decode_plan(decoding) -> (tokens per row, draft_on or None) of a multi-step dispatch.
+        self.decode_plan = decode_plan or (lambda decoding: (1, None))
         self.admissions = 0
         self.preemptions = 0
 
@@ -73,38 +84,46 @@ class Scheduler:
         decoding = [r for r in active if r.prefilled == len(r.prefill_ids)]
         prefilling = sorted((r for r in active if r.prefilled < len(r.prefill_ids)),
                             key=lambda r: r.admitted_order)
-        if not prefilling:
-            return SchedulerOutput(admitted, [], decoding, multi_step=True, forked=forked,
-                                   page_copies=copies)
-        preempted = self.reserve(decoding, 1) if decoding else []
-        decoding = [r for r in decoding if r.slot is not None]
-        # A request admitted or forked above and preempted by that reservation never ran: it
-        # waits again, and its admission must not reach the device (it has no row). A fork
-        # whose source went copies that source's row, so it waits again too.
+        tokens, draft_on = (1, None) if prefilling or not decoding \
+            else self.decode_plan(decoding)
+        preempted = self.reserve(decoding, tokens) if decoding else []
+        chunks = []
+        if prefilling:
+            admitted, forked = self._still_placed(admitted, forked, preempted)
+            budget = self.budget - sum(r.slot is not None for r in decoding)
+            for req in prefilling:
+                if req.slot is None:  # preempted just now
+                    continue
+                # A request whose sequences wait to fork stops before its last prompt token.
+                end = req.fork_at if req.forks else len(req.prefill_ids)
+                take = min(end - req.prefilled, self.prefill_chunk, budget)
+                if take <= 0:
+                    if req.forks:
+                        continue  # waits for pages to fork
+                    break
+                chunks.append((req, take))
+                budget -= take
+            if chunks and self.fill_buckets:
+                chunks = self._fill(chunks, sum(r.slot is not None for r in decoding))
+            if not chunks and decoding:  # the prefilling rows wait (pages, forks): decode
+                tokens, draft_on = self.decode_plan(decoding)
+                preempted += self.reserve(decoding, tokens)
+        admitted, forked = self._still_placed(admitted, forked, preempted)
+        return SchedulerOutput(admitted, chunks, [r for r in decoding if r.slot is not None],
+                               multi_step=not chunks, preempted=preempted, forked=forked,
+                               page_copies=copies, draft_on=draft_on, tables=self.take_tables())
+
+    def _still_placed(self, admitted: list, forked: list, preempted: list) -> tuple:
+        """The admissions and forks of this round that a reservation did not undo. A request
+        admitted or forked and then preempted never ran: it waits again, and its admission
+        must not reach the device (it has no row). A fork whose source went copies that
+        source's row, so it waits again too."""
         for child, source in forked:
             if source.slot is None and child.slot is not None:
                 self._preempt(child)
                 preempted.append(child)
-        admitted = [(r, c) for r, c in admitted if r.slot is not None]
-        forked = [(c, p) for c, p in forked if c.slot is not None]
-        budget = self.budget - len(decoding)
-        chunks = []
-        for req in prefilling:
-            if req.slot is None:  # preempted just now
-                continue
-            # A request whose sequences wait to fork stops before its last prompt token.
-            end = req.fork_at if req.forks else len(req.prefill_ids)
-            take = min(end - req.prefilled, self.prefill_chunk, budget)
-            if take <= 0:
-                if req.forks:
-                    continue  # waits for pages to fork
-                break
-            chunks.append((req, take))
-            budget -= take
-        if chunks and self.fill_buckets:
-            chunks = self._fill(chunks, len(decoding))
-        return SchedulerOutput(admitted, chunks, decoding, multi_step=not chunks,
-                               preempted=preempted, forked=forked, page_copies=copies)
+        return ([(r, c) for r, c in admitted if r.slot is not None],
+                [(c, p) for c, p in forked if c.slot is not None])
 
     def _fill(self, chunks: list, decodes: int) -> list:
         """chunks trimmed from the newest to the token count buckets.fill picks (unchanged

@@ -32,7 +32,7 @@ from jaxinfer import backends, configs
 from jaxinfer.config import MeshConfig
 from jaxinfer.engine.request import SamplingParams
 from jaxinfer.launch import distributed
-from jaxinfer.speculative import SpeculativeConfig
+from jaxinfer.config import SpeculativeConfig
 
 SP_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
 _SPEC_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SpeculativeConfig)}

@@ -123,7 +123,7 @@ def run() -> str:
     params = SamplingParams(**sampling_kwargs)  # checked before the model loads
     beam = None
     if _BEAM_WIDTH.value:
-        from jaxinfer.beam_search import BeamSearchParams
+        from jaxinfer.engine.beam_search import BeamSearchParams
 
         beam = BeamSearchParams(beam_width=_BEAM_WIDTH.value, max_tokens=params.max_tokens,
                                 length_penalty=_LENGTH_PENALTY.value,

@@ -39,12 +39,12 @@ from jaxinfer import backends, sharding
 from jaxinfer.backends import Backend
 from jaxinfer.backends.tuning import program_jit
 from jaxinfer.config import ModelConfig
-from jaxinfer.kv_cache import PagedKVCache
+from jaxinfer.device.kv_cache import PagedKVCache
 from jaxinfer.layers import product, rope_angles, rope_inv_freq
 from jaxinfer.quant import QuantizedWeight, take_rows
 from jaxinfer.quant import logical_axes as quant_logical_axes
-from jaxinfer.ragged_meta import RaggedMeta, num_tiles_bound, ragged_meta
-from jaxinfer.token_batch import TokenBatch
+from jaxinfer.device.ragged_meta import RaggedMeta, num_tiles_bound, ragged_meta
+from jaxinfer.device.token_batch import TokenBatch
 
 Specs = dict[str, tuple[tuple[int, ...], tuple[Optional[str], ...]]]
 
@@ -319,7 +319,7 @@ class Family:
                        cache: PagedKVCache, *, backend: Optional[Backend] = None,
                        query_tile: int = 16, num_tiles: Optional[int] = None,
                        differentiable: bool = False) -> tuple[jax.Array, PagedKVCache]:
-        """Runs a flat step's tokens (jaxinfer.token_batch) through the model and appends their
+        """Runs a flat step's tokens (jaxinfer.device.token_batch) through the model and appends their
         K/V to the cache. Returns the final-normed hidden states [T, D] and the cache with each
         row's length advanced by its num_queries. backend: the ops' implementations (default
         backends.default()).
@@ -387,7 +387,7 @@ def sequence_logits(params: ModelParams, cfg: ModelConfig, tokens: jax.Array,
 @functools.partial(program_jit, static_argnums=(1, 3, 4))
 def _sequence_logits(params: ModelParams, cfg: ModelConfig, tokens: jax.Array,
                      kv_cache_dtype: str | None, backend: Backend) -> jax.Array:
-    from jaxinfer.kv_cache import KV_DTYPES
+    from jaxinfer.device.kv_cache import KV_DTYPES
     from jaxinfer.models import get_model
 
     model = get_model(cfg.architecture)

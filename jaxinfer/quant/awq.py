@@ -107,10 +107,10 @@ from jaxinfer.backends.tuning import program_jit
 from jaxinfer.quant import formats
 from jaxinfer.evaluation import perplexity  # noqa: F401  (awq.perplexity, as before)
 from jaxinfer.config import ModelConfig
-from jaxinfer.kv_cache import PagedKVCache
+from jaxinfer.device.kv_cache import PagedKVCache
 from jaxinfer.models import get_model
 from jaxinfer.models.base import DENSE_QUERY_TILE
-from jaxinfer.token_batch import TokenBatch
+from jaxinfer.device.token_batch import TokenBatch
 
 LINEARS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 GROUPS = ("o", "qkv", "down", "gate_up")  # search (and fold) order within a layer

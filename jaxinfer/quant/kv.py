@@ -1,5 +1,5 @@
 """Quantized KV cache entries: int8 or float8 e4m3 codes with one float32 scale per slot and
-kv head, written as each token's keys and values are quantized (jaxinfer.kv_cache) and read as
+kv head, written as each token's keys and values are quantized (jaxinfer.device.kv_cache) and read as
 codes plus scales, so whatever attends (the reference or the Pallas kernels) dequantizes what it
 reads and the cache never holds a float copy. Where XLA scatters into a float8 array by
 converting the whole array (XLA:CPU: about 0.2 s per layer's write into SmolLM2's pool), the

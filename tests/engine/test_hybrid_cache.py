@@ -106,7 +106,7 @@ def test_same_tokens_as_every_layer_in_the_pool(case):
 
     def run(llm):
         if case == "beam":
-            from jaxinfer.beam_search import BeamSearchParams
+            from jaxinfer.engine.beam_search import BeamSearchParams
 
             outs = llm.beam_search(prompts, BeamSearchParams(beam_width=4, max_tokens=16,
                                                              ignore_eos=True))
@@ -145,7 +145,7 @@ def test_forward_over_a_hybrid_cache(attention):
     token a step, the local layers' ring 8 + 8 - 1 slots (two pages of 8) wrapping several
     times, equal the dense scoring forward's logits (float32, 1e-4: the same math in another
     order). The tiny Gemma 3 config with head dim 32 (a kernel head dim), random weights."""
-    from jaxinfer.kv_cache import PagedKVCache, ring_capacity, ring_tables
+    from jaxinfer.device.kv_cache import PagedKVCache, ring_capacity, ring_tables
     from jaxinfer.loading import load_model
     from jaxinfer.models import get_model
 

@@ -178,7 +178,7 @@ def test_report_lists_every_sequence_of_n():
 @pytest.mark.slow
 def test_beam_width_flag_runs_beam_search(tmp_path):
     """--beam_width 2: the launcher prints the beams of LLM.beam_search, best first."""
-    from jaxinfer.beam_search import BeamSearchParams
+    from jaxinfer.engine.beam_search import BeamSearchParams
 
     r = launch(tmp_path, "--prompt", PROMPTS[0], "--beam_width", "2", "--max_tokens", "4",
                "--max_seq_len", "64", "--max_num_seqs", "2")

@@ -97,7 +97,7 @@ def test_engine_with_an_int8_kv_cache_generates_the_golden_greedy_text(data_dir)
     golden float32 continuations (from HF transformers; tests/data/smollm2_greedy.json) of 4
     prompts: measured 100% of tokens, bound 95% (positionwise)."""
     import jaxinfer as ji
-    from jaxinfer.kv_cache import QuantizedKV
+    from jaxinfer.device.kv_cache import QuantizedKV
 
     with open(os.path.join(data_dir, "smollm2_greedy.json")) as f:
         cases = json.load(f)["cases"][:4]

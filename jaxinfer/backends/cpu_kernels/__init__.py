@@ -298,7 +298,7 @@ def top_descending(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 def _pool_kind(pool) -> str | None:
     """"bf16" (Bits16KV of bf16), "float32", "int8" or "fp8" (QuantizedKV of int8 or float8
     e4m3fn codes): the pools the decode kernels read; None for any other."""
-    from jaxinfer.kv_cache import Bits16KV
+    from jaxinfer.device.kv_cache import Bits16KV
     from jaxinfer.quant.kv import QuantizedKV
 
     if isinstance(pool, Bits16KV):
@@ -349,7 +349,7 @@ def decode_attention_writing(q: jax.Array, k_new: jax.Array, v_new: jax.Array,
     the pool is dropped), in place: the pools are float32 or Bits16KV of bf16 (rounded to
     nearest even, as astype does), passed in and returned as the same buffers. Returns
     (out [T, K, G, H] float32, k_pool, v_pool as written)."""
-    from jaxinfer.kv_cache import Bits16KV
+    from jaxinfer.device.kv_cache import Bits16KV
 
     (k, k_scale), (v, v_scale) = _stored(k_pool), _stored(v_pool)
     call = jax.ffi.ffi_call(
@@ -372,7 +372,7 @@ def writing_supports(pool) -> bool:
 
 def _stored(a):
     """A pool's stored elements and their scales ([L, P * page_size, K], or empty)."""
-    from jaxinfer.kv_cache import Bits16KV
+    from jaxinfer.device.kv_cache import Bits16KV
     from jaxinfer.quant.kv import QuantizedKV
 
     if isinstance(a, QuantizedKV):

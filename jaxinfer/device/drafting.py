@@ -1,4 +1,5 @@
-"""Speculative decoding: drafters and exact verification (device math; the loop is in decode.py).
+"""Speculative decoding: drafters and exact verification (device math; the loop is in
+device/loop.py).
 
 Shape legend: B batch rows, k draft tokens per step, V vocab, L history length.
 
@@ -22,52 +23,14 @@ are other draws than plain sampling's.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
 from jaxinfer import backends
-from jaxinfer.sampling import (SamplingArrays, apply_repetition_penalty, draw, mark_seen, sample,
-                               sampling_probs, uniforms)
-
-_METHODS = ("ngram", "draft")
-
-
-@dataclasses.dataclass(frozen=True)
-class SpeculativeConfig:
-    """method "ngram": prompt lookup (the last n tokens matched against the row's prompt and
-    output, the continuation of the match proposed); "draft": a smaller model sharing the
-    target's vocabulary (draft_model: an alias or a path). num_draft_tokens: k proposed per
-    step. ngram_max: the longest suffix matched (down to min(2, ngram_max))."""
-
-    method: str = "ngram"            # "ngram" | "draft"
-    num_draft_tokens: int = 4
-    draft_model: Optional[str] = None
-    ngram_max: int = 3
-
-    def __post_init__(self):
-        if self.method not in _METHODS:
-            raise ValueError(f"SpeculativeConfig.method must be one of {_METHODS}, "
-                             f"got {self.method!r}")
-        for name in ("num_draft_tokens", "ngram_max"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-        if self.num_draft_tokens > MAX_DRAFT_TOKENS:
-            raise ValueError(f"num_draft_tokens={self.num_draft_tokens} exceeds the limit of "
-                             f"{MAX_DRAFT_TOKENS}")
-        if self.method == "draft" and not self.draft_model:
-            raise ValueError("method 'draft' needs draft_model (an alias or a path)")
-
-    @property
-    def ngram_min(self) -> int:
-        return min(2, self.ngram_max)
-
-
-MAX_DRAFT_TOKENS = 16  # each value compiles its own verification step
-
+from jaxinfer.device.sampling import (SamplingArrays, apply_repetition_penalty, draw, mark_seen,
+                                      sample, sampling_probs, uniforms)
 
 def ngram_propose(history: jax.Array, length: jax.Array, k: int, n_max: int, n_min: int = 1):
     """Prompt lookup on device. history [B, L] int32 holds each row's tokens (prompt, then

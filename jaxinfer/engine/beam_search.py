@@ -27,7 +27,7 @@ import numpy as np
 
 from jaxinfer.engine.request import RequestMetrics, SamplingParams
 from jaxinfer.engine.textstream import TextStream
-from jaxinfer.sampling import MAX_LOGPROBS
+from jaxinfer.device.sampling import MAX_LOGPROBS
 
 MAX_BEAM_WIDTH = MAX_LOGPROBS // 2  # 2W candidates per beam come from the device's top-k
 
@@ -140,13 +140,8 @@ class BeamSearch:
         return child
 
     def _sync_device(self) -> None:
-        tables = self.scheduler.take_tables(always=True)
-        if self._admit:
-            self.runner.admit(self._admit, tables)
-        else:
-            self.runner.set_tables(tables)
-        if self._forks:
-            self.runner.fork(self._forks, self._copies)
+        self.runner.apply(self._admit, self.scheduler.take_tables(always=True), self._forks,
+                          self._copies)
         self._admit, self._forks, self._copies = [], [], []
 
     def _run(self, segments: list, sample: list) -> dict:

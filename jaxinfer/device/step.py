@@ -1,0 +1,96 @@
+"""The flat step: one jitted forward over a flat token batch, then a sampled token for each
+row that completed what it had to feed.
+
+Shape legend: B cache rows (slots), T tokens of a step, S rows sampled in a step, V vocab.
+
+A step's input is a TokenBatch (device.token_batch): decode tokens and prefill chunks side by
+side, one forward over [T, D]. The static arguments are shapes (T), the attention's query tile
+and the Backend (jaxinfer.backends), whose ops every program takes.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jaxinfer import backends
+from jaxinfer.backends import Backend
+from jaxinfer.backends.tuning import program_jit
+from jaxinfer.config import ModelConfig
+from jaxinfer.device.sampling import maybe_top_logprobs, no_logprobs, sample
+from jaxinfer.device.state import DecodeState, _take, advance_rows
+from jaxinfer.device.token_batch import TokenBatch
+from jaxinfer.models import get_model
+
+
+def sample_rows(logits, state: DecodeState, rows: jax.Array, index: jax.Array,
+                backend: Backend):
+    """A token for each listed row [R] from its logits [R, V] with the row's parameters, seen
+    mask and token index [R]. The rows' seen masks ([R, V]) are gathered only where a
+    repetition penalty applies: gathered every step, they cost a copy of R x V bools."""
+    sp = jax.tree.map(lambda x: _take(x, rows), state.rows.sampling)
+    return sample(logits, sp, lambda: _take(state.seen, rows), index, backend)
+
+
+@flax.struct.dataclass
+class StepOutput:
+    """What one step returns for the host: the rows that sampled, their tokens, and whether
+    each is done (its token is a stop id, or it reached max_new)."""
+
+    sampled_rows: jax.Array  # [S] int32 rows that sampled a token (B: none), in row order
+    tokens: jax.Array        # [S] int32 their tokens
+    done: jax.Array          # [S] bool
+    logprobs: tuple          # (ids [S, k], values [S, k], chosen [S]), filled where wanted
+    prompt_logprobs: tuple   # (ids [T, k], values [T, k], chosen [T]) of batch.next_tokens
+
+
+def step(params, state: DecodeState, batch: TokenBatch, sampled: jax.Array,
+         next_tokens: jax.Array | None = None, *, cfg: ModelConfig,
+         backend: Backend | None = None, query_tile: int = 16, draft_params=None,
+         draft_cfg: ModelConfig | None = None) -> tuple[StepOutput, DecodeState]:
+    """One engine step, pure: every token of the flat batch through the model once (prefill
+    chunks and one token per decoding row side by side), then a sampled token for each row
+    listed in sampled [S] (B: an empty entry), from the logits of the row's last token in the
+    batch. A row samples when the step completes what it had to feed (a decode token, or a
+    prompt's last chunk); rows mid-prompt only fill their cache. next_tokens [T] int32 (-1:
+    none): the prompt token after each batch token, scored when the row wants
+    prompt_logprobs. backend: the ops' implementations (default: backends.default(), as
+    resolved when this is traced). Usable inside a caller's own jax.jit; jitted for the engine
+    as step_jit. Returns (StepOutput, state)."""
+    backend = backend if backend is not None else backends.default()
+    B = state.last_token.shape[0]
+    model = get_model(cfg.architecture)
+    h, cache = model.forward_tokens(params, cfg, batch, state.cache, backend=backend,
+                                    query_tile=query_tile)
+    draft_cache = state.draft_cache
+    if draft_cfg is not None:
+        _, draft_cache = get_model(draft_cfg.architecture).forward_tokens(
+            draft_params, draft_cfg, batch, draft_cache, backend=backend,
+            query_tile=query_tile)
+    valid = batch.rows < B
+    seen = state.seen.at[jnp.where(valid, batch.rows, B), batch.tokens].set(True, mode="drop")
+    state = state.replace(seen=seen, cache=cache, draft_cache=draft_cache)
+    last = _take(batch.query_start + batch.num_queries - 1, sampled)      # [S]
+    logits = model.head(params, h[jnp.maximum(last, 0)], backend)         # [S, V]
+    token = sample_rows(logits, state, sampled, _take(state.num_generated, sampled), backend)
+    real = sampled < B
+    lp = maybe_top_logprobs(_take(state.rows.logprobs, sampled) & real, lambda x: x, logits,
+                            token)
+    if next_tokens is None:
+        prompt_lp = no_logprobs((batch.num_tokens,))
+    else:
+        want_p = _take(state.rows.prompt_logprobs, batch.rows) & valid & (next_tokens >= 0)
+        prompt_lp = maybe_top_logprobs(want_p, lambda x: model.head(params, x, backend), h,
+                                       next_tokens)
+    # The new token's position is the row's cache length (its fed tokens are in the cache).
+    state, _, done = advance_rows(state, sampled, token[:, None], real.astype(jnp.int32), real,
+                                  _take(cache.lengths, sampled) - 1)
+    out = StepOutput(sampled_rows=sampled, tokens=token, done=done, logprobs=lp,
+                     prompt_logprobs=prompt_lp)
+    return out, state.constrained()
+
+
+# Compiled with the platform's compiler options (backends.tuning), as every program here.
+step_jit = program_jit(step, donate_argnums=(1,),
+                       static_argnames=("cfg", "backend", "query_tile", "draft_cfg"))
