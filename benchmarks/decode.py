@@ -273,7 +273,7 @@ def batch_step_vs_matmuls(args) -> dict:
 def kv_bytes_per_key(cfg, kv_dtype) -> int:
     """Bytes one token's keys and values take over every layer's pool: K * H elements each
     (and a float32 scale per kv head for int8 / fp8 codes)."""
-    from jaxinfer.kv_cache import KV_MAX
+    from jaxinfer.device.kv_cache import KV_MAX
 
     dtype = jnp.dtype(kv_dtype)
     per_head = cfg.head_dim * dtype.itemsize + (4 if dtype in KV_MAX else 0)

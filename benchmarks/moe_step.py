@@ -36,7 +36,7 @@ import dataclasses  # noqa: E402
 
 from jaxinfer import backends  # noqa: E402
 from jaxinfer.config import ModelConfig  # noqa: E402
-from jaxinfer.kv_cache import PagedKVCache  # noqa: E402
+from jaxinfer.device.kv_cache import PagedKVCache  # noqa: E402
 from jaxinfer.models import get_model, moe  # noqa: E402
 
 

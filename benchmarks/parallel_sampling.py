@@ -76,7 +76,7 @@ def _serve(llm, way, prompts, args, ji):
 
 
 def beams(args, llm):
-    from jaxinfer.beam_search import BeamSearchParams
+    from jaxinfer.engine.beam_search import BeamSearchParams
 
     rng = np.random.default_rng(1)
     prompts = _prompts(rng, args.beam_prompts, 24, 48, llm.model_config.vocab_size)

@@ -1,4 +1,4 @@
-"""The sampler's cost per decode step: jaxinfer.sampling.sample (inverse-CDF draw) against a
+"""The sampler's cost per decode step: jaxinfer.device.sampling.sample (inverse-CDF draw) against
 Gumbel-max draw over the same filtered logits (the draw it replaced), side by side.
 
     python benchmarks/sampler.py [--rows 16] [--vocab 49152] [--steps 16] [--runs 7]
@@ -42,7 +42,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--zipf", type=float, default=1.1, help="with --top_p: the logits' law")
     args = ap.parse_args(argv)
 
-    from jaxinfer import sampling
+    from jaxinfer.device import sampling
 
     B, V = args.rows, args.vocab
     logits = jnp.asarray(np.random.default_rng(0).standard_normal((B, V)) * 3, jnp.float32)

@@ -37,7 +37,7 @@ import numpy as np  # noqa: E402
 
 from jaxinfer import sharding  # noqa: E402
 from jaxinfer.config import MeshConfig  # noqa: E402
-from jaxinfer.kv_cache import PagedKVCache  # noqa: E402
+from jaxinfer.device.kv_cache import PagedKVCache  # noqa: E402
 from jaxinfer.loading.safetensors import config_from_hf  # noqa: E402
 from jaxinfer.models import get_model  # noqa: E402
 
