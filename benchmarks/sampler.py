@@ -1,5 +1,5 @@
 """The sampler's cost per decode step: jaxinfer.device.sampling.sample (inverse-CDF draw) against
-Gumbel-max draw over the same filtered logits (the draw it replaced), side by side.
+a Gumbel-max draw over the same filtered logits (the draw it replaced), side by side.
 
     python benchmarks/sampler.py [--rows 16] [--vocab 49152] [--steps 16] [--runs 7]
                                  [--top_p 0.9 --temperature 0.7 --zipf 1.1]
