@@ -20,8 +20,8 @@ import jax.numpy as jnp
 from jaxinfer import backends, sharding
 from jaxinfer.config import EngineConfig, MeshConfig
 from jaxinfer.engine import memory, programs
-from jaxinfer.engine.engine import Engine, Request
-from jaxinfer.engine.paged import PagedSlots
+from jaxinfer.engine.engine import Engine, SequenceState
+from jaxinfer.engine.slot_pages import PagedSlots
 from jaxinfer.engine.request import RequestMetrics, RequestOutput, SamplingParams
 from jaxinfer.engine.textstream import TextStream
 from jaxinfer.device.kv_cache import KV_DTYPES, ring_capacity
@@ -233,7 +233,7 @@ class LLM:
             self._engine.set_num_pages(self._pages_from_memory(memory_left, page_size))
         self._data_degree = data
         self._ids = itertools.count()
-        self._requests: dict[str, Request] = {}
+        self._requests: dict[str, SequenceState] = {}
 
     def _pages_from_memory(self, memory_left: tuple[int, int], page_size: int) -> int:
         """num_pages=None on a device that reports memory: what is left of it after the weights
@@ -308,7 +308,7 @@ class LLM:
         return ids
 
     def _make_request(self, prompt: Prompt, params: SamplingParams,
-                      request_id: Optional[str] = None) -> Request:
+                      request_id: Optional[str] = None) -> SequenceState:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
         for name in ("logprobs", "prompt_logprobs"):
@@ -326,7 +326,7 @@ class LLM:
         seed = params.seed if params.seed is not None else secrets.randbits(32)
         metrics = RequestMetrics(arrival_time=time.perf_counter(), prompt_tokens=len(ids))
         # Sequence i of a request draws with seed + i: alone it equals a request of that seed.
-        group = [Request(request_id=rid, prompt=text, prompt_ids=ids, params=params,
+        group = [SequenceState(request_id=rid, prompt=text, prompt_ids=ids, params=params,
                          seed=(seed + i) % 2**32,
                          max_new=min(params.max_tokens, self.max_seq_len - len(ids)),
                          stream=TextStream(self.tokenizer, params.stop_strings), metrics=metrics,

@@ -64,7 +64,7 @@ SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152), (577, 
 @pytest.mark.parametrize("transposed", [False, True], ids=["w[K,N]", "w[N,K]"])
 def test_kernel_matches_a_float64_product(K, N, transposed):
     x, w, want, scale = operands(K, N, transposed)
-    kernel = cpu_kernels.matrix_times_row if transposed else cpu_kernels.row_times_matrix
+    kernel = functools.partial(cpu_kernels.product, w_transposed=transposed)
     got = np.asarray(jax.jit(kernel)(x, w))
     assert got.dtype == np.float32 and got.shape == (N,)
     assert np.all(np.abs(got - want) <= 1e-5 * scale + 1e-6)
@@ -75,8 +75,7 @@ def test_kernel_matches_a_float64_product(K, N, transposed):
 @pytest.mark.parametrize("transposed", [False, True], ids=["w[K,N]", "w[N,K]"])
 def test_rows_kernel_matches_a_float64_product(K, N, transposed):
     # Row counts: below, at and above a register block (8 rows; 4 for w[N, K]), and the most.
-    kernel = jax.jit(cpu_kernels.matrix_times_rows if transposed
-                     else cpu_kernels.rows_times_matrix)
+    kernel = jax.jit(functools.partial(cpu_kernels.product, w_transposed=transposed))
     for M in (2, 5, 9, cpu_kernels.MAX_ROWS):
         x, w, want, scale = operands(K, N, transposed, seed=M, rows=M)
         got = np.asarray(kernel(x, w))
@@ -265,7 +264,7 @@ def test_in_a_while_loop_under_vmap_and_grad():
 
     def loop(x, w):
         def body(i, y):
-            return cpu_kernels.row_times_matrix(y.astype(jnp.bfloat16), w) * 0.1
+            return cpu_kernels.product(y.astype(jnp.bfloat16), w) * 0.1
         return jax.lax.fori_loop(0, 3, body, x.astype(jnp.float32))
 
     y = x.astype(jnp.float32)
@@ -276,12 +275,12 @@ def test_in_a_while_loop_under_vmap_and_grad():
                                atol=1e-5)
 
     xs = jnp.stack([x, -x, 2 * x])
-    got = jax.jit(jax.vmap(cpu_kernels.row_times_matrix, in_axes=(0, None)))(xs, w)
+    got = jax.jit(jax.vmap(cpu_kernels.product, in_axes=(0, None)))(xs, w)
     for row, sign in zip(np.asarray(got), (1, -1, 2)):
         assert np.all(np.abs(row - sign * want) <= abs(sign) * (1e-5 * scale + 1e-6))
 
     # Gradients go through XLA's dots (the kernel's JVP).
-    loss = lambda x, w: jnp.sum(cpu_kernels.matrix_times_row(x, w) ** 2)  # noqa: E731
+    loss = lambda x, w: jnp.sum(cpu_kernels.product(x, w, w_transposed=True) ** 2)  # noqa: E731
     ref = lambda x, w: jnp.sum(jnp.einsum("k,nk->n", x, w,  # noqa: E731
                                           preferred_element_type=jnp.float32) ** 2)
     wt = w.T
@@ -293,11 +292,11 @@ def test_in_a_while_loop_under_vmap_and_grad():
 @needs_rows_kernels
 def test_rows_kernels_under_vmap_and_grad():
     x, w, want, scale = operands(96, 80, False, rows=3)
-    got = jax.jit(jax.vmap(cpu_kernels.rows_times_matrix, in_axes=(0, None)))(
+    got = jax.jit(jax.vmap(cpu_kernels.product, in_axes=(0, None)))(
         jnp.stack([x, -x]), w)
     for rows, sign in zip(np.asarray(got), (1, -1)):
         assert np.all(np.abs(rows - sign * want) <= 1e-5 * scale + 1e-6)
-    loss = lambda x, w: jnp.sum(cpu_kernels.matrix_times_rows(x, w) ** 2)  # noqa: E731
+    loss = lambda x, w: jnp.sum(cpu_kernels.product(x, w, w_transposed=True) ** 2)  # noqa: E731
     ref = lambda x, w: jnp.sum(jnp.einsum("mk,nk->mn", x, w,  # noqa: E731
                                           preferred_element_type=jnp.float32) ** 2)
     for g, r in zip(jax.grad(loss, (0, 1))(x, w.T), jax.grad(ref, (0, 1))(x, w.T)):
@@ -312,7 +311,7 @@ def test_concurrent_calls_in_one_program():
     ops = [operands(576, 1536, bool(i % 2), seed=i) for i in range(8)]
 
     def many(xs, ws):
-        return [(cpu_kernels.matrix_times_row if i % 2 else cpu_kernels.row_times_matrix)(x, w)
+        return [cpu_kernels.product(x, w, w_transposed=bool(i % 2))
                 for i, (x, w) in enumerate(zip(xs, ws))]
 
     got = jax.jit(many)([o[0] for o in ops], [o[1] for o in ops])
@@ -593,7 +592,7 @@ def test_sort_descending_equals_numpy(V):
 @needs_kernels
 @pytest.mark.parametrize("V", [1, 15, 17, 1000, 49152])
 def test_top_descending_is_the_sorts_first_k(V):
-    """cpu_kernels.top_descending(x, k) against numpy's stable argsort of -x cut to k, exactly
+    """cpu_kernels.top_k(x, k) against numpy's stable argsort of -x cut to k, exactly
     (as sort_descending: ties in index order, +inf first, NaN last, -0.0 equal to 0.0), for k
     of 1, inside and at the edge of a bucket of its histogram, and V; rows of ties, of one value,
     of specials and of many values in the top buckets; leading axes and vmap."""
@@ -611,20 +610,20 @@ def test_top_descending_is_the_sorts_first_k(V):
     x[5, : V // 2] = np.nan
     want = np.argsort(-x, axis=-1, kind="stable")
     for k in sorted({1, min(7, V), min(256, V), V}):
-        values, order = jax.jit(cpu_kernels.top_descending, static_argnums=1)(jnp.asarray(x), k)
+        values, order = jax.jit(cpu_kernels.top_k, static_argnums=1)(jnp.asarray(x), k)
         assert order.shape == values.shape == (6, k) and order.dtype == jnp.int32
         np.testing.assert_array_equal(np.asarray(order), want[:, :k])
         np.testing.assert_array_equal(np.asarray(values).view(np.uint32),
                                       np.take_along_axis(x, want[:, :k], -1).view(np.uint32))
     k = min(5, V)
     x3 = jnp.asarray(x.reshape(2, 3, V))
-    np.testing.assert_array_equal(np.asarray(cpu_kernels.top_descending(x3, k)[1]),
+    np.testing.assert_array_equal(np.asarray(cpu_kernels.top_k(x3, k)[1]),
                                   want[:, :k].reshape(2, 3, k))
     np.testing.assert_array_equal(
-        np.asarray(jax.vmap(lambda r: cpu_kernels.top_descending(r, k))(x3)[1]),
+        np.asarray(jax.vmap(lambda r: cpu_kernels.top_k(r, k))(x3)[1]),
         want[:, :k].reshape(2, 3, k))
     with pytest.raises(ValueError, match=f"k={V + 1} must be in \\[1, {V}\\]"):
-        cpu_kernels.top_descending(jnp.asarray(x), V + 1)
+        cpu_kernels.top_k(jnp.asarray(x), V + 1)
 
 
 @needs_kernels

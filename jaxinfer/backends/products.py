@@ -54,17 +54,17 @@ def dot(backend, x: jax.Array, w: jax.Array, spec: str) -> jax.Array:
 def _row_kernel(spec: str, many: bool):
     """The native product for `spec` of one row (many: of [M, K] rows) against a 2-D weight:
     w [K, N] or w [N, K] with K the row's axis; None for other specs."""
+    import functools
+
     from jaxinfer.backends import cpu_kernels
 
     operands, out = spec.split("->")
     xs, ws = operands.split(",")
     if len(ws) != 2 or not xs.startswith("...") or out != xs[:-1] + ws.replace(xs[-1], ""):
         return None
-    if ws[0] == xs[-1]:
-        return cpu_kernels.rows_times_matrix if many else cpu_kernels.row_times_matrix
-    if ws[1] == xs[-1]:
-        return cpu_kernels.matrix_times_rows if many else cpu_kernels.matrix_times_row
-    return None
+    if xs[-1] not in ws:
+        return None
+    return functools.partial(cpu_kernels.product, w_transposed=ws[1] == xs[-1])
 
 
 def gated_hidden(backend, x: jax.Array, w_gate, w_up, activation: str) -> Optional[jax.Array]:

@@ -58,5 +58,5 @@ def top(backend, x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """The first k of sort_descending: (values, indices) [B, k]."""
     if backend.native_sort(x):
         from jaxinfer.backends import cpu_kernels
-        return cpu_kernels.top_descending(x, k)
+        return cpu_kernels.top_k(x, k)
     return jax.lax.top_k(x, k)

@@ -5,7 +5,7 @@ K kv heads, H head dim, T tokens of a step.
 
 Row b's position p lives in page block_tables[b, (p // Z) % M] at offset p % Z, i.e. at flat
 pool slot block_tables[b, (p // Z) % M] * Z + p % Z. Three layouts share this one rule:
-  * a paged cache (continuous batching): pages handed out by the host (jaxinfer.engine.pages),
+  * a paged cache (continuous batching): pages handed out by the host (jaxinfer.engine.page_allocator),
     M = ceil(max_seq_len / Z) so the modulo never wraps; page 0 is the null page that unused
     table entries point to;
   * a ring buffer (PagedKVCache.ring): each row owns M consecutive pages (identity tables), and
@@ -253,7 +253,7 @@ class PagedKVCache:
 
     def copy_pages(self, src: jax.Array, dst: jax.Array) -> "PagedKVCache":
         """Every layer's page src[i] copied into page dst[i] (src, dst [C] int32; dst < 0:
-        no copy). The copy a fork makes of a shared, partly filled page (engine/pages.py)."""
+        no copy). The copy a fork makes of a shared, partly filled page (engine/page_allocator.py)."""
         Z, P = self.page_size, self.num_pages
         z = jnp.arange(Z, dtype=jnp.int32)
         src_slots = (jnp.maximum(src, 0)[:, None] * Z + z).reshape(-1)
@@ -274,7 +274,7 @@ class PagedKVCache:
              dst_pages: jax.Array) -> "PagedKVCache":
         """Rows dst_rows [C] forked from src_rows [C]: a ring copies the rows whole, a paged
         pool the pages src_pages [C'] into dst_pages [C'] (the partly filled page each fork may
-        not share: engine/pages.py), and a hybrid cache's ring its rows whole as well."""
+        not share: engine/page_allocator.py), and a hybrid cache's ring its rows whole as well."""
         if self.wraps:
             cache = self.copy_rows(src_rows, dst_rows)
         else:

@@ -1,5 +1,5 @@
 """Beam search over the engine's paged cache: beams fork and die by moving block-table
-references (engine/pages.py `fork`), never by copying a cache; the one page a fork copies is
+references (engine/page_allocator.py `fork`), never by copying a cache; the one page a fork copies is
 the partly filled page its tokens end in. The contract is in docs/api.md ("Beam search").
 
 Each step feeds every live beam's newest token through one flat step (jaxinfer.step) whose
@@ -73,7 +73,7 @@ class BeamSearchOutput:
 
 @dataclasses.dataclass
 class _Beam:
-    req: object                # the engine Request holding its row and pages
+    req: object                # the engine SequenceState holding its row and pages
     cum: float                 # cumulative log-probability
     candidates: tuple = ()     # (ids [k], logprobs [k]) of its next token
 
@@ -100,12 +100,12 @@ class BeamSearch:
     # ---- rows ------------------------------------------------------------------------------
 
     def _new_request(self, prompt_ids, token_ids):
-        from jaxinfer.engine.engine import Request
+        from jaxinfer.engine.engine import SequenceState
 
         self._ids += 1
         sp = SamplingParams(max_tokens=self.p.max_tokens, logprobs=MAX_LOGPROBS,
                             ignore_eos=True)
-        return Request(request_id=("beam", self._ids), prompt=None, prompt_ids=prompt_ids,
+        return SequenceState(request_id=("beam", self._ids), prompt=None, prompt_ids=prompt_ids,
                        params=sp, seed=0, max_new=self.p.max_tokens,
                        stream=TextStream(None), metrics=RequestMetrics(),
                        token_ids=list(token_ids))
@@ -175,7 +175,7 @@ class BeamSearch:
             self.scheduler.slots[slot] = req
             self._admit.append((req, cached))
             roots.append(_Beam(req, 0.0))
-        budget, chunk = self.engine.ecfg.max_num_batched_tokens, self.engine.ecfg.prefill_chunk
+        budget, chunk = self.engine.engine_cfg.max_num_batched_tokens, self.engine.engine_cfg.prefill_chunk
         while any(b.req.prefilled < len(b.req.prefill_ids) for b in roots):
             segments, done, left = [], [], budget
             for b in roots:
@@ -275,7 +275,7 @@ class BeamSearch:
         """The W best hypotheses of each prompt, best first (LLM.beam_search passes as many
         prompts at once as leave every beam a slot)."""
         W, lp = self.W, self.p.length_penalty
-        max_seq_len = self.engine.ecfg.max_seq_len
+        max_seq_len = self.engine.engine_cfg.max_seq_len
         limits = [min(self.p.max_tokens, max_seq_len - len(ids)) for ids in prompts]
         roots = self.prefill(prompts)
         live = [[r] for r in roots]

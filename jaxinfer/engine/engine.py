@@ -20,8 +20,8 @@ import jax
 import numpy as np
 
 from jaxinfer.config import EngineConfig, ModelConfig
-from jaxinfer.engine import speculation
-from jaxinfer.engine.paged import PagedSlots
+from jaxinfer.engine import draft_policy
+from jaxinfer.engine.slot_pages import PagedSlots
 from jaxinfer.engine.request import (CompletionOutput, RequestMetrics, RequestOutput,
                                      SamplingParams)
 from jaxinfer.engine.runner import MAX_STOP_IDS, Runner
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(eq=False)
-class Request:
+class SequenceState:
     """One sequence of a request: the request's only one (n = 1), or sequence `index` of its
     group. Sequences of a group share request_id, metrics and the prompt's pages."""
 
@@ -54,7 +54,7 @@ class Request:
     logprobs: Optional[list] = None         # per generated token {token_id: logprob}
     prompt_logprobs: Optional[list] = None  # per prompt token (the first is None)
     spec_resume_at: int = 0          # drafting is paused until this many tokens are generated
-    spec_pause: int = speculation.SPEC_PAUSE_TOKENS
+    spec_pause: int = draft_policy.SPEC_PAUSE_TOKENS
     spec_window: tuple[int, int] = (0, 0)  # (steps, accepted) since the last judgement
     index: int = 0             # sequence index within the request (n > 1)
     group: list = dataclasses.field(default_factory=list)   # every sequence, index order
@@ -124,7 +124,7 @@ class Engine:
                  backend=None):
         self.cfg = cfg
         self.tokenizer = tokenizer
-        self.ecfg = engine_cfg
+        self.engine_cfg = engine_cfg
         self.dtype = dtype
         # The KV cache's storage dtype: the model's, or int8 / float8 codes (QuantizedKV).
         self.kv_dtype = dtype if kv_dtype is None else kv_dtype
@@ -149,7 +149,7 @@ class Engine:
                                    fill_buckets=self.runner.fill_buckets,
                                    decode_plan=self._plan_decode)
         self.spec = engine_cfg.speculative
-        self.spec_rates = speculation.SpeculationRates()
+        self.spec_rates = draft_policy.SpeculationRates()
         self.stats_counters = collections.Counter()
         self.start_time = time.perf_counter()
 
@@ -164,10 +164,10 @@ class Engine:
 
     # ---- requests ----------------------------------------------------------------------------
 
-    def add(self, request: Request) -> None:
+    def add(self, request: SequenceState) -> None:
         self.scheduler.waiting.append(request)
 
-    def abort(self, request_id: str) -> Optional[Request]:
+    def abort(self, request_id: str) -> Optional[SequenceState]:
         """Aborts every unfinished sequence of the request; returns its sequence 0."""
         found = [r for r in list(self.waiting) + self.slots
                  if r is not None and r.request_id == request_id]
@@ -183,7 +183,7 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def _finish(self, req: Request, reason: str) -> Request:
+    def _finish(self, req: SequenceState, reason: str) -> SequenceState:
         self.scheduler.free(req)
         for child in req.forks:  # sequences still waiting to fork from this one
             self.scheduler.free(child)
@@ -196,7 +196,7 @@ class Engine:
         self.stats_counters["finished"] += 1
         return req
 
-    def _fail(self, req: Request) -> None:
+    def _fail(self, req: SequenceState) -> None:
         """Finishes a sequence whose host bookkeeping (detokenizing, stop matching, logprobs)
         raised: finish_reason "error", the traceback logged; the other rows go on."""
         log.exception("request %s: its bookkeeping failed; it finishes with finish_reason "
@@ -207,7 +207,7 @@ class Engine:
 
     # ---- one scheduling step -----------------------------------------------------------------
 
-    def step(self) -> list[Request]:
+    def step(self) -> list[SequenceState]:
         """Runs one scheduling step; returns the requests that progressed (finished included).
         The scheduler's plan is final: the runner applies its admissions, forks and block
         tables, then runs its one dispatch."""
@@ -226,17 +226,17 @@ class Engine:
     def _plan_decode(self, decoding: list) -> tuple[int, Optional[np.ndarray]]:
         """The scheduler's question for a multi-step dispatch: how many tokens each row may
         take (its pages are reserved for them), and with speculation which rows draft."""
-        steps = self.ecfg.decode_steps
+        steps = self.engine_cfg.decode_steps
         if self.spec is None:
             return steps, None
         draft_on = np.zeros(len(self.slots), bool)
         for r in decoding:
-            draft_on[r.slot] = speculation.may_draft(r)
+            draft_on[r.slot] = draft_policy.may_draft(r)
         if draft_on.any() and not self.spec_rates.draft(len(decoding)):
             draft_on[:] = False
         return steps * (self.spec.num_draft_tokens + 1 if draft_on.any() else 1), draft_on
 
-    def _flat_step(self, plan) -> list[Request]:
+    def _flat_step(self, plan) -> list[SequenceState]:
         """One flat step: a token for every decoding row, then the prefill chunks."""
         segments = [(r.slot, [r.token_ids[-1]]) for r in plan.decode]
         completes = []
@@ -287,12 +287,12 @@ class Engine:
                             k, ids[t + i], vals[t + i], req.prompt_ids[p + 1], chosen[t + i]))
             t += n
 
-    def _computed(self, req: Request) -> None:
+    def _computed(self, req: SequenceState) -> None:
         """Everything but the newest token (fed next step) has K/V in the pages."""
         if self.paged is not None and req.finish_reason is None:
             self.paged.computed(req, len(req.prompt_ids) + len(req.token_ids) - 1)
 
-    def _decode(self, plan) -> list[Request]:
+    def _decode(self, plan) -> list[SequenceState]:
         """One decode dispatch of up to decode_steps steps per decoding row (with speculation
         on, drafting where plan.draft_on says)."""
         decoding, draft_on = plan.decode, plan.draft_on
@@ -313,11 +313,11 @@ class Engine:
                 self._fail(req)
                 continue
             if counts is not None and draft_on[b]:
-                speculation.judge(req, int(counts.steps[b]), int(counts.drafted[b]),
+                draft_policy.judge(req, int(counts.steps[b]), int(counts.drafted[b]),
                                   int(counts.accepted[b]), self.stats_counters)
         return decoding
 
-    def _append(self, req: Request, new_ids: list[int], done: bool, lps=None) -> None:
+    def _append(self, req: SequenceState, new_ids: list[int], done: bool, lps=None) -> None:
         """Books tokens the device produced. The device decided whether the row is done (a
         stop id, booked as its last token, or max_new); the host adds the stop strings, which
         only text can show. A stop id ends the request with "stop" and is not part of the
@@ -343,7 +343,7 @@ class Engine:
         if done:
             self._finish(req, "length")
 
-    def _is_stop_id(self, req: Request, token: int) -> bool:
+    def _is_stop_id(self, req: SequenceState, token: int) -> bool:
         """Whether token is among the row's stop ids on the device (runner.admit writes them:
         the EOS ids unless ignore_eos)."""
         return not req.params.ignore_eos and token in self.eos_ids[:MAX_STOP_IDS]
@@ -383,7 +383,7 @@ class Engine:
             "running": sum(r is not None for r in self.slots),
             "waiting": len(self.waiting),
             "num_slots": len(self.slots),
-            "max_num_seqs": self.ecfg.max_num_seqs,
+            "max_num_seqs": self.engine_cfg.max_num_seqs,
             "prompt_tokens": c["prompt_tokens"],
             "generated_tokens": c["generated_tokens"],
             "finished_requests": c["finished"],

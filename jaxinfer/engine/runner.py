@@ -55,7 +55,7 @@ class Runner:
                  partitioner: Optional[Partitioner] = None, eos_ids: tuple = (),
                  ring_capacity: int = 0, program_index: Optional[str] = None,
                  backend: Optional[Backend] = None):
-        self.cfg, self.ecfg = cfg, engine_cfg
+        self.cfg, self.engine_cfg = cfg, engine_cfg
         # The ops' implementations, a static argument of every program (jaxinfer.backends).
         self.backend = backend if backend is not None else backends.resolve(
             engine_cfg.attention, head_dim=cfg.head_dim)
@@ -143,11 +143,11 @@ class Runner:
         shape = (L, P * Z, K, H)
         cache = PagedKVCache(k=self._zeros(shape), v=self._zeros(shape), block_tables=tables,
                              lengths=np.zeros(B, np.int32), page_size=Z, wraps=wraps, **ring)
-        history = self.ecfg.max_seq_len if self.spec is not None and \
+        history = self.engine_cfg.max_seq_len if self.spec is not None and \
             self.spec.method == "ngram" else 0
         return self._place_state(DecodeState.create(
             self.cfg, B, self.capacity, self.dtype, cache=cache,
-            draft_cfg=self.draft_kw["draft_cfg"], draft_capacity=self.ecfg.max_seq_len,
+            draft_cfg=self.draft_kw["draft_cfg"], draft_capacity=self.engine_cfg.max_seq_len,
             history=history, num_stop_ids=MAX_STOP_IDS, xp=np))
 
     def ensure_state(self) -> None:
@@ -287,7 +287,7 @@ class Runner:
     def _loop_call(self, state, rows, draft_on, exit_on_stop: bool) -> tuple:
         """The multi-step decode program and arguments, (jitted, args, kwargs): the decode loop,
         drafting with speculation on (draft_on [B]: rows that may draft)."""
-        kw = dict(cfg=self.cfg, num_steps=self.ecfg.decode_steps, backend=self.backend,
+        kw = dict(cfg=self.cfg, num_steps=self.engine_cfg.decode_steps, backend=self.backend,
                   exit_on_stop=np.bool_(exit_on_stop), **self.draft_kw)
         if self.spec is None:
             return decode_loop, (self.params, state, rows, None), kw

@@ -26,7 +26,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from jaxinfer.engine import buckets
-from jaxinfer.engine.paged import PagedSlots
+from jaxinfer.engine.slot_pages import PagedSlots
 
 
 @dataclasses.dataclass
@@ -182,7 +182,7 @@ class Scheduler:
     def _fork(self) -> tuple[list, list]:
         """Forks the sequences waiting on a request whose prompt, but its last token, is in
         the cache: they share its full pages and get a copy of the partly filled one
-        (engine/pages.py). Returns ([(sequence, source)], [(src page, dst page)])."""
+        (engine/page_allocator.py). Returns ([(sequence, source)], [(src page, dst page)])."""
         forked, copies = [], []
         for req in self.slots:
             if req is None or not req.forks or req.prefilled < req.fork_at:

@@ -1,7 +1,7 @@
 """Model families, by architecture name (GGUF general.architecture or HF model_type).
 
 Every family implements one protocol (jaxinfer.models.base.Family: config from GGUF metadata or
-an HF config, a parameter table with logical axes, embed, layer(..., taps=None), head, and the
+an HF config, a parameter table with logical axes, embed, layer(..., linear_inputs=None), head, and the
 forwards built from them); everything outside this package reaches a family only through
 `get_model(cfg.architecture)`.
 

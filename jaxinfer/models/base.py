@@ -12,9 +12,9 @@ A family (`Family` subclass, one module per family under jaxinfer/models/, reach
   param_specs  every parameter once: name -> (shape, logical axes); random init, placement,
                checkpoint restores and shardings all derive from it;
   embed        tokens [T] -> h [T, D];
-  layer        `layer(lp, cfg, i, h, ctx, taps=None) -> (h, ctx)`: decoder layer i over the
+  layer        `layer(lp, cfg, i, h, ctx, linear_inputs=None) -> (h, ctx)`: decoder layer i over the
                step's tokens, its attention through `ctx` (the cache and the step's metadata,
-               `Context`); `taps`, a dict, receives the inputs of its linear groups (AWQ);
+               `Context`); `linear_inputs`, a dict, receives the inputs of its linear groups (AWQ);
   final_norm, head   h [..., D] -> normed h; normed h -> logits [..., V] float32.
 `forward_tokens` (the step's forward over a TokenBatch), `forward` (a dense [R, T] block) and
 `sequence_logits` (the scoring forward) are built from those here, once for every family.
@@ -265,7 +265,7 @@ class Family:
         return jnp.take(params.embed, tokens, axis=0).astype(dtype)
 
     def layer(self, lp, cfg: ModelConfig, i: int, h: jax.Array, ctx: Context,
-              taps: Optional[dict] = None) -> tuple[jax.Array, Context]:
+              linear_inputs: Optional[dict] = None) -> tuple[jax.Array, Context]:
         raise NotImplementedError
 
     def final_norm(self, params: ModelParams, cfg: ModelConfig, h: jax.Array) -> jax.Array:

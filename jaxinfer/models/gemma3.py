@@ -114,7 +114,7 @@ class Gemma3(Family):
     def final_norm(self, params, cfg, h):
         return norm(h, params.final_norm, cfg.rms_norm_eps)
 
-    def layer(self, lp, cfg, i, h, ctx, taps=None):
+    def layer(self, lp, cfg, i, h, ctx, linear_inputs=None):
         N, K, H, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
         T = h.shape[0]
         cos, sin = ctx.angles(cfg, i)
@@ -130,10 +130,10 @@ class Gemma3(Family):
         with jax.named_scope("mlp"):
             x2 = norm(h, lp.mlp_norm, eps)
             y = gated_mlp(x2, lp.w_gate, lp.w_up, lp.w_down, "gelu_tanh",
-                          backend=ctx.backend, taps=taps)
+                          backend=ctx.backend, linear_inputs=linear_inputs)
             h = rows(h + norm(y, lp.post_mlp_norm, eps))
-        if taps is not None:
-            taps.update(x_attn=x, attn_out=o, x_mlp=x2)
+        if linear_inputs is not None:
+            linear_inputs.update(x_attn=x, attn_out=o, x_mlp=x2)
         return h, ctx
 
     # -- files --------------------------------------------------------------------------------

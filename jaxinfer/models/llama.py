@@ -77,7 +77,7 @@ def vocab_specs(cfg: ModelConfig) -> dict:
 
 
 def attention_block(lp, cfg: ModelConfig, i: int, h: jax.Array, ctx: Context,
-                    taps: Optional[dict] = None) -> tuple[jax.Array, Context]:
+                    linear_inputs: Optional[dict] = None) -> tuple[jax.Array, Context]:
     """h + wo(attention(rms_norm(h))) for the step's tokens h [T, D]."""
     N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     T = h.shape[0]
@@ -93,8 +93,8 @@ def attention_block(lp, cfg: ModelConfig, i: int, h: jax.Array, ctx: Context,
         q = sharding.constrain(apply_rope(q, cos, sin)[0], (None, "q_heads", None))
         o, ctx = attend(ctx, cfg, i, q, apply_rope(k, cos, sin)[0], v)
         o = o.reshape(T, N * H)
-        if taps is not None:
-            taps.update(x_attn=x, attn_out=o)
+        if linear_inputs is not None:
+            linear_inputs.update(x_attn=x, attn_out=o)
         return rows(h + linear(o, lp.wo, backend=ctx.backend)), ctx
 
 
@@ -111,14 +111,14 @@ class Llama(Family):
                 "layers.w_up": ((D, F), ("embed", "ffn")),
                 "layers.w_down": ((F, D), ("ffn", "embed"))}
 
-    def layer(self, lp, cfg, i, h, ctx, taps=None):
-        h, ctx = attention_block(lp, cfg, i, h, ctx, taps)
+    def layer(self, lp, cfg, i, h, ctx, linear_inputs=None):
+        h, ctx = attention_block(lp, cfg, i, h, ctx, linear_inputs)
         with jax.named_scope("mlp"):
             x = rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps)
-            if taps is not None:
-                taps.update(x_mlp=x)
+            if linear_inputs is not None:
+                linear_inputs.update(x_mlp=x)
             return rows(h + gated_mlp(x, lp.w_gate, lp.w_up, lp.w_down, "silu",
-                                         backend=ctx.backend, taps=taps)), ctx
+                                         backend=ctx.backend, linear_inputs=linear_inputs)), ctx
 
     def hf_config(self, hf, path):
         return {"qk_norm": self.name == "qwen3"}

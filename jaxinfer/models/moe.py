@@ -239,12 +239,12 @@ class MoE(Family):
                                  "this model without quantization")
         return super().params_from_weights(cfg, weights, dtype, place)
 
-    def layer(self, lp, cfg, i, h, ctx, taps=None):
-        h, ctx = attention_block(lp, cfg, i, h, ctx, taps)
+    def layer(self, lp, cfg, i, h, ctx, linear_inputs=None):
+        h, ctx = attention_block(lp, cfg, i, h, ctx, linear_inputs)
         with jax.named_scope("moe"):
             x = rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps)
-            if taps is not None:
-                taps.update(x_mlp=x)
+            if linear_inputs is not None:
+                linear_inputs.update(x_mlp=x)
             return rows(h + expert_ffn(x, lp, cfg, ctx.backend)), ctx
 
     # -- files --------------------------------------------------------------------------------

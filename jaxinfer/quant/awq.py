@@ -89,7 +89,7 @@ cores shared with other work. The script (jaxinfer's venv, from the repository r
     print(awq.perplexity(params, cfg, evaluation, window=512))
 
 Calibration inputs come from one float forward of the original model (full causal sequences,
-no cache): the family's own layer (the model protocol's `layer(..., taps=...)`, which hands
+no cache): the family's own layer (the model protocol's `layer(..., linear_inputs=...)`, which hands
 back the inputs of its linear groups), one layer at a time.
 """
 
@@ -148,24 +148,24 @@ def _one_layer(cfg: ModelConfig, i: int) -> ModelConfig:
 
 # Compiled with the engine's compiler options (backends.tuning), as the model's forward is.
 @functools.partial(program_jit, static_argnums=(1, 3))
-def layer_forward(lp, cfg1: ModelConfig, h: jax.Array,
+def layer_forward(lp, layer_cfg: ModelConfig, h: jax.Array,
                   backend: backends.Backend) -> tuple[jax.Array, LinearInputs]:
-    """One decoder layer of the model's family (its protocol `layer`, with taps) over full
-    sequences h [B, T, D] from an empty one-layer cache, causal; cfg1 is the layer's own
+    """One decoder layer of the model's family (its protocol `layer`, with linear_inputs) over full
+    sequences h [B, T, D] from an empty one-layer cache, causal; layer_cfg is the layer's own
     config (`_one_layer`), so layers alike share a program. Returns the layer's output
     [B, T, D] and its linear inputs."""
     B, T, D = h.shape
-    model = get_model(cfg1.architecture)
-    cache = PagedKVCache.ring(1, B, T, cfg1.num_kv_heads, cfg1.head_dim, h.dtype)
+    model = get_model(layer_cfg.architecture)
+    cache = PagedKVCache.ring(1, B, T, layer_cfg.num_kv_heads, layer_cfg.head_dim, h.dtype)
     batch = TokenBatch.dense(jnp.zeros((B, T), jnp.int32), jnp.full((B,), T, jnp.int32),
                              None, B)
     tile = min(T, DENSE_QUERY_TILE)
-    ctx = model.context(cfg1, batch, cache, backend=backend, query_tile=tile,
+    ctx = model.context(layer_cfg, batch, cache, backend=backend, query_tile=tile,
                         num_tiles=B * -(-T // tile), differentiable=True)
-    taps = {}
-    out, _ = model.layer(lp, cfg1, 0, h.reshape(B * T, D), ctx, taps)
+    linear_inputs = {}
+    out, _ = model.layer(lp, layer_cfg, 0, h.reshape(B * T, D), ctx, linear_inputs)
     return out.reshape(B, T, D), LinearInputs(
-        *(taps[name].reshape(B, T, -1) for name in LinearInputs._fields))
+        *(linear_inputs[name].reshape(B, T, -1) for name in LinearInputs._fields))
 
 
 def run_layers(params, cfg: ModelConfig,

@@ -294,7 +294,7 @@ def test_decode_dispatch_ends_early_for_a_waiting_request():
 
 
 def test_speculation_rates_pick_the_faster_mode_and_probe_the_other():
-    from jaxinfer.engine.speculation import SpeculationRates
+    from jaxinfer.engine.draft_policy import SpeculationRates
 
     rates = SpeculationRates()
     assert rates.draft(16)                      # nothing measured: draft first

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from jaxinfer.engine.pages import OutOfPages, PageAllocator, page_hash
+from jaxinfer.engine.page_allocator import OutOfPages, PageAllocator, page_hash
 
 PS = 4
 

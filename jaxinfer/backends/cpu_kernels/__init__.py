@@ -60,7 +60,7 @@ HANDLERS = (("row_times_matrix", "jaxinfer_row_times_matrix"),
             ("argmax", "jaxinfer_argmax"),
             ("sort_descending", "jaxinfer_sort_descending"),
             ("gated_rows_times_matrices", "jaxinfer_gated_rows_times_matrices"),
-            ("top_descending", "jaxinfer_top_descending"))
+            ("top_k", "jaxinfer_top_descending"))
 # The few-row products need AVX512-BF16 (vdpbf16ps), and serve up to MAX_ROWS rows: beyond
 # that XLA's dot, whose repacking of the weights is then shared by enough rows, is as fast.
 ROWS_CPU_FLAG = "avx512_bf16"
@@ -194,7 +194,7 @@ def _target(name: str) -> str:
 
 
 def few_rows_supported() -> bool:
-    """Whether the CPU runs the few-row products (rows_times_matrix, matrix_times_rows and the
+    """Whether the CPU runs the few-row products (product of [M, K] rows and the
     gated products): AVX512-BF16."""
     return ROWS_CPU_FLAG in _cpu_flags()
 
@@ -217,14 +217,19 @@ def _product(name: str, out_axis: int, spec: str):
     return product
 
 
-# x [K] @ w [K, N] for bf16 x and w: float32 [N] (float32 products and sums).
-row_times_matrix = _product("row_times_matrix", 1, "k,kn->n")
-# w [N, K] @ x [K] for bf16 x and w: float32 [N] (float32 products and sums).
-matrix_times_row = _product("matrix_times_row", 0, "k,nk->n")
-# x [M, K] @ w [K, N] for bf16 x and w, 2 <= M: float32 [M, N] (vdpbf16ps pairs, float32 sums).
-rows_times_matrix = _product("rows_times_matrix", 1, "mk,kn->mn")
-# x [M, K] @ w [N, K]^T for bf16 x and w, 2 <= M: float32 [M, N] (vdpbf16ps pairs, float32 sums).
-matrix_times_rows = _product("matrix_times_rows", 0, "mk,nk->mn")
+# The four handlers, by (several rows, w transposed): one row x [K] or rows x [M, K]
+# (2 <= M <= MAX_ROWS: vdpbf16ps pairs), times w [K, N] or w [N, K]; float32 products and sums.
+_PRODUCTS = {(False, False): _product("row_times_matrix", 1, "k,kn->n"),
+             (False, True): _product("matrix_times_row", 0, "k,nk->n"),
+             (True, False): _product("rows_times_matrix", 1, "mk,kn->mn"),
+             (True, True): _product("matrix_times_rows", 0, "mk,nk->mn")}
+
+
+def product(x: jax.Array, w: jax.Array, w_transposed: bool = False) -> jax.Array:
+    """x @ w for bf16 x [K] or [M, K] (2 <= M <= MAX_ROWS, the few-row kernels: AVX512-BF16)
+    and bf16 w [K, N] (or w [N, K] with w_transposed): float32 [N] or [M, N]. Gradients go
+    through XLA's dot (the kernels are forward only)."""
+    return _PRODUCTS[(x.ndim == 2, w_transposed)](x, w)
 
 
 GATED_ACTIVATIONS = ("silu", "gelu_tanh")
@@ -235,7 +240,7 @@ def gated_rows_times_matrices(x: jax.Array, w_gate: jax.Array, w_up: jax.Array,
                               activation: str = "silu") -> jax.Array:
     """act(x @ w_gate) * (x @ w_up) for bf16 x [M, K] (2 <= M <= MAX_ROWS) and w_gate, w_up
     [K, F], rounded to bf16 [M, F]: a gated MLP's hidden activations, the products as
-    rows_times_matrix computes them and the gate applied before they leave the kernel. act:
+    product computes them and the gate applied before they leave the kernel. act:
     "silu" (SwiGLU) or "gelu_tanh" (GeGLU, jax.nn.gelu(approximate=True)). Its JVP is XLA's
     (gradients never enter the kernel)."""
     if activation not in GATED_ACTIVATIONS:
@@ -281,17 +286,17 @@ def sort_descending(x: jax.Array) -> tuple[jax.Array, jax.Array]:
                                   vmap_method="broadcast_all")(x))
 
 
-def top_descending(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """The first k (1 <= k <= V) of sort_descending(x)'s outputs, [..., k] each: each row's k
     largest values in descending order and their indices, equal values in index order (NaN
     after every number). One pass over each row, then a sort of only the values that can be
     among the k."""
     V = x.shape[-1]
     if not 1 <= k <= V:
-        raise ValueError(f"top_descending: k={k} must be in [1, {V}] (the rows' length)")
+        raise ValueError(f"top_k: k={k} must be in [1, {V}] (the rows' length)")
     shape = x.shape[:-1] + (k,)
     out = (jax.ShapeDtypeStruct(shape, jnp.float32), jax.ShapeDtypeStruct(shape, jnp.int32))
-    return tuple(jax.ffi.ffi_call(_target("top_descending"), out,
+    return tuple(jax.ffi.ffi_call(_target("top_k"), out,
                                   vmap_method="broadcast_all")(x))
 
 

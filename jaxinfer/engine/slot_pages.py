@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxinfer.engine.pages import OutOfPages, PageAllocator
+from jaxinfer.engine.page_allocator import OutOfPages, PageAllocator
 
 
 class PagedSlots:
