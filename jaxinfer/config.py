@@ -1,7 +1,4 @@
-"""Frozen, hashable configuration dataclasses.
-
-They are hashable so jitted functions can take them as static arguments.
-"""
+"""Frozen configuration dataclasses, hashable so jitted functions take them as static arguments."""
 
 from __future__ import annotations
 
@@ -38,8 +35,7 @@ class ModelConfig:
     sliding_window: Optional[int] = None
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[int] = None
-    # Per-frequency divisors [head_dim/2] of the RoPE inverse frequencies: how GGUF files carry
-    # Llama-3 scaling (the `rope_freqs` tensor). A tuple so the config stays hashable.
+    # Divisors [head_dim/2] of the RoPE inverse frequencies: GGUF's Llama-3 scaling.
     rope_freq_factors: Optional[tuple[float, ...]] = None
     # Per-layer attention (Gemma 3's interleaved local and global layers): each layer's sliding
     # window (None: global) and RoPE base. None: every layer has sliding_window and rope_theta.
@@ -47,10 +43,9 @@ class ModelConfig:
     layer_rope_thetas: Optional[tuple[float, ...]] = None
     qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3, Gemma 3)
     query_scale: Optional[float] = None  # attention score scale; None: head_dim ** -0.5
-    # Mixture of experts (Mixtral, Qwen3-MoE): num_experts experts of width ffn_dim per layer,
-    # experts_per_token chosen per token by the router: "topk_softmax" (Mixtral: softmax over
-    # the top-k logits) or "softmax_topk" (Qwen3-MoE: softmax over all experts, then the top k,
-    # renormalised to sum 1 when norm_topk_prob).
+    # Mixture of experts: num_experts of width ffn_dim per layer, experts_per_token chosen by the
+    # router, "topk_softmax" (Mixtral) or "softmax_topk" (Qwen3-MoE; renormalised to sum 1 when
+    # norm_topk_prob).
     num_experts: int = 0
     experts_per_token: int = 0
     router: Optional[str] = None
@@ -125,10 +120,10 @@ _METHODS = ("ngram", "draft")
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
-    """method "ngram": prompt lookup (the last n tokens matched against the row's prompt and
-    output, the continuation of the match proposed); "draft": a smaller model sharing the
-    target's vocabulary (draft_model: an alias or a path). num_draft_tokens: k proposed per
-    step. ngram_max: the longest suffix matched (down to min(2, ngram_max))."""
+    """method "ngram": prompt lookup (the row's last n tokens matched in its prompt and output,
+    the match's continuation proposed); "draft": a smaller model sharing the target's vocabulary
+    (draft_model: an alias or a path). num_draft_tokens: k proposed per step. ngram_max: the
+    longest suffix matched (down to min(2, ngram_max))."""
 
     method: str = "ngram"            # "ngram" | "draft"
     num_draft_tokens: int = 4
@@ -159,8 +154,7 @@ MAX_DRAFT_TOKENS = 16  # each value compiles its own verification step
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """What the engine was built with (`LLM.engine_config`). The LLM passes every field; the
-    defaults are the LLM's own (tests/test_llm.py checks they agree)."""
+    """What the engine was built with (`LLM.engine_config`); the defaults are the LLM's own."""
     max_seq_len: int
     max_num_seqs: int
     prefill_chunk: int = 128

@@ -1,9 +1,6 @@
-"""Draft-model distillation for speculative decoding: the library behind
-`python -m jaxinfer.launch.train_draft` (see there for the recipe).
-
-A draft has a few of the target's layers (evenly spaced, first and last included) and shares
-its embedding, head and final norm, which stay frozen; training minimises the forward
-KL(p_target || q_draft) over the full vocabulary with optax.
+"""Draft-model distillation for speculative decoding (`python -m jaxinfer.launch.train_draft`):
+a draft of a few of the target's layers, sharing its frozen embedding, head and final norm, is
+trained on the forward KL(p_target || q_draft) over the full vocabulary.
 """
 
 from __future__ import annotations

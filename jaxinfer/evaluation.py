@@ -1,8 +1,6 @@
 """Scoring a model on text: perplexity and next-token (greedy) agreement between two models.
-
-Text is scored in non-overlapping windows of `window` tokens (the last one shorter), each from
-an empty cache through the scoring forward (models.sequence_logits): a window's first token is
-not predicted. Windows are padded to `window` tokens so that one program serves them all.
+Text is scored in non-overlapping windows from an empty cache (a window's first token is not
+predicted), padded to `window` tokens so one program serves them all.
 """
 
 from __future__ import annotations
@@ -48,8 +46,7 @@ def score(params, cfg: ModelConfig, token_ids: list[int], window: int = 512,
             break
         padded = np.zeros((1, window), np.int32)
         padded[0, :len(chunk)] = chunk
-        logits = sequence_logits(params, cfg, jnp.asarray(padded),
-                                       kv_cache_dtype=kv_cache_dtype)
+        logits = sequence_logits(params, cfg, jnp.asarray(padded), kv_cache_dtype=kv_cache_dtype)
         n, a = _window_scores(logits[0, :-1], jnp.asarray(padded[0, 1:]))
         nll.append(np.asarray(n, np.float64)[:len(chunk) - 1])
         argmax.append(np.asarray(a)[:len(chunk) - 1])

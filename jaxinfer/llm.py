@@ -1,7 +1,5 @@
-"""The public entry point: `LLM`.
-
-Validates everything a user passes before any device work, loads the model, and drives the host
-engine (jaxinfer.engine.engine) for generate / chat / stream and the request-level API.
+"""The public entry point, `LLM`: checks every argument before any device work, loads the
+model, and drives the host engine for generate / chat / stream and the request-level API.
 """
 
 from __future__ import annotations
@@ -17,8 +15,8 @@ from typing import Iterator, Optional, Sequence, Union
 import jax
 import jax.numpy as jnp
 
-from jaxinfer import backends, sharding
-from jaxinfer.config import EngineConfig, MeshConfig
+from jaxinfer import backends, quant, sharding
+from jaxinfer.config import EngineConfig, MeshConfig, SpeculativeConfig
 from jaxinfer.engine import memory, programs
 from jaxinfer.engine.engine import Engine, SequenceState
 from jaxinfer.engine.slot_pages import PagedSlots
@@ -27,14 +25,13 @@ from jaxinfer.engine.textstream import TextStream
 from jaxinfer.device.kv_cache import KV_DTYPES, ring_capacity
 from jaxinfer.models import get_model
 from jaxinfer.device.sampling import MAX_LOGPROBS
-from jaxinfer.config import SpeculativeConfig
 from jaxinfer.user_input import check_text
 
 
 @dataclasses.dataclass(frozen=True)
 class EncodedPrompt:
-    """A prompt already tokenized and checked by LLM.encode_prompt (e.g. on a server's worker
-    thread, so the engine's thread never tokenizes): add_request takes it as it is."""
+    """A prompt tokenized and checked by LLM.encode_prompt (e.g. on a server's worker thread);
+    add_request takes it as it is."""
 
     text: Optional[str]       # the prompt's text; None when it was given as token ids
     token_ids: tuple[int, ...]
@@ -45,19 +42,16 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.floa
 
 
 def enable_compilation_cache() -> Optional[str]:
-    """Turns on JAX's persistent compilation cache under the jaxinfer cache directory, so a second
-    process reuses the first one's compiled programs. Leaves an explicitly configured cache
-    alone; JAXINFER_COMPILATION_CACHE=0 turns it off, any other value is the directory to use."""
+    """Turns on JAX's persistent compilation cache under the jaxinfer cache directory unless one
+    is configured; JAXINFER_COMPILATION_CACHE=0 turns it off, another value is the directory."""
     from jaxinfer.loading.hub import cache_dir
 
     setting = os.environ.get("JAXINFER_COMPILATION_CACHE")
     if setting == "0":
         return None
     if jax.process_count() > 1:
-        # Off in multi-process runs: JAX writes the cache from process 0 only, and on XLA:CPU a
-        # step program process 0 loaded from it ran its gloo collectives in another order than
-        # the same program freshly compiled in process 1 (the run aborted on mismatched
-        # collectives every time the cache was warm).
+        # Off in multi-process runs: a program one process loaded from it ran its collectives
+        # in another order than the same program compiled fresh in another.
         return None
     if jax.config.jax_compilation_cache_dir:
         return jax.config.jax_compilation_cache_dir
@@ -66,14 +60,6 @@ def enable_compilation_cache() -> Optional[str]:
     # Cache everything that took noticeable time to compile, not only the slowest programs.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
     return path
-
-
-def _default_dtype() -> str:
-    """dtype=None: $JAXINFER_DEFAULT_DTYPE if set, else the platform's measured best."""
-    return os.environ.get("JAXINFER_DEFAULT_DTYPE") or backends.default_dtype()
-
-
-_QUANTIZATIONS = ("int8", "int4", "int4-awq", "fp8")
 
 
 class LLM:
@@ -88,16 +74,15 @@ class LLM:
                  max_num_batched_tokens: int = 512, hybrid_kv_cache: bool = True):
         # Before anything starts a jax backend: XLA reads its flags once, when the first starts.
         backends.set_xla_flags()
-        if quantization is not None and quantization not in _QUANTIZATIONS:
-            raise ValueError(f"quantization must be None or one of {_QUANTIZATIONS}, got "
+        if quantization is not None and quantization not in quant.MODES:
+            raise ValueError(f"quantization must be None or one of {quant.MODES}, got "
                              f"{quantization!r}")
         if kv_cache_dtype is not None and kv_cache_dtype not in KV_DTYPES:
             raise ValueError(f"kv_cache_dtype must be None or one of {tuple(KV_DTYPES)}, got "
                              f"{kv_cache_dtype!r}")
-        if speculative is not None:
-            if not isinstance(speculative, SpeculativeConfig):
-                raise ValueError(f"speculative must be a ji.SpeculativeConfig, got "
-                                 f"{type(speculative).__name__}")
+        if speculative is not None and not isinstance(speculative, SpeculativeConfig):
+            raise ValueError(f"speculative must be a ji.SpeculativeConfig, got "
+                             f"{type(speculative).__name__}")
         partitioner = None
         if mesh is not None:
             if not isinstance(mesh, MeshConfig):
@@ -110,7 +95,7 @@ class LLM:
         if attention not in backends.ATTENTION:
             raise ValueError(f"attention must be one of {backends.ATTENTION}, got "
                              f"{attention!r}")
-        dtype = dtype or _default_dtype()
+        dtype = dtype or os.environ.get("JAXINFER_DEFAULT_DTYPE") or backends.default_dtype()
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         for name, v, lo in (("max_num_seqs", max_num_seqs, 1), ("prefill_chunk", prefill_chunk, 1),
@@ -128,11 +113,9 @@ class LLM:
         from jaxinfer.loading import load_model
 
         enable_compilation_cache()
-        # Resolved before the programs cache loads programs: it registers the native kernels
-        # they call (and again below, once the model's head dim is known).
+        # Resolved before the programs cache loads programs: it registers the kernels they call.
         backends.resolve(attention)
-        # The programs cache (jaxinfer.engine.programs): the step programs an LLM of these
-        # arguments ran first start loading now, beside the weights.
+        # The programs an LLM of these arguments ran first load beside the weights.
         program_root = programs.directory() if partitioner is None else None
         program_index = None
         if program_root is not None:
@@ -144,8 +127,7 @@ class LLM:
         loaded = load_model(model, dtype=_DTYPES[dtype], partitioner=partitioner,
                             quantization=quantization)
         cfg, params = loaded.config, loaded.params
-        # The ops' implementations on this platform (jaxinfer.backends), and the dtype policy:
-        # where 16-bit elementwise work is slow, a 16-bit dtype is the weights' and the KV
+        # Where 16-bit elementwise work is slow, a 16-bit dtype is the weights' and the KV
         # cache's while activations stay float32.
         self.backend = backends.resolve(attention, head_dim=cfg.head_dim)
         act_dtype = self.backend.activation_dtype(_DTYPES[dtype])
@@ -168,32 +150,28 @@ class LLM:
         if max_seq_len is None:
             max_seq_len = min(limit, 2048)
         elif max_seq_len > limit:
-            raise ValueError(f"max_seq_len {max_seq_len} exceeds the model's context length {limit}")
+            raise ValueError(f"max_seq_len {max_seq_len} exceeds the model's context length "
+                             f"{limit}")
         self.model_config = cfg
         self.tokenizer = loaded.tokenizer
         self.max_seq_len = max_seq_len
         self.max_num_seqs = max_num_seqs
         self.dtype = dtype
-        # A sliding-window model keeps only the window in its ring; full attention keeps it all.
-        # A ring holds the window plus the most tokens a row writes in one step (a prefill
-        # chunk, or a verification's num_draft_tokens + 1): kv_cache.ring_capacity.
+        # A sliding-window ring holds the window plus the most tokens a row writes in one step.
         extra = speculative.num_draft_tokens if speculative is not None else 0
         per_step = max(min(prefill_chunk, max_num_batched_tokens), extra + 1)
         capacity = max_seq_len if cfg.sliding_window is None else min(
             max_seq_len, ring_capacity(cfg.sliding_window, per_step))
         ring = memory.local_ring_capacity(cfg, max_seq_len, per_step, page_size) \
             if hybrid_kv_cache else 0
-        # Full attention runs on the paged cache; a sliding-window model keeps its ring.
         paged, memory_left = None, None
-        # The page pool is split over the data and sequence axes.
         pool_split = mesh.data * mesh.sequence if partitioner is not None else 1
         data = mesh.data if partitioner is not None else 1
         if cfg.sliding_window is None:
             per_request = -(-max_seq_len // page_size)
             if num_pages is None:
                 memory_left = memory.free_device_memory()
-                # Sized below from the compiled step when the device reports its memory; on
-                # CPU: room for every slot at max_seq_len, plus the null page.
+                # Sized below from device memory, else every slot at max_seq_len + null page.
                 num_pages = data * (per_request + 1) if memory_left \
                     else max_num_seqs * per_request + 1
                 num_pages = -(-num_pages // pool_split) * pool_split
@@ -207,10 +185,8 @@ class LLM:
             elif num_pages % pool_split:
                 raise ValueError(f"num_pages {num_pages} is not a multiple of data * sequence "
                                  f"= {pool_split}, the devices the page pool is split over")
-            # A draft model's cache is not paged: its rows must be prefilled from the start, so
-            # prompts are not served from the prefix cache.
-            # Nor with a ring of local layers: a cached prefix's keys are in the pool's
-            # global layers only.
+            # No prefix cache with a draft model (its cache is not paged) or a ring of local
+            # layers (a cached prefix's keys would be the global layers' only).
             paged = PagedSlots(num_pages, page_size, max_seq_len,
                                enable_prefix_caching=draft is None and not ring,
                                num_partitions=data)
@@ -236,9 +212,8 @@ class LLM:
         self._requests: dict[str, SequenceState] = {}
 
     def _pages_from_memory(self, memory_left: tuple[int, int], page_size: int) -> int:
-        """num_pages=None on a device that reports memory: what is left of it after the weights
-        and the largest step's scratch memory. ValueError, with the numbers, when that cannot
-        hold one max_seq_len request."""
+        """num_pages=None on a device that reports memory: what the weights and the largest
+        step's scratch leave; ValueError when that cannot hold one max_seq_len request."""
         limit, in_use = memory_left
         step = self._engine.step_scratch_bytes()
         # Per device: each holds 1/(data*sequence) of the pool's pages, 1/tensor of kv heads.
@@ -272,8 +247,7 @@ class LLM:
     # ---- validation --------------------------------------------------------------------------
 
     def encode_prompt(self, prompt: Prompt) -> EncodedPrompt:
-        """Tokenizes and checks a prompt (ValueError naming the value and the limit) without
-        touching the engine: safe to call from any thread while another steps the engine."""
+        """Tokenizes and checks a prompt without touching the engine: safe from any thread."""
         if isinstance(prompt, EncodedPrompt):
             return EncodedPrompt(prompt.text, tuple(self._check_ids(list(prompt.token_ids))))
         if isinstance(prompt, str):
@@ -327,10 +301,10 @@ class LLM:
         metrics = RequestMetrics(arrival_time=time.perf_counter(), prompt_tokens=len(ids))
         # Sequence i of a request draws with seed + i: alone it equals a request of that seed.
         group = [SequenceState(request_id=rid, prompt=text, prompt_ids=ids, params=params,
-                         seed=(seed + i) % 2**32,
-                         max_new=min(params.max_tokens, self.max_seq_len - len(ids)),
-                         stream=TextStream(self.tokenizer, params.stop_strings), metrics=metrics,
-                         index=i)
+                               seed=(seed + i) % 2**32,
+                               max_new=min(params.max_tokens, self.max_seq_len - len(ids)),
+                               stream=TextStream(self.tokenizer, params.stop_strings),
+                               metrics=metrics, index=i)
                  for i in range(params.n)]
         for req in group:
             req.group = group
@@ -433,9 +407,8 @@ class LLM:
                 self.abort(rid)
 
     def beam_search(self, prompts: Union[Prompt, Sequence[Prompt]], params=None) -> list:
-        """Beam search (jaxinfer.engine.beam_search.BeamSearchParams; default width 4, 64 tokens) for
-        each prompt: a BeamSearchOutput per prompt, in order, its sequences best first. Needs
-        an engine with no unfinished requests."""
+        """A BeamSearchOutput per prompt, in order, its sequences best first (params: a
+        BeamSearchParams). Needs an engine with no unfinished requests."""
         from jaxinfer.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 
         params = params or BeamSearchParams()
@@ -469,8 +442,7 @@ class LLM:
         return self._engine.warmup()
 
     def describe(self) -> dict:
-        """Which implementation each op of the step uses on this platform (the Backend's
-        choices: products, gated MLP, attention, sampling, activations, KV storage)."""
+        """Which implementation each op of the step uses on this platform (Backend.describe)."""
         return self.backend.describe()
 
     def stats(self) -> dict:
@@ -479,6 +451,5 @@ class LLM:
 
     @property
     def params(self):
-        """The model's weights as placed on the device(s): the pytree every step reads
-        (quantized weights as QuantizedWeight leaves). Read-only: the engine keeps using it."""
+        """The weights as placed on the device(s), the pytree every step reads; read-only."""
         return self._engine.params

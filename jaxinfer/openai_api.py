@@ -1,11 +1,7 @@
-"""The OpenAI completions / chat-completions protocol, shared by the server (launch.serve) and
-batch jobs (launch.batch): request bodies checked and turned into SamplingParams, response
-bodies, streaming chunks and error objects built from RequestOutputs. Host code only; the
-contract is written out in docs/openai_api.md.
-
-Every field of a body is either understood or refused (RequestError naming it): nothing a user
-sent is silently ignored. Defaults follow OpenAI's API reference: temperature 1, top_p 1, n 1;
-max_tokens 16 for completions and, for chat, as many as fit in max_seq_len.
+"""The OpenAI completions / chat-completions protocol, shared by the server and batch jobs:
+request bodies checked and turned into SamplingParams, and response bodies, stream chunks and
+error objects built from RequestOutputs. Every field is understood or refused, never ignored;
+defaults follow OpenAI's. The contract is docs/openai_api.md.
 """
 
 from __future__ import annotations
@@ -87,7 +83,7 @@ def _number(body: dict, name: str, lo: float, hi: float, *, integer: bool = Fals
     if v is None:
         return default
     kind = "an integer" if integer else "a number"
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)) \
+    if isinstance(v, bool) or not isinstance(v, int if integer else (int, float)) \
             or (isinstance(v, float) and not math.isfinite(v)):
         raise RequestError(f"{name} must be {kind}, got {show(v)}", name)
     if v < lo or v > hi or (lo_open and v == lo):
@@ -269,12 +265,6 @@ def usage(outputs: Sequence[RequestOutput]) -> dict:
             "total_tokens": prompt + completion}
 
 
-def finish_reason(out) -> Optional[str]:
-    """OpenAI's finish_reason of a sequence: "stop" (EOS or a stop string), "length", or None
-    while running (an aborted request reports "abort")."""
-    return out.finish_reason
-
-
 def _token_text(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
@@ -320,7 +310,7 @@ def _choice(req: ParsedRequest, tokenizer, out: RequestOutput, seq, index: int) 
         lp = None if req.logprobs is None else chat_logprobs(
             tokenizer, seq.token_ids, seq.logprobs or [], req.logprobs)
         return {"index": index, "message": {"role": "assistant", "content": seq.text},
-                "logprobs": lp, "finish_reason": finish_reason(seq)}
+                "logprobs": lp, "finish_reason": seq.finish_reason}
     text, lp = seq.text, None
     if req.echo:
         prompt_text = out.prompt if out.prompt is not None else tokenizer.decode(
@@ -332,7 +322,7 @@ def _choice(req: ParsedRequest, tokenizer, out: RequestOutput, seq, index: int) 
             ids = list(out.prompt_token_ids) + ids
             lps = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + lps
         lp = completion_logprobs(tokenizer, ids, lps, req.logprobs)
-    return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason(seq)}
+    return {"index": index, "text": text, "logprobs": lp, "finish_reason": seq.finish_reason}
 
 
 def response_body(req: ParsedRequest, tokenizer, outputs: Sequence[RequestOutput], *,

@@ -1,28 +1,11 @@
 """Sharding over a device mesh: the mesh, the logical-axis rules, and placement.
 
-Every parameter and cache array declares its logical axes once (`llama.param_specs`,
-`PagedKVCache.logical_axes`, `DecodeState.logical_axes`); a quantized weight's codes and scales
-take its float form's axes (`quant.logical_axes`), a quantized cache's scales those of its codes
-without the head dim (`QuantizedKV.logical_axes`). RULES map
-each logical axis to a mesh axis; nothing else in the code names a mesh axis. A logical axis
-whose size the mesh axis does not divide stays whole (replicated) on every device, so one rule
-set serves every shape: a batch bucket of 1 row on a 2-way data axis, a vocabulary that 3 does
-not divide.
-
-The layout (Megatron-style tensor parallelism, expressed as shardings that XLA's SPMD
-partitioner turns into per-device programs and collectives):
-  - QKV and gate/up weights are column-parallel (their output axis is split over `tensor`),
-    the attention output and down projections row-parallel (their input axis), so each block
-    ends in one all-reduce; query heads (and kv heads, replicated first where there are fewer
-    kv heads than the tensor degree: see `replicate_kv_heads`) live whole on one device;
-  - the embedding and head are vocabulary-parallel;
-  - batch rows (slots) are split over `data`, each replica holding its rows' cache;
-  - the KV cache's sequence axis (ring slots, or the page pool) is split over `sequence`: a
-    decode step attends to each shard's keys locally and the partial softmax statistics (max
-    and sum) are combined across shards by the partitioner's all-reduces.
-
-Jitted steps pin their outputs with `constrain` (a no-op without a mesh), so a state that went
-through a step keeps the sharding it came in with and nothing recompiles.
+Every array declares its logical axes once (param_specs, `PagedKVCache.logical_axes`,
+`DecodeState.logical_axes`); RULES map them to mesh axes, and an axis the mesh axis does not
+divide stays whole, so one rule set serves every shape. The layout is Megatron-style tensor
+parallelism (QKV and gate/up split by output, attention output and down by input, embedding
+and head by vocabulary), batch rows over `data`, the KV cache's sequence axis over `sequence`.
+Jitted steps pin their outputs with `constrain`, so a state keeps its sharding.
 """
 
 from __future__ import annotations
@@ -47,7 +30,6 @@ RULES: dict[str, Optional[str | tuple[str, ...]]] = {
     "kv_heads": "tensor",
     "ffn": "tensor",
     "experts": ("data", "tensor"),  # expert parallelism (jaxinfer.models.moe)
-    "cache_seq": "sequence",   # a ring row's slots
     "pages": ("data", "sequence"),  # the page pool's slots: every replica's pages
     "embed": None,
     "head_dim": None,
@@ -62,8 +44,7 @@ RULES: dict[str, Optional[str | tuple[str, ...]]] = {
 
 def make_mesh(mesh_cfg: MeshConfig, devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
     """The (data, sequence, tensor) mesh of mesh_cfg over the first data*sequence*tensor
-    devices (all processes' devices in a multi-process run). Auto axis types: shardings
-    propagate through jit and the partitioner inserts the collectives."""
+    devices of all processes, with Auto axis types (the partitioner inserts collectives)."""
     devices = list(jax.devices() if devices is None else devices)
     need = mesh_cfg.data * mesh_cfg.sequence * mesh_cfg.tensor
     if need > len(devices):
@@ -74,9 +55,8 @@ def make_mesh(mesh_cfg: MeshConfig, devices: Optional[Sequence[jax.Device]] = No
 
 
 def check_divisible(cfg: ModelConfig, mesh_cfg: MeshConfig) -> None:
-    """ValueError unless the tensor degree splits the model: it must divide the query heads and
-    the FFN width, and divide the kv heads or be a multiple of them (then kv heads are
-    replicated, see replicate_kv_heads)."""
+    """ValueError unless the tensor degree divides the query heads and the FFN width, and
+    divides the kv heads or is a multiple of them."""
     t = mesh_cfg.tensor
     if t == 1:
         return
@@ -92,13 +72,10 @@ def check_divisible(cfg: ModelConfig, mesh_cfg: MeshConfig) -> None:
 
 def replicate_kv_heads(cfg: ModelConfig, weights: dict, tensor: int,
                        xp=np) -> tuple[ModelConfig, dict]:
-    """Where the tensor degree exceeds the kv heads (a multiple of them), each kv head is
-    repeated tensor // K times in wk, wv (and their biases), so every device holds whole copies
-    of the kv heads its query heads read and the cache splits evenly. Query head n reads kv head
-    n // (N // K) before and copy n // (N // tensor) of the same head after. Weights are named
-    as in params_from_weights ([in, out] linear weights) or by their field ("wk"); xp is the
-    array module (numpy for host weights, jax.numpy for arrays on devices). A quantized wk or
-    wv repeats its output columns' codes and scales alike (quant.take_out)."""
+    """Where the tensor degree exceeds the K kv heads, each is repeated tensor // K times in wk,
+    wv and their biases (quantized ones through quant.take_out), so every device holds whole
+    copies of the heads its query heads read. Weights are named as in params_from_weights or by
+    field ("wk"); xp: numpy for host weights, jax.numpy on devices."""
     from jaxinfer.quant import QuantizedWeight, take_out
 
     K, H = cfg.num_kv_heads, cfg.head_dim
@@ -128,15 +105,11 @@ class Partitioner:
         s = self.mesh.shape
         return MeshConfig(data=s["data"], tensor=s["tensor"], sequence=s["sequence"])
 
-    def spec(self, shape: Sequence[int], axes: Sequence[Optional[str]]) -> PartitionSpec:
-        return spec_for(shape, axes, dict(self.mesh.shape))
-
     def sharding(self, shape: Sequence[int], axes: Sequence[Optional[str]]) -> NamedSharding:
-        return NamedSharding(self.mesh, self.spec(shape, axes))
+        return NamedSharding(self.mesh, spec_for(shape, axes, dict(self.mesh.shape)))
 
     def place(self, array, axes: Sequence[Optional[str]], dtype=None) -> jax.Array:
-        """A host array onto the mesh: each device receives only its own shard (no full copy
-        on any one device)."""
+        """A host array onto the mesh, each device receiving only its own shard."""
         array = np.asarray(array)
         sharding = self.sharding(array.shape, axes)
 
@@ -152,8 +125,7 @@ class Partitioner:
         return jax.device_put(tree, shardings)
 
     def zeros(self, shape: Sequence[int], dtype, axes: Sequence[Optional[str]]) -> jax.Array:
-        """Zeros made shard by shard on the mesh (never whole on one device), from host
-        buffers: no program is compiled for them."""
+        """Zeros made shard by shard from host buffers: never whole on one device, no program."""
         sharding = self.sharding(shape, axes)
         part = sharding.shard_shape(tuple(shape))
         return jax.make_array_from_callback(tuple(shape), sharding,
@@ -166,12 +138,10 @@ class Partitioner:
             yield
 
 
-
 def spec_for(shape: Sequence[int], axes: Sequence[Optional[str]],
              mesh_shape: dict[str, int]) -> PartitionSpec:
-    """The PartitionSpec of an array of `shape` with logical `axes` on a mesh of `mesh_shape`:
-    each logical axis takes its rule's mesh axis when that axis has more than one device,
-    divides the size, and is not already used by an earlier axis of the array."""
+    """The PartitionSpec of `shape` with logical `axes` on `mesh_shape`: each axis takes its
+    rule's mesh axes where they have several devices, divide the size and are still unused."""
     if len(shape) != len(axes):
         raise ValueError(f"shape {tuple(shape)} and logical axes {tuple(axes)} differ in rank")
     used, spec = set(), []
@@ -198,8 +168,8 @@ def context_mesh_shape() -> Optional[dict[str, int]]:
 
 
 def constrain(x: jax.Array, axes: Sequence[Optional[str]]) -> jax.Array:
-    """Pins x (inside jit) to the sharding its logical axes give on the context mesh; the
-    identity when no jaxinfer mesh is active (single-device runs trace exactly as before)."""
+    """Pins x (inside jit) to its logical axes' sharding on the context mesh; the identity
+    without one."""
     mesh_shape = context_mesh_shape()
     if mesh_shape is None or x is None:
         return x
@@ -214,9 +184,8 @@ def constrain_tree(tree, axes_tree):
 
 
 def param_axes(cfg: ModelConfig, params, specs: Callable[[ModelConfig], dict]):
-    """The params pytree with each leaf replaced by its logical axes (from `specs`, the model
-    family's param_specs table). A quantized weight gets a QuantizedWeight of axes
-    (quant.logical_axes): its codes and scales split like the float weight would."""
+    """The params pytree with each leaf replaced by its logical axes (`specs`: the family's
+    param_specs), a quantized weight by a QuantizedWeight of axes (quant.logical_axes)."""
     from jaxinfer.quant import QuantizedWeight, logical_axes
 
     table = {name: axes for name, (_, axes) in specs(cfg).items()}
@@ -233,9 +202,8 @@ def param_axes(cfg: ModelConfig, params, specs: Callable[[ModelConfig], dict]):
 
 
 def fetch(tree):
-    """Device arrays -> numpy on the host, in every process. An array spread over devices of
-    other processes (a multi-process mesh) is gathered from them: every process must call this
-    for the same arrays in the same order, as the engine's identical host loop in each does."""
+    """Device arrays -> numpy in every process, gathering arrays spread over other processes:
+    every process must call it for the same arrays in the same order."""
     def get(x):
         if not isinstance(x, jax.Array) or x.is_fully_addressable:
             return np.asarray(x)

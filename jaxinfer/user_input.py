@@ -1,10 +1,6 @@
-"""Text and JSON from users, checked at the boundary: the server's request bodies, batch job
-lines and the Python API's prompts.
-
-Whatever arrives, the caller gets either a value every later step can handle (JSON of bounded
-nesting, finite numbers, strings that encode as UTF-8) or an InputError whose message names the
-problem and where it is, without echoing the offending text (which might not encode, or be a
-megabyte long).
+"""Text and JSON from users, checked at the boundary (server request bodies, batch lines, the
+Python API's prompts): the caller gets a value every later step can handle, or an InputError
+that names the problem and its place without echoing the offending text.
 """
 
 from __future__ import annotations
@@ -14,17 +10,13 @@ import math
 import re
 from typing import Any, Union
 
-# Containers nested deeper than this are refused. OpenAI request bodies nest 5 deep at most
-# (messages[i].content[j].text); JSON schemas for structured outputs nest deeper, still far
-# below this. The C JSON parser itself stops at Python's recursion limit (about 1,000).
+# Far deeper than any OpenAI request body nests, far below the JSON parser's recursion limit.
 MAX_JSON_DEPTH = 64
 # Longest repr of a user value quoted in an error message.
 MAX_SHOWN_CHARS = 120
 
-# A str from json.loads (or from Python) can hold UTF-16 surrogates that are not part of a pair
-# ("\ud800" in JSON): such a string cannot be encoded as UTF-8, so tokenizers, JSON writers and
-# files all fail on it. json.loads joins the escape of a valid pair into one code point, so any
-# surrogate left is a lone one.
+# A lone UTF-16 surrogate ("\ud800" in JSON) cannot be encoded as UTF-8. json.loads joins a
+# valid pair into one code point, so any surrogate left is a lone one.
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 

@@ -1,4 +1,5 @@
-"""Pallas attention kernels: flash attention for prefill, paged attention for decode.
+"""Pallas attention kernels: flash attention (prefill), paged attention (decode), and ragged
+paged attention (the engine's flat step).
 
 Each kernel is a portable `pallas_call` (interpret=True runs it on CPU; on GPU it lowers through
 Triton) with a pure-jnp `*_reference` of the same contract beside it.

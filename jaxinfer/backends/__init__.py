@@ -1,19 +1,16 @@
 """The backend seam: what depends on the platform a model runs on, decided once.
 
-`resolve()` is called when an LLM is built (or, for a user's own `jaxinfer.step`, by
-`default()`) and returns a `Backend`: the platform, its tuning (backends.tuning), whether the
-native CPU kernels serve it, and the attention implementation. The Backend is frozen and
-hashable, a static argument of every jitted program, and the model, the layers and the sampler
-take from it every op whose implementation differs by platform:
+`resolve()` (called when an LLM is built, or by `default()` for a user's own `jaxinfer.step`)
+returns a frozen, hashable `Backend`, a static argument of every jitted program. The model, the
+layers and the sampler take from it every op whose implementation differs by platform:
 
   dot, gated_hidden        float products and a gated MLP's hidden activations (products.py)
   attend                   a layer's key/value write and its ragged attention (attention.py)
   argmax, top, sort        the sampler's reductions (sort.py)
   activation_dtype, kv_bits16, kv_fp8_bits, tuning      the dtype and storage policy
 
-Nothing outside this package imports cpu_kernels, asks jax which backend is the default, or
-reads XLA_FLAGS. Process-wide XLA flags are set by `set_xla_flags()` (called by LLM() and the
-launchers before a backend starts), never by importing jaxinfer.
+Nothing outside this package imports cpu_kernels or reads XLA_FLAGS; process-wide XLA flags are
+set by `set_xla_flags()` (LLM() and the launchers call it), never by importing jaxinfer.
 """
 
 from __future__ import annotations
@@ -37,14 +34,12 @@ PALLAS_HEAD_DIMS = (32, 64, 128, 256)  # the head dims the Pallas attention kern
 
 @dataclasses.dataclass(frozen=True)
 class Backend:
-    """The implementations a model's programs use on one platform (see the module docstring).
+    """The implementations a model's programs use on one platform.
 
-    platform: jax's platform name ("cpu", "gpu", "tpu"). kernels: the native CPU kernels'
-    build digest where they serve these programs (one CPU device), else None. few_rows: their
-    2-64-row bf16 products too (AVX512-BF16). attention: "reference" (the jnp work list, with
-    the native decode kernel where `kernels`) or "pallas" (the ragged paged attention kernel,
-    interpreted on CPU). one_scratch_buffer: XLA:CPU's memory-minimizing scheduler is in effect
-    (quantized weights are then dequantized whole rather than in cache-sized tiles)."""
+    kernels: the native CPU kernels' build digest where they serve (one CPU device), else None;
+    few_rows: their 2-64-row bf16 products too (AVX512-BF16). attention: "reference" (the jnp
+    work list, with the native decode kernel where `kernels`) or "pallas". one_scratch_buffer:
+    XLA:CPU's memory-minimizing scheduler is on (bigger dequantization tiles then fit)."""
 
     platform: str
     tuning: StepTuning
@@ -61,14 +56,13 @@ class Backend:
         return products.dot(self, x, w, spec)
 
     def gated_hidden(self, x, w_gate, w_up, activation: str) -> Optional[jax.Array]:
-        """act(x @ w_gate) * (x @ w_up) in one kernel where one serves these operands, else
-        None (the caller composes it)."""
+        """act(x @ w_gate) * (x @ w_up) from one kernel where one serves, else None."""
         from jaxinfer.backends import products
         return products.gated_hidden(self, x, w_gate, w_up, activation)
 
     def quantized_tiles(self) -> bool:
-        """Whether quantized weights are dequantized in tiles inside the step (one CPU device):
-        elsewhere XLA fuses or partitions the dequantization as any elementwise op."""
+        """Whether quantized weights are dequantized in tiles inside the step: on CPU, where XLA
+        does not fuse the dequantization into the dot."""
         return self.platform == "cpu"
 
     def tile_elements(self) -> int:
@@ -84,9 +78,8 @@ class Backend:
     # ---- attention ------------------------------------------------------------------------
 
     def attend(self, q, k, v, slots, k_all, v_all, layer, tables, meta, write, **kw):
-        """Writes a layer's new keys and values k, v [T, K, H] at slots [T] of the pools
-        (write(pool, layer, new, slots) -> pool) and attends q [T, N, H] over them. Returns
-        (out [T, N, H], k_all, v_all). backends.attention.attend has the arguments."""
+        """Writes k, v [T, K, H] at slots [T] of the pools and attends q [T, N, H] over them:
+        (out [T, N, H], k_all, v_all). See backends.attention.attend."""
         from jaxinfer.backends import attention
         return attention.attend(self, q, k, v, slots, k_all, v_all, layer, tables, meta,
                                 write, **kw)
@@ -94,14 +87,13 @@ class Backend:
     # ---- sampling -------------------------------------------------------------------------
 
     def argmax(self, x: jax.Array) -> jax.Array:
-        """jnp.argmax over the last axis, as int32 (the first index of the maximum; the first
-        NaN where a row has one)."""
+        """jnp.argmax over the last axis, as int32."""
         from jaxinfer.backends import sort
         return sort.argmax(self, x)
 
     def native_sort(self, x: jax.Array) -> bool:
-        """Whether sort/top of x order equal values by index with -0.0 equal to 0.0 and NaN
-        last (the native sort), rather than as lax.top_k and argsort do."""
+        """Whether sort/top of x are the native sort's (equal values by index, -0.0 == 0.0,
+        NaN last) rather than lax.top_k's and argsort's order."""
         return self.kernels is not None and x.dtype == jnp.float32
 
     def sort(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -117,8 +109,8 @@ class Backend:
     # ---- dtypes and storage ---------------------------------------------------------------
 
     def activation_dtype(self, dtype) -> jnp.dtype:
-        """The activations' dtype for weights of `dtype`: float32 where 16-bit elementwise
-        work is slow (tuning.float32_activations), else the weights' own."""
+        """The activations' dtype for weights of `dtype` (float32 under
+        tuning.float32_activations)."""
         dtype = jnp.dtype(dtype)
         if self.tuning.float32_activations and dtype.itemsize == 2:
             return jnp.dtype(jnp.float32)
@@ -150,7 +142,11 @@ class Backend:
             "attention": attention,
             "argmax_top_sort": "native" if native else "XLA",
             "activations": "float32" if self.tuning.float32_activations else "weights' dtype",
-            "kv_storage": "16-bit as bits" if self.kv_bits16 else "as typed",
+            "kv_storage": ", ".join(name for name, on in (("16-bit floats as bits",
+                                                           self.kv_bits16),
+                                                          ("fp8 codes as bits",
+                                                           self.kv_fp8_bits)) if on)
+            or "as typed",
         }
 
 
@@ -162,9 +158,8 @@ def platform() -> str:
 def resolve(attention: str = "auto", num_devices: Optional[int] = None,
             head_dim: Optional[int] = None) -> Backend:
     """The Backend of programs on jax's default platform over `num_devices` devices (default:
-    all of them; the native CPU kernels serve one device only). attention: "auto" (the
-    platform's default), "reference" or "pallas"; the kernels take a head_dim among
-    PALLAS_HEAD_DIMS (a ValueError for "pallas", the reference for "auto")."""
+    all; the native CPU kernels serve one). attention: "auto", "reference" or "pallas"; a
+    head_dim outside PALLAS_HEAD_DIMS is a ValueError for "pallas", the reference for "auto"."""
     if attention not in ATTENTION:
         raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
     name = platform()
@@ -191,22 +186,19 @@ def default_dtype() -> str:
 
 
 def default() -> Backend:
-    """resolve() with the defaults: the backend of a jaxinfer.step or scoring forward called
-    without one."""
+    """resolve() with the defaults, for a step or scoring forward called without a backend."""
     return resolve()
 
 
 def signature() -> str:
-    """What compiled programs depend on beyond their arguments: the XLA flags and the
-    platform with its devices (the programs cache's key)."""
+    """The XLA flags and the platform with its devices: part of the programs cache's key."""
     devices = [(d.platform, d.device_kind, d.id) for d in jax.devices()]
     return f"{os.environ.get('XLA_FLAGS', '')}|{platform()}|{devices!r}"
 
 
 def set_xla_flags() -> list[str]:
-    """Adds the process-wide XLA flags the platform was tuned with (backends.tuning) to
-    XLA_FLAGS, where no backend has started yet; else says once that it is too late. Returns
-    the flags added. LLM() and the launchers call it first thing."""
+    """Adds the platform's process-wide XLA flags (backends.tuning) to XLA_FLAGS before any
+    backend starts (else logs once that it is too late). Returns the flags added."""
     from jax._src import xla_bridge
 
     if xla_bridge.backends_are_initialized():

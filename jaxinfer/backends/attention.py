@@ -1,19 +1,13 @@
 """Attention of a flat step, per backend: a layer's key/value write and its ragged attention
-over the page pool (Backend.attend, the models' one attention call), and the dense jnp
-reference the tests compare against.
+over the page pool (Backend.attend), and the dense jnp reference the tests compare against.
 
 Shape legend: B batch, T query tokens, S key slots, N query heads, K kv heads, G = N // K,
 H head dim, P pages, Z page size, L layers.
 
-Implementations (Backend.attention):
-  "pallas"     pallas_kernels.ragged_paged_attention over the pool (interpreted on CPU), under
-               shard_map on a mesh;
-  "reference"  the jnp work list (backends.work_list): each step's tiles of queries walk the
-               pages they need; on CPU with the native kernels the decode tiles go to
-               cpu_kernels.decode_attention_writing instead, which also writes the step's keys
-               and values in place (float32 and bf16 pools).
-Visibility is decided from absolute positions alone: key j is visible to query t iff
-0 <= kpos[j] <= qpos[t] and, with a sliding window w, kpos[j] > qpos[t] - w.
+Backend.attention "pallas": pallas_kernels.ragged_paged_attention (interpreted on CPU, under
+shard_map on a mesh); "reference": the jnp work list (backends.work_list), its decode tiles on
+CPU sent to the native kernel, which also writes the step's keys and values in place.
+Key j is visible to query t iff 0 <= kpos[j] <= qpos[t] (and kpos[j] > qpos[t] - window).
 """
 
 from __future__ import annotations
@@ -28,18 +22,14 @@ from jaxinfer.backends.work_list import tile_loop
 from jaxinfer.device.kv_cache import Bits16KV, QuantizedKV, dense
 from jaxinfer.device.ragged_meta import RaggedMeta, Tiles
 
-KVSegment = tuple  # (k [B, S, K, H], v [B, S, K, H], k_positions [B, S])
-
 
 def attend(backend, q, k, v, slots, k_all, v_all, layer, tables, meta: RaggedMeta, write, *,
            page_size: int, sliding_window=None, softcap=None, sm_scale=None,
            wraps: bool = False):
-    """A layer's attention over the pools k_all, v_all [L, P * Z, K, H] (float, Bits16KV or
-    QuantizedKV), layer `layer` (an int, or int32 [] inside a jitted layer): its new keys and
-    values k, v [T, K, H] written at slots [T] (write(pool, layer, new, slots) -> pool), then
-    each query of q [T, N, H] over its row's keys up to its own position (meta: the step's
-    tiles; tables [B, M] the block tables; wraps: a ring, whose logical page j is table entry
-    j % M). Returns (out [T, N, H] in q.dtype, k_all, v_all); tokens of no row get zeros."""
+    """Writes k, v [T, K, H] at slots [T] of layer `layer` of the pools k_all, v_all
+    [L, P * Z, K, H] (write(pool, layer, new, slots) -> pool), then attends each query of
+    q [T, N, H] over its row's keys up to its position (tables [B, M]; wraps: a ring, logical
+    page j at entry j % M). Returns (out [T, N, H] in q.dtype, k_all, v_all)."""
     kw = dict(page_size=page_size, sliding_window=sliding_window, softcap=softcap,
               sm_scale=sm_scale)
     if backend.attention == "pallas":
@@ -82,8 +72,8 @@ def _pallas(backend, q, k_all, v_all, layer, block_tables, meta: RaggedMeta, *, 
     kv_heads = "kv_heads" if heads else None
     page_axes = (None, None, kv_heads, None)
     k_pages, v_pages, scales, scale_axes = _split_scales(k_pages, v_pages, page_axes)
-    return _on_shards(lambda q, k, v, n, t, s, c, *sc: kernel(q, k, v, n, t, s, c,
-                                                              **_scale_kw(sc)),
+    return _on_shards(lambda q, k, v, n, t, s, c, *sc: kernel(
+                          q, k, v, n, t, s, c, **dict(zip(("k_scale", "v_scale"), sc))),
                       (None, heads, None), page_axes, page_axes, (None,), (None, None),
                       (None,), (None,), *scale_axes)(
         q, k_pages, v_pages, meta.kv_lengths, block_tables, meta.query_start,
@@ -100,22 +90,17 @@ def _split_scales(k, v, axes):
     return k.typed_codes, v.typed_codes, (k.scale, v.scale), (axes[:-1], axes[:-1])
 
 
-def _scale_kw(scales: tuple) -> dict:
-    return dict(zip(("k_scale", "v_scale"), scales))
-
-
 def heads_split_evenly(num_heads: int, num_kv_heads: int) -> bool:
-    """Whether query and kv heads both split over the context mesh's tensor axis (otherwise a
-    kernel shard would pair its query heads with the wrong kv heads: both stay whole)."""
+    """Whether query and kv heads both split over the mesh's tensor axis (else both stay whole,
+    so no shard pairs query heads with the wrong kv heads)."""
     mesh_shape = sharding.context_mesh_shape()
     t = mesh_shape.get("tensor", 1) if mesh_shape else 1
     return num_heads % t == 0 and num_kv_heads % t == 0
 
 
 def _on_shards(kernel, *in_axes):
-    """The kernel under jax.shard_map on the context mesh, with specs from the logical axes of
-    its inputs (each shard: its batch rows and heads; keys whole along their sequence); its
-    output is laid out like its first input, the queries. The kernel itself without a mesh."""
+    """The kernel under jax.shard_map on the context mesh (specs from its inputs' logical axes,
+    the output laid out as the queries), or itself without a mesh."""
     mesh_shape = sharding.context_mesh_shape()
     if mesh_shape is None:
         return kernel
@@ -130,6 +115,8 @@ def _on_shards(kernel, *in_axes):
 
 def reference_attention(q, q_positions, segments, *, sliding_window=None, softcap=None,
                         sm_scale=None):
+    """Dense attention of q [B, T, N, H] at q_positions [B, T] over segments of (k, v
+    [B, S, K, H], k_positions [B, S]; -1: empty): [B, T, N, H] in q.dtype."""
     B, T, N, H = q.shape
     K = segments[0][0].shape[2]
     G = N // K
@@ -170,14 +157,10 @@ def reference_attention(q, q_positions, segments, *, sliding_window=None, softca
 def paged_loop_attention(backend, q, k_all, v_all, layer, block_tables, meta: RaggedMeta, *,
                          page_size: int, sliding_window=None, softcap=None, sm_scale=None,
                          out=None):
-    """The jnp ragged attention over layer `layer` of the pools: for each set of tiles
-    (meta.singles, then meta.tiles) the work list of backends.work_list, each iteration
-    gathering its (tile, block of pages) pairs straight from the pool (indexed by layer and
-    page together: slicing the layer out first made XLA copy it whole) and folding them into
-    an online softmax in float32; decode tiles go to the native kernel where the backend has
-    it. Logical page j of a row is table entry j % M, so a wrapping ring reads the same way.
-    out: the output so far ([T, N, H], zeros by default), each set of tiles written over it at
-    its own tokens. Returns [T, N, H] in q.dtype."""
+    """The jnp ragged attention over layer `layer` of the pools: the work list over each set of
+    tiles (meta.singles, then meta.tiles), decode tiles to the native kernel where the backend
+    has it. out: [T, N, H] so far (zeros), each set written over it at its own tokens. Returns
+    [T, N, H] in q.dtype."""
     T, N, H = q.shape
     scale = sm_scale if sm_scale is not None else H ** -0.5
     if out is None:
@@ -188,8 +171,7 @@ def paged_loop_attention(backend, q, k_all, v_all, layer, block_tables, meta: Ra
         if _native_singles(backend, tiles, meta, k_all, v_all, N):
             from jaxinfer.backends import cpu_kernels
 
-            # The kernel takes the queries and gives the outputs in token order (zeroing the
-            # tokens of no single tile; the multi-query tiles follow).
+            # In token order, zeros at tokens of no single tile (the multi-query tiles follow).
             o = _native_call(cpu_kernels.decode_attention, q, (k_all, v_all, layer,
                              block_tables), tiles, page_size=page_size, scale=scale,
                              sliding_window=sliding_window, softcap=softcap)
@@ -205,10 +187,9 @@ def paged_loop_attention(backend, q, k_all, v_all, layer, block_tables, meta: Ra
 def _native_write_and_attend(backend, q, k, v, slots, k_all, v_all, layer, block_tables,
                              meta: RaggedMeta, *, page_size: int, sliding_window=None,
                              softcap=None, sm_scale=None):
-    """The step's new keys and values written and the decode tiles attended by one native
-    kernel call (cpu_kernels.decode_attention_writing: no XLA scatter per pool), then the
-    multi-query tiles by the work list. Returns (out [T, N, H], k_all, v_all), or None where
-    the kernel does not serve the step (the caller writes and attends)."""
+    """The write and the decode tiles in one native call (no XLA scatter per pool), then the
+    multi-query tiles by the work list: (out [T, N, H], k_all, v_all), or None where the kernel
+    does not serve the step."""
     T, N, H = q.shape
     tiles = meta.singles
     if tiles is None or not _native_singles(backend, tiles, meta, k_all, v_all, N):
@@ -233,8 +214,8 @@ def _native_write_and_attend(backend, q, k, v, slots, k_all, v_all, layer, block
 
 def _native_singles(backend, tiles: Tiles, meta: RaggedMeta, k_all, v_all,
                     num_heads: int) -> bool:
-    """Whether the native decode kernel serves these tiles: single-query tiles, a dynamic trip
-    count (not a differentiable forward), and pools it reads."""
+    """Whether the native decode kernel serves these tiles: single queries, not differentiable,
+    pools it reads."""
     if backend.kernels is None or tiles.query_tile != 1 or meta.static_pages is not None:
         return False
     from jaxinfer.backends import cpu_kernels
@@ -267,9 +248,8 @@ def _tile_attention(q, k_all, v_all, layer, block_tables, tiles: Tiles, meta: Ra
     # Sequence parallelism: the tiles split over `sequence` as the step's tokens do.
     qt = sharding.constrain(qt, ("rows", None, "kv_heads", None, None))
     table = block_tables[jnp.minimum(tiles.row, B - 1)]                   # [Nt, M]
-    # Float (and 16-bit-as-bits) pools are viewed as pages [L, P, Z, K * H]: with a single kv
-    # head (Gemma 3 270M), a view keeping the size-1 K axis made XLA:CPU copy the whole pool
-    # at every layer's gather.
+    # Float pools are viewed as [L, P, Z, K * H]: keeping a size-1 K axis made XLA:CPU copy the
+    # whole pool at every gather.
     merge = not isinstance(k_all, QuantizedKV)
 
     def view(a):
@@ -280,12 +260,12 @@ def _tile_attention(q, k_all, v_all, layer, block_tables, tiles: Tiles, meta: Ra
     z = jnp.arange(Z, dtype=jnp.int32)
 
     def gather_block(t, j0):
-        """The block of pb pages from logical page j0[c] of tile t[c], for C (tile, page)
-        pairs: keys and values [C, S, K, H] in float32 (values zeroed where no query of the
-        tile sees the key) and visible [C, Q, S]."""
+        """Pages j0[c] .. + pb of tile t[c]: k, v [C, S, K, H] float32 (unseen values zeroed),
+        visible [C, Q, S]."""
         C = t.shape[0]
         j = j0[:, None] + jnp.arange(pb, dtype=jnp.int32)[None]           # [C, pb]
         pages = table[t[:, None], j % M]
+        # Layer and page indexed together: slicing the layer out first made XLA copy it whole.
         gather = lambda a: a[layer, pages]                  # noqa: E731  [C, pb, Z, K(, H)]
         k = dense(jax.tree.map(gather, k_pool), jnp.float32).reshape(C, S, K, H)
         v = dense(jax.tree.map(gather, v_pool), jnp.float32).reshape(C, S, K, H)

@@ -1,11 +1,10 @@
 """Float products and the gated MLP's hidden activations, per backend.
 
-Float weights may be narrower than the activations (16-bit weights with float32 activations on
-CPU): the activations are rounded to the weights' dtype and the products accumulate in
-float32. On CPU, bf16 products of one row and of 2 to cpu_kernels.MAX_ROWS rows go to the
-native kernels where the backend has them (XLA:CPU streams a one-row bf16 dot's weights slowly
-and repacks the whole matrix for a few-row one); otherwise a single 16-bit row is padded to two
-(XLA:CPU's one-row dot converts the whole weight matrix to float32 on every call).
+Activations wider than the weights are rounded to the weights' dtype; products accumulate in
+float32. On CPU, bf16 products of up to cpu_kernels.MAX_ROWS rows go to the native kernels
+where the backend has them (XLA:CPU streams one-row bf16 dots slowly and repacks the weights for
+few-row ones); otherwise a single 16-bit row is padded to two, as XLA:CPU's one-row dot
+converts the whole weight matrix to float32.
 """
 
 from __future__ import annotations
@@ -16,10 +15,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-# Elements of one dequantized tile of a quantized weight on CPU (quant.compute): within a
-# core's L2 under XLA:CPU's default scheduler, where every dequantized copy has a buffer of its
-# own; within L3 under the memory-minimizing one, whose copies share one scratch buffer
-# (docs/quantization.md has the sweeps).
+# Elements of one dequantized tile on CPU (quant.compute): an L2's worth where every copy has
+# its own buffer, an L3's where they share one scratch buffer (docs/quantization.md).
 TILE_ELEMENTS = 7 << 15
 TILE_ELEMENTS_ONE_BUFFER = 1 << 21
 
@@ -29,8 +26,8 @@ def tile_elements(backend) -> int:
 
 
 def dot(backend, x: jax.Array, w: jax.Array, spec: str) -> jax.Array:
-    """einsum(spec, x, w) for a float w, in w's dtype with float32 accumulation (x rounded to
-    w's dtype when it is wider). spec's x operand is "...<contracted>"."""
+    """einsum(spec, x, w) -> float32, x rounded to w's dtype when wider; spec's x operand is
+    "...<contracted>"."""
     if jnp.finfo(x.dtype).bits > jnp.finfo(w.dtype).bits:
         x = x.astype(w.dtype)
     lead = x.shape[:-1]
@@ -39,7 +36,7 @@ def dot(backend, x: jax.Array, w: jax.Array, spec: str) -> jax.Array:
         from jaxinfer.backends import cpu_kernels
 
         many = rows >= 2
-        kernel = _row_kernel(spec, many) if (rows == 1 or (
+        kernel = _row_kernel(spec) if (rows == 1 or (
             backend.few_rows and 2 <= rows <= cpu_kernels.MAX_ROWS)) else None
         if kernel is not None:
             y = kernel(x.reshape(rows, -1) if many else x.reshape(-1), w)
@@ -51,9 +48,9 @@ def dot(backend, x: jax.Array, w: jax.Array, spec: str) -> jax.Array:
     return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
 
 
-def _row_kernel(spec: str, many: bool):
-    """The native product for `spec` of one row (many: of [M, K] rows) against a 2-D weight:
-    w [K, N] or w [N, K] with K the row's axis; None for other specs."""
+def _row_kernel(spec: str):
+    """The native product for `spec` against a 2-D weight w [K, N] or [N, K], K contracted with
+    x's last axis; None for other specs."""
     import functools
 
     from jaxinfer.backends import cpu_kernels
@@ -68,9 +65,8 @@ def _row_kernel(spec: str, many: bool):
 
 
 def gated_hidden(backend, x: jax.Array, w_gate, w_up, activation: str) -> Optional[jax.Array]:
-    """act(x @ w_gate) * (x @ w_up) [..., F] in bf16 by the native kernel, for float32
-    activations of 2 to cpu_kernels.MAX_ROWS rows against 2-D bf16 weights where the backend
-    has the few-row kernels; None otherwise."""
+    """act(x @ w_gate) * (x @ w_up) [..., F] bf16 from the native kernel (float32 x of 2 to
+    cpu_kernels.MAX_ROWS rows, 2-D bf16 weights, few-row kernels); None otherwise."""
     rows = math.prod(x.shape[:-1])
     if not (backend.few_rows and x.dtype == jnp.float32 and rows >= 2
             and all(isinstance(w, jax.Array) and w.ndim == 2 and w.dtype == jnp.bfloat16

@@ -1,10 +1,6 @@
 """The sampler's reductions over a vocabulary, per backend: argmax, the descending sort and
-its first k.
-
-With the native CPU kernels: one pass per row for argmax, a radix sort, and a top-k that
-sorts only the values that can be among the k (docs/cpu_kernels.md). Their order puts equal
-values by index, -0.0 equal to 0.0 and NaN last (Backend.native_sort); XLA's lax.top_k and
-argsort order NaN first and 0.0 above -0.0.
+its first k. The native kernels' order (Backend.native_sort) puts equal values by index,
+-0.0 equal to 0.0 and NaN last; lax.top_k and argsort put NaN first and 0.0 above -0.0.
 """
 
 from __future__ import annotations
@@ -16,12 +12,9 @@ ARGMAX_BLOCK = 1024  # vocabulary entries per block of the two-level argmax
 
 
 def argmax(backend, x: jax.Array, block: int = ARGMAX_BLOCK) -> jax.Array:
-    """jnp.argmax over the last axis, as int32, equal to it on every input: the first index of
-    the maximum, the first NaN where there is one, 0 for a row of -inf. Float32 rows longer
-    than a block take the native kernel where the backend has it; on CPU otherwise two levels
-    (each block's maximum, a reduction XLA:CPU vectorises, then the index within the block
-    holding the largest), as XLA:CPU does not vectorise jnp.argmax's (value, index)
-    reduction; elsewhere jnp.argmax."""
+    """jnp.argmax(x, -1) as int32, equal on every input. On CPU, rows longer than a block take
+    the native kernel or two levels (block maxima, then the index within the winning block),
+    as XLA:CPU does not vectorise argmax's (value, index) reduction."""
     V = x.shape[-1]
     if V > block and x.dtype == jnp.float32 and backend.kernels is not None:
         from jaxinfer.backends import cpu_kernels

@@ -1,40 +1,27 @@
-"""Per-platform tuning of the device step, in one table (as the kernels' block_sizes.py).
+"""Per-platform tuning of the device step, in one table. The CPU entry's reasons are measured
+in docs/architecture.md ("Backend tuning"); the GPU entry keeps XLA's defaults.
 
-Each CPU entry was measured on XLA:CPU (the figures are in docs/architecture.md, "Backends");
-the GPU entry keeps XLA's defaults and the Pallas kernels until a GPU run measures otherwise.
-
-  min_tokens, query_tile     the smallest token bucket of a flat step, and the queries per tile
-                             of the jnp attention
-  bucket_growth              token and row buckets grow by this factor (fewer programs to
-                             compile where compiling is slow)
-  fill_token_buckets         the scheduler trims a prefilling step's chunks to a token bucket
-                             where a padding token costs what a real one does
-  compiler_options           XLA options of every engine program (program_jit): XLA:CPU's
-                             fast-compile preset compiles a third faster, programs as fast
-  loop_compiler_options      and of the device loops: loop-invariant code motion off, which
-                             hoisted a float32 copy of a bf16 embedding table out of the loop
-  pad_single_row_16bit_dots  XLA:CPU converts the whole weight matrix for a one-row bf16 dot:
-                             one row is padded to two
-  cpu_kernels                the native kernels of backends.cpu_kernels serve products,
-                             decode attention, argmax and sorting (docs/cpu_kernels.md)
-  float32_activations        16-bit elementwise work goes through float32 copies while 16-bit
-                             dots run at twice the float32 rate: 16-bit weights and KV cache,
-                             float32 activations
-  kv_16bit_as_bits           a scatter into a bf16 array converts the whole array: the 16-bit
-                             KV cache is kept as uint16 bits (kv_cache.Bits16KV)
-  kv_fp8_as_bits             the same for float8 KV codes (kept as uint8)
+  min_tokens, query_tile     the smallest token bucket, and the jnp attention's queries a tile
+  bucket_growth              token and row buckets grow by this factor (fewer compiles)
+  fill_token_buckets         prefill chunks are trimmed to a token bucket (padding costs as much)
+  compiler_options           XLA options of every engine program: XLA:CPU's fast-compile preset
+  loop_compiler_options      and of the device loops: loop-invariant code motion off (it hoisted
+                             a float32 copy of a bf16 embedding out of the loop)
+  pad_single_row_16bit_dots  one row padded to two (a one-row bf16 dot converts its weights)
+  cpu_kernels                backends.cpu_kernels serve products, decode attention, argmax, sort
+  float32_activations        16-bit weights and KV cache, float32 activations (16-bit
+                             elementwise work is slow, 16-bit dots fast)
+  kv_16bit_as_bits           16-bit KV kept as uint16 bits (a bf16 scatter converts the array)
+  kv_fp8_as_bits             the same for float8 KV codes (uint8)
   default_dtype              LLM(dtype=None); JAXINFER_DEFAULT_DTYPE overrides it
-  default_attention          attention="auto" ("reference": the jnp work list)
+  default_attention          attention="auto"
   grouped_matmul             the experts' grouped matmul (models.moe): "tiles" where
                              lax.ragged_dot multiplies every row by every expert
 
-One setting is process-wide, an XLA flag that XLA reads when jax starts its first backend:
-set_cpu_xla_flags (through backends.set_xla_flags, called by LLM() and the launchers) adds
---xla_cpu_enable_concurrency_optimized_scheduler=false, whose memory-minimizing scheduler
-reuses one scratch buffer for the dequantized weights of an unrolled model where the default
-scheduler gives each its own. It is added only on jaxlib 0.10 (where it was measured), on a
-CPU-only installation or JAX_PLATFORMS=cpu, before any backend starts, and where XLA_FLAGS
-does not name it already (the user's setting wins).
+One XLA flag is process-wide: set_cpu_xla_flags adds
+--xla_cpu_enable_concurrency_optimized_scheduler=false, whose scheduler reuses one scratch
+buffer for an unrolled model's dequantized weights, on jaxlib 0.10 with a CPU-only jax, before
+any backend starts, unless XLA_FLAGS names it already.
 """
 
 from __future__ import annotations
@@ -72,24 +59,21 @@ TUNING = {
         compiler_options=(("xla_cpu_opt_preset", "CPU_OPT_PRESET_FAST_COMPILE"),),
         loop_compiler_options=(("xla_disable_hlo_passes", "while-loop-invariant-code-motion"),),
         pad_single_row_16bit_dots=True, float32_activations=True, kv_16bit_as_bits=True,
-        kv_fp8_as_bits=True,
-        cpu_kernels=True, default_dtype="bfloat16",
+        kv_fp8_as_bits=True, cpu_kernels=True, default_dtype="bfloat16",
         default_attention="reference", grouped_matmul="tiles"),
     "gpu": StepTuning(),
 }
 
 
 def for_platform(name: str) -> StepTuning:
-    """The tuning of platform `name`; a platform without an entry gets the GPU's (XLA's
-    defaults and the kernels)."""
+    """The tuning of platform `name` (the GPU's where it has no entry)."""
     return TUNING.get(name, TUNING["gpu"])
 
 
 def compiler_options(backend: str, loop: bool) -> dict | None:
-    """The XLA options of the engine's programs on `backend`: its compiler_options where this
-    jaxlib is one they were measured on (COMPILER_OPTIONS_JAXLIB: XLA refuses an option it does
-    not know) and XLA_FLAGS does not name them (the user's setting wins), and for a device loop
-    its loop_compiler_options too."""
+    """The XLA options of the engine's programs on `backend`: its compiler_options on a jaxlib
+    known to have them (XLA refuses unknown ones) unless XLA_FLAGS names them, plus for a device
+    loop its loop_compiler_options."""
     tune = for_platform(backend)
     named = os.environ.get("XLA_FLAGS", "")
     options = {k: v for k, v in tune.compiler_options if f"--{k}" not in named} \
@@ -100,9 +84,8 @@ def compiler_options(backend: str, loop: bool) -> dict | None:
 
 
 class program_jit:
-    """jax.jit for the engine's device programs, compiled with the backend's compiler options
-    (compiler_options above; loop=True: a device loop's too). The jit is made at first use,
-    when the backend is known, one per backend; calls and .lower() go to it."""
+    """jax.jit with the backend's compiler_options (loop=True: a device loop's too), made at
+    first use, once per backend."""
 
     def __init__(self, fun=None, *, loop: bool = False, **jit_kwargs):
         self.fun, self.loop, self.jit_kwargs, self.jits = fun, loop, jit_kwargs, {}
@@ -118,9 +101,7 @@ class program_jit:
 
     def __call__(self, *args, **kwargs):
         if _tracing(args, kwargs):
-            # Called inside another jit or transformation (the scoring forward under a
-            # training step's grad): JAX takes compiler options on top-level jits only, and
-            # the outer program's options apply to the whole of it.
+            # Inside another trace JAX takes no compiler options; the outer program's apply.
             if "nested" not in self.jits:
                 self.jits["nested"] = jax.jit(self.fun, **self.jit_kwargs)
             return self.jits["nested"](*args, **kwargs)
@@ -131,8 +112,7 @@ class program_jit:
 
 
 def _tracing(args, kwargs) -> bool:
-    """Whether a JAX trace is running around this call (jax's trace state where this jax has
-    it, else whether an argument is a tracer)."""
+    """Whether a JAX trace is running around this call."""
     from jax._src import core
 
     clean = getattr(core, "trace_state_clean", None)
@@ -149,35 +129,30 @@ def loop_jit(fun=None, **jit_kwargs) -> program_jit:
 _SCHEDULER_FLAG = "xla_cpu_enable_concurrency_optimized_scheduler"
 # Process-wide XLA flags for the CPU backend (see the module docstring), by flag name.
 CPU_XLA_FLAGS = {_SCHEDULER_FLAG: "false"}
-# jaxlib versions (major, minor) the flags were measured on, and so known to exist in.
+# jaxlib versions (major, minor) known to have the flags, and the compiler_options.
 CPU_XLA_FLAGS_JAXLIB = ((0, 10),)
-# The same for the backends' compiler_options.
 COMPILER_OPTIONS_JAXLIB = ((0, 10),)
 
 
 def set_cpu_xla_flags() -> list[str]:
-    """Adds CPU_XLA_FLAGS to os.environ["XLA_FLAGS"] where they apply (the module docstring:
-    jaxlib 0.10, a CPU-only installation or JAX_PLATFORMS=cpu, no backend started, a
-    flag not named there already). Returns the flags added."""
+    """Adds CPU_XLA_FLAGS to XLA_FLAGS where they apply (the module docstring). Returns the
+    flags added."""
     from jax._src import xla_bridge
 
-    if _jaxlib_version() not in CPU_XLA_FLAGS_JAXLIB or xla_bridge.backends_are_initialized():
-        return []
-    if not cpu_only():
+    if (_jaxlib_version() not in CPU_XLA_FLAGS_JAXLIB or xla_bridge.backends_are_initialized()
+            or not cpu_only()):
         return []
     return add_xla_flags(CPU_XLA_FLAGS)
 
 
 def cpu_only() -> bool:
-    """Whether jax will run on the CPU alone: JAX_PLATFORMS=cpu, or JAX_PLATFORMS unset and
-    no accelerator plugin installed."""
+    """JAX_PLATFORMS=cpu, or it unset and no accelerator plugin installed."""
     platforms = [p for p in os.environ.get("JAX_PLATFORMS", "").split(",") if p]
     return platforms == ["cpu"] or not (platforms or _accelerator_plugin_installed())
 
 
 def add_xla_flags(flags: dict) -> list[str]:
-    """Appends flags (name -> value) to os.environ["XLA_FLAGS"], each one not named there
-    already. Returns the flags added."""
+    """Appends flags (name -> value) not named in XLA_FLAGS yet; returns those added."""
     current = os.environ.get("XLA_FLAGS", "")
     added = [f"--{name}={value}" for name, value in flags.items()
              if f"--{name}" not in current]
@@ -194,8 +169,7 @@ def cpu_xla_flags_missing() -> bool:
 
 
 def cpu_keeps_one_scratch_buffer() -> bool:
-    """Whether XLA:CPU's memory-minimizing scheduler is in effect (set_cpu_xla_flags, or the
-    user's own XLA_FLAGS): scratch buffers are then reused across an unrolled program."""
+    """Whether XLA_FLAGS turn XLA:CPU's memory-minimizing scheduler on."""
     flag = f"--{_SCHEDULER_FLAG}="
     flags = os.environ.get("XLA_FLAGS", "")
     if flag not in flags:

@@ -1,7 +1,6 @@
-"""The jnp attention's page loop over a work list (backends.attention's
-paged_loop_attention): a step's tiles need their own numbers of blocks of pages, and a loop
-walks the list of (tile, block) pairs, folding each iteration's pairs into their tiles' online
-softmax. docs/architecture.md ("Attention") has the measurements behind the shapes chosen here.
+"""The jnp attention's page loop (backends.attention.paged_loop_attention): one loop walks the
+list of (tile, block of pages) pairs, folding each iteration's pairs into their tiles' online
+softmax, so each tile costs the blocks it needs (docs/architecture.md, "Attention").
 """
 
 from __future__ import annotations
@@ -10,19 +9,15 @@ import jax
 import jax.numpy as jnp
 
 
-# The most (tile, block) pairs a work-list iteration takes: Nt (the step's tile bound) up to
-# this. The engine's steps at the defaults stay below it (16-512 tokens in tiles of 16, or 16
-# decode rows), so an iteration holds every tile; a batch of thousands of rows (a scoring
-# forward) is walked in windows of this many pairs rather than one [Nt, Nt] fold.
+# The most (tile, block) pairs an iteration takes (Nt up to this): the engine's steps fit in one
+# window; a batch of thousands of rows is walked in windows rather than one [Nt, Nt] fold.
 MAX_PAIRS = 256
 
 
 def _work_list(tiles, static_blocks, C: int):
-    """The (tile, block) pairs of a work list, C an iteration: tile t needs tiles.blocks[t]
-    blocks, listed tile after tile (every listed tile needs at least one, so C consecutive pairs
-    span at most C consecutive tiles). Returns (trips, pairs), pairs(i) giving iteration i's
-    tile ids t [C] (ascending; Nt: past the end of the list), the same clipped to a tile, and
-    each pair's first logical page j0 [C]."""
+    """The (tile, block) pairs, C an iteration, tile after tile (so C pairs span at most C
+    tiles): (trips, pairs), pairs(i) -> iteration i's tiles t [C] (ascending, Nt past the end),
+    t clipped to a tile, and each pair's first logical page j0 [C]."""
     Nt = tiles.blocks.shape[0]
     ends = jnp.cumsum(tiles.blocks)                      # [Nt]
     trips = (ends[-1] + C - 1) // C if static_blocks is None else -(-Nt * static_blocks // C)
@@ -37,15 +32,11 @@ def _work_list(tiles, static_blocks, C: int):
 
 
 def _fold(carry, t, pair_max, weigh, Nt: int):
-    """Folds one work-list iteration's C pairs into their tiles' online softmax.
+    """Folds one iteration's C pairs into their tiles' online softmax.
 
-    carry: (m, l, acc), [Nt + pad, *stats] and [Nt + pad, *stats, H] (pad: C rows when C < Nt,
-    else none); t [C]: the pairs' tiles, ascending (Nt: no pair); pair_max [C, *stats]: each
-    pair's highest score (-inf where it sees no key); weigh(m_pair) -> (p_sum [C, *stats],
-    pv [C, *stats, H]): each pair's probability sums and value product given its tile's new
-    running maximum m_pair [C, *stats]. With C = Nt the fold is a [Nt, C] one-hot of tiles by
-    pairs; with C < Nt the pairs' tiles lie in the window of C tiles from t[0], and the fold
-    works on that window alone through a [C, C] one-hot."""
+    carry: (m, l, acc) [Nt + pad, *stats(, H)] (pad C rows when C < Nt); t [C] the pairs' tiles
+    (Nt: none); pair_max [C, *stats] each pair's top score; weigh(m_pair) -> (p_sum, pv) given
+    its tile's new maximum. With C < Nt the fold works on the window of C tiles from t[0]."""
     m, l, acc = carry
     C = t.shape[0]
     if C == Nt:
@@ -70,8 +61,8 @@ def _fold(carry, t, pair_max, weigh, Nt: int):
 
 
 def _walk(tiles, static_blocks, stats: tuple, H: int, iteration):
-    """Runs a work list: iteration(t, tc, j0) -> (pair_max, weigh) for the pairs of one
-    iteration (see _fold). Returns the normalised output [Nt, *stats, H] float32."""
+    """Runs the work list, iteration(t, tc, j0) -> (pair_max, weigh) (see _fold): the
+    normalised output [Nt, *stats, H] float32."""
     Nt = tiles.blocks.shape[0]
     C = min(Nt, MAX_PAIRS)
     trips, pairs = _work_list(tiles, static_blocks, C)
@@ -90,15 +81,11 @@ def _walk(tiles, static_blocks, stats: tuple, H: int, iteration):
 
 
 def tile_loop(qt, gather_block, tiles, static_blocks, softcap):
-    """The jnp attention of tiles of Q queries (decode rows, prefill chunks, verification):
-    qt [Nt, Q, K, G, H] (scaled), gather_block(t, j0) -> (k, v [C, S, K, H] float32, visible
-    [C, Q, S]). Returns [Nt * Q, N, H] float32.
+    """Attention of tiles of Q queries: qt [Nt, Q, K, G, H] (scaled), gather_block(t, j0) ->
+    (k, v [C, S, K, H] float32, visible [C, Q, S]) -> [Nt * Q, N, H] float32.
 
-    Each iteration takes the next (tile, block) pairs of the work list (Nt of them, at most
-    MAX_PAIRS), so empty tiles and short rows cost nothing: the trip count is ceil(sum of
-    blocks / Nt), where a loop over block indices runs max(blocks) times for every tile (one
-    row of 2,000 tokens among fifteen of 100 costs 2 iterations, not 16). static_blocks (a
-    differentiable forward): every tile walks that many blocks, a static trip count.
+    The trip count is ceil(sum of blocks / C), not max(blocks), so empty tiles and short rows
+    cost nothing. static_blocks (a differentiable forward): a static count of blocks a tile.
     """
     Nt, Q, K, G, H = qt.shape
 

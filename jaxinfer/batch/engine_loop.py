@@ -1,9 +1,6 @@
-"""Feeds checked requests (Work) to an LLM through the request-level API and turns finished
-requests into output records. Shared by the local runner and the Ray actors.
-
-Whatever goes wrong with one request stays that request's: the API's refusals become its 400
-record, and anything else raised while submitting it or building its response (a bug) becomes
-its 500 internal_error record, logged with the traceback; the job goes on."""
+"""Feeds checked requests (Work) to an LLM and turns finished ones into output records, for the
+local runner and the Ray actors. A request's failure becomes its own error record (400 for a
+refusal, 500 for a bug, logged); the job goes on."""
 
 from __future__ import annotations
 
@@ -21,11 +18,8 @@ logger = logging.getLogger(__name__)
 
 
 class EngineFeeder:
-    """add_request / step for Work items, each carrying a caller's tag (where its Result goes).
-
-    A request with no seed gets records.derive_seed(job_seed, custom_id). What the LLM refuses
-    before any device work (a prompt of max_seq_len tokens or more, a token id outside the
-    vocabulary) comes back at once as that request's error Result."""
+    """add_request / step for Work items, each with a caller's tag (where its Result goes). A
+    request with no seed gets records.derive_seed(job_seed, custom_id)."""
 
     def __init__(self, llm, model_name: str, job_seed: Optional[int]):
         if llm.tokenizer is None:  # response bodies carry text

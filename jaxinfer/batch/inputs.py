@@ -1,18 +1,7 @@
-"""Reading a batch job's input: lazily, one line at a time, each line checked on its own.
-
-Two formats: the OpenAI batch format (one JSON object a line: custom_id, method "POST", url,
-body) and plain text (one prompt a line, custom_id = the 1-based line number, sampling from the
-job's flags). A line that is not a valid request becomes an error Result for that line; nothing
-is dropped but blank lines, which are counted.
-
-Limits, each refused with an error record for that line alone: a line longer than
-max_line_bytes (read in bounded pieces, never whole), JSON that user_input.loads_json refuses
-(NaN, out-of-range numbers, nesting deeper than MAX_JSON_DEPTH, lone surrogates), a custom_id
-longer than MAX_CUSTOM_ID_CHARS.
-
-Sharding: a line belongs to shard blake2b(custom_id) mod num_shards (its line number stands in
-when it has no usable custom_id), so every line of a custom_id, duplicates included, lands in the
-same shard, and each shard can find duplicates alone.
+"""Reading a batch job's input lazily, each line checked on its own: OpenAI batch JSONL, or plain
+text (one prompt a line, custom_id = its 1-based number). A bad line becomes an error Result for
+that line alone; only blank lines get none. A line's shard is blake2b(custom_id) mod num_shards,
+so every line of a custom_id lands in one shard. Contract: docs/batch.md.
 """
 
 from __future__ import annotations
@@ -34,18 +23,15 @@ from jaxinfer.user_input import InputError, check_text, loads_json, show
 
 FORMATS = ("auto", "jsonl", "text")
 _LINE_FIELDS = {"custom_id", "method", "url", "body"}
-# Twice the server's request body limit (1 MiB): a batch line wraps a body in its custom_id,
-# method and url. A longer line is answered line_too_long without being held in memory.
+# Twice the server's body limit: a line wraps a body in its custom_id, method and url.
 MAX_LINE_BYTES = 2 << 20
-# OpenAI documents no limit; ids are names, not payloads, and each one is kept in the manifest.
-MAX_CUSTOM_ID_CHARS = 512
+MAX_CUSTOM_ID_CHARS = 512  # ids are names, not payloads, and each is kept in the manifest
 _SKIP_CHUNK = 1 << 16  # bytes read at a time while skipping the rest of an overlong line
 
 
 @dataclasses.dataclass(frozen=True)
 class LongLine:
-    """A line longer than `limit` bytes (newline not counted), in place of its bytes: its size
-    and line_digest, computed while it was skipped."""
+    """A line longer than `limit` bytes, in place of its bytes: its size and line_digest."""
 
     size: int
     digest: bytes
@@ -96,7 +82,7 @@ def resolve_format(path: str, fmt: str) -> str:
 
 
 def count_lines(path: str) -> int:
-    """Lines in the file (a last line without a newline counts), by a byte scan: ~1 GB/s."""
+    """Lines in the file (a last line without a newline counts), by a byte scan."""
     n, last = 0, b"\n"
     with open(path, "rb") as f:
         while block := f.read(1 << 22):
@@ -110,9 +96,8 @@ def strip_newline(raw: bytes) -> bytes:
 
 
 def scan_lines(f: BinaryIO, max_line_bytes: int) -> Iterator[tuple[RawLine, int]]:
-    """(line without its newline, or a LongLine when it has more than max_line_bytes bytes;
-    the bytes it takes in the file, newline included), lazily from f's position. Holds at most
-    max_line_bytes + 2 bytes of any line."""
+    """(line without its newline, or a LongLine past max_line_bytes; its bytes in the file),
+    lazily from f's position, never holding more than max_line_bytes + 2 bytes of a line."""
     while raw := f.readline(max_line_bytes + 2):
         if raw.endswith(b"\n") or len(raw) < max_line_bytes + 2:  # whole (or the last line)
             body = strip_newline(raw)
@@ -232,55 +217,48 @@ def parse_line(line: int, raw: RawLine, fmt: str, text: Optional[TextDefaults]) 
     return Work(line, cid, request)
 
 
-# Stands for a value the strict parse refuses (NaN, Infinity, an out-of-range number).
-_REFUSED = type("Refused", (), {"__repr__": lambda self: "<refused>"})()
+_REFUSED = object()  # a number the strict parse refuses (NaN, Infinity, out of range)
 
 
-def _lenient_number(parse):
+def _lenient(parse):
     def parse_or_refuse(s: str):
         try:
             v = parse(s)
         except ValueError:  # an integer past Python's digit limit
             return _REFUSED
-        return v if not isinstance(v, float) or math.isfinite(v) else _REFUSED
+        return _REFUSED if isinstance(v, float) and not math.isfinite(v) else v
     return parse_or_refuse
 
 
-def _lenient_json(s: str) -> Any:
-    """The line as a lenient parser reads it (refused values as _REFUSED), or None where even
-    that fails (nesting past the recursion limit): only to name a refused line's request."""
-    try:
-        return json.loads(s, parse_constant=lambda _: _REFUSED, parse_int=_lenient_number(int),
-                          parse_float=_lenient_number(float))
-    except (ValueError, RecursionError):
-        return None
-
-
 def _strict_scalar(v: Any) -> bool:
+    """Whether the strict parse takes `v` as it is: a number it accepts, None, a bool, or a
+    string without a lone surrogate."""
     if isinstance(v, str):
         try:
             check_text(v, "")
         except InputError:
             return False
         return True
-    return v is not _REFUSED and isinstance(v, (int, float, bool, type(None)))
+    return v is not _REFUSED and isinstance(v, (int, float, type(None)))
 
 
 def _refused_json(line: int, s: str, error: InputError) -> Result:
-    """A line user_input.loads_json refused. When the fault lies in the body alone (custom_id,
-    method, url and field names all sound), it is the request the API refuses, as the server
-    would: invalid_request, under its custom_id. Otherwise invalid_json, with the custom_id
-    when that one is usable."""
-    obj = _lenient_json(s)
+    """A line loads_json refused, parsed again leniently to find its custom_id. A fault in the
+    body alone is the API's refusal of the request (invalid_request under its custom_id, as the
+    server would answer); any other is invalid_json, with the custom_id when usable."""
+    try:
+        obj = json.loads(s, parse_constant=lambda _: _REFUSED, parse_int=_lenient(int),
+                         parse_float=_lenient(float))
+    except (ValueError, RecursionError):
+        obj = None
     if not isinstance(obj, dict):
         return records.line_error(line, None, records.INVALID_JSON, str(error))
     cid = obj.get("custom_id")
     if not (isinstance(cid, str) and cid and _strict_scalar(cid)
             and len(cid) <= MAX_CUSTOM_ID_CHARS):
         cid = None
-    wrapper_sound = all(_strict_scalar(k) for k in obj) and all(
-        _strict_scalar(v) for k, v in obj.items() if k != "body")
-    if cid is not None and wrapper_sound and "body" in obj:
+    wrapper = [x for k, v in obj.items() if k != "body" for x in (k, v)]
+    if cid is not None and "body" in obj and all(map(_strict_scalar, wrapper)):
         return records.request_error(line, cid, RequestError(str(error)),
                                      records.INVALID_REQUEST)
     return records.line_error(line, cid, records.INVALID_JSON, str(error))
@@ -298,9 +276,8 @@ def _text_work(line: int, s: str, text: TextDefaults) -> Work:
 
 
 class IdSet:
-    """The custom_ids seen so far, as 128-bit hashes in an open-addressing table of 16-byte
-    slots kept at most half full: 32 to 64 bytes per id, against ~90 for a Python set of
-    strings. The one part of a job's state that grows with its input (JSONL only)."""
+    """The custom_ids seen so far, as 128-bit hashes in a half-full open-addressing table: far
+    smaller than a set of strings, as the one part of a job's state that grows with its input."""
 
     def __init__(self, capacity: int = 1 << 10):
         self._table = np.zeros((capacity, 2), np.uint64)
@@ -353,9 +330,8 @@ def check_duplicate(seen: Optional[IdSet], item: Item) -> Item:
 
 
 class ShardReader:
-    """This shard's lines of the input, from `start` on, as (line, digest, Item): lazily,
-    duplicates turned into errors, at most `max_lines` input lines read (of all shards).
-    `position` is the number of input lines consumed so far."""
+    """This shard's (line, digest, Item) from input line `start` on, duplicates made errors,
+    up to input line `max_lines`; `position` counts the input lines consumed."""
 
     def __init__(self, lines: Iterator[tuple[int, RawLine]], fmt: str, text: Optional[TextDefaults],
                  num_shards: int, shard_index: int, seen: Optional[IdSet],

@@ -1,17 +1,7 @@
-"""A batch job: what it is (JobSpec), its results put in input order and committed in parts
-(OrderedCommits), and the local runner, which keeps one LLM's engine full.
-
-The local runner reads a line only while fewer than max_in_flight requests are in the engine
-(2 x max_num_seqs by default: the engine always has requests waiting for a free slot, as under
-LLM.generate) and fewer than 64 x max_in_flight read lines wait behind an unfinished one, so
-its memory is bounded whatever the input's length. Those two bounds depend only on which
-requests have finished, never on time, so every process of a multi-process job feeds the
-engine the same requests in the same order.
-
-The job's fingerprint (job.json) names the model by a sha256 of its files, so a resume with the
-same model at another path (or under its alias) goes on, and one with a changed file is
-refused. Hashing a large model takes a while, so the digest of each file is kept in a stamp
-under the jaxinfer cache directory, keyed by the file's path, size, times and inode.
+"""A batch job: its spec (JobSpec), its results committed in input order (OrderedCommits), and
+the local runner, which keeps one LLM's engine full. The runner's memory is bounded whatever the
+input's length, and its choices depend only on which requests finished, never on time, so every
+process of a multi-process job feeds its engine the same requests. Contract: docs/batch.md.
 """
 
 from __future__ import annotations
@@ -31,7 +21,7 @@ from jaxinfer.batch.engine_loop import EngineFeeder
 from jaxinfer.batch.inputs import IdSet, ShardReader, TextDefaults, Work
 from jaxinfer.batch.merge import merge
 from jaxinfer.batch.records import Result
-from jaxinfer.batch.store import ShardStore, read_json, write_atomic
+from jaxinfer.batch.store import ShardStore, read_json, sha256_file, write_atomic
 from jaxinfer.batch.store import shard_lock as _shard_dir_lock
 
 # LLM settings that change what a request generates; scheduling settings (max_num_seqs, page
@@ -105,10 +95,8 @@ FRESH_S = 2.0  # a file changed this recently may change again within its timest
 
 
 def model_sha256(model) -> str:
-    """A digest of the model's content, whatever path or alias names it: a .gguf file's
-    sha256; for a directory, a sha256 over (relative path, sha256) of its files that decide
-    the output (a jaxinfer checkpoint: all; an HF directory: config.json, *.safetensors and the
-    tokenizer's files)."""
+    """A digest of the model's content, whatever path or alias names it: a file's sha256, or a
+    sha256 over (relative path, sha256) of a directory's files that decide the output."""
     if not isinstance(model, (str, os.PathLike)):
         raise ValueError(f"model must be an alias or a path, got {model!r}")
     path = os.path.expanduser(os.fspath(model))
@@ -133,8 +121,7 @@ def model_sha256(model) -> str:
 
 def file_sha256(path: str) -> str:
     """sha256 of a file, remembered in a stamp (jaxinfer cache dir, digests/) keyed by its real
-    path, size, mtime, ctime and inode; a file changed in the last FRESH_S seconds is hashed
-    every time, since a second change within the same timestamp tick would not show."""
+    path, size, times and inode; a file changed in the last FRESH_S seconds is not stamped."""
     from jaxinfer.loading.hub import cache_dir
 
     real, st = os.path.realpath(path), os.stat(path)
@@ -148,11 +135,7 @@ def file_sha256(path: str) -> str:
             return recorded["sha256"]
     except (OSError, ValueError, KeyError):  # no stamp yet, or a damaged one
         pass
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            digest.update(block)
-    sha = digest.hexdigest()
+    sha = sha256_file(path)
     if time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) > FRESH_S * 1e9:
         try:
             os.makedirs(os.path.dirname(stamp), mode=0o700, exist_ok=True)
@@ -164,8 +147,7 @@ def file_sha256(path: str) -> str:
 
 class OrderedCommits:
     """This shard's input lines in order, each waiting for its Result (or Blank); the leading
-    run of finished ones is committed as a part once it holds commit_every lines, once
-    commit_interval_s has passed, and at the end."""
+    finished run is committed at commit_every lines, after commit_interval_s, and at the end."""
 
     def __init__(self, store: ShardStore, spec: JobSpec,
                  on_result: Callable[[object], None] = lambda r: None,
@@ -261,9 +243,8 @@ def finish(spec: JobSpec, store: ShardStore) -> dict:
 
 def run_local(llm, spec: JobSpec, *, writer: bool = True,
               on_commit: Callable[[dict], None] = lambda e: None) -> dict:
-    """Runs (or resumes) one shard of the job on `llm`; returns its summary (for a one-shard
-    job, the merged summary, with DIR/output.jsonl written). `on_commit` sees each manifest
-    entry after it is durable. The writer holds the shard's lock throughout."""
+    """Runs (or resumes) one shard of the job on `llm`; returns its summary (a one-shard job's
+    merged one). `on_commit` sees each manifest entry once it is durable."""
     feeder = EngineFeeder(llm, spec.model_name, spec.seed)  # checks the model first
     with shard_lock(spec) if writer else contextlib.nullcontext():
         return _run_local(llm, spec, feeder, writer, on_commit)

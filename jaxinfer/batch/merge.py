@@ -1,15 +1,7 @@
-"""`--merge DIR`: checks a job's shards and joins them into DIR/output.jsonl in input order,
-with DIR/summary.json over all of them.
-
-Refused, with the reason: no shards; shards of different splits (--num_shards); a shard
-directory holding another shard's output (a copy or a rename: a duplicated shard); a missing or
-unfinished shard; shards run with other settings or over other lines; an input line answered
-twice; a part that changed after its commit; a shard another run is working in (merge holds
-every shard's lock, so it never reads a shard while it is written, and two merges of one
-directory take turns); an output.jsonl or summary.json this job's merges did not write.
-
-summary.json records output.jsonl's sha256 (`output_sha256`): that is how a merge knows the
-output.jsonl it is about to replace is one it wrote, and a rerun re-merges a finished job.
+"""`--merge DIR`: checks a job's shards and joins them into DIR/output.jsonl in input order, with
+DIR/summary.json over all of them. It holds every shard's lock, and replaces only an output its
+own merges wrote (summary.json records output.jsonl's sha256). docs/batch.md lists what it
+refuses.
 """
 
 from __future__ import annotations
@@ -23,7 +15,8 @@ from typing import Iterator, Optional
 
 from jaxinfer.batch.store import (JOB_FILE, MANIFEST, SHARD_DIR, SUMMARY, Totals,
                                   check_same_settings, dir_lock, fsync_dir, manifest_entries,
-                                  part_lines, read_json, shard_dir_name, write_atomic)
+                                  part_lines, read_json, sha256_file, shard_dir_name,
+                                  write_atomic)
 
 OUTPUT = "output.jsonl"
 MERGED_SHA256 = "output_sha256"  # summary.json's record of the output.jsonl the merge wrote
@@ -45,7 +38,7 @@ def _shard_dirs(output_dir: str) -> list[tuple[int, int, str]]:
 
 
 def check_shards(output_dir: str, shards: Optional[list] = None) -> list[tuple[str, dict]]:
-    """(directory, summary) of shards 0..n-1, after every check in the module docstring.
+    """(directory, summary) of shards 0..n-1, once they are known to be one finished job.
     `shards`: _shard_dirs(output_dir), when the caller has it."""
     shards = _shard_dirs(output_dir) if shards is None else shards
     splits = sorted({n for _, n, _ in shards})
@@ -97,9 +90,8 @@ def _records(shard_dir: str) -> Iterator[tuple[int, str]]:
 
 
 def merge(output_dir: str) -> dict:
-    """Writes DIR/output.jsonl (every shard's output lines in input order) and DIR/summary.json;
-    returns the summary. Holds every shard's lock meanwhile (DirectoryInUse if a run holds
-    one)."""
+    """Writes DIR/output.jsonl and DIR/summary.json under every shard's lock (DirectoryInUse if
+    a run holds one); returns the summary."""
     shard_dirs = _shard_dirs(output_dir)
     with contextlib.ExitStack() as locks:
         for _, _, path in shard_dirs:
@@ -149,9 +141,8 @@ def _merge_locked(output_dir: str, shards: list[tuple[str, dict]]) -> dict:
 
 
 def _check_ours(output_dir: str, new_sha256: str) -> None:
-    """ValueError unless DIR's output.jsonl and summary.json are absent or a merge's: the
-    summary one with MERGED_SHA256, the output the one it records, or (a merge killed between
-    the two renames) what this merge writes."""
+    """ValueError unless DIR's output.jsonl and summary.json are absent or a merge's (the output
+    the one the summary records, or what this merge writes, after a kill between renames)."""
     output, summary = os.path.join(output_dir, OUTPUT), os.path.join(output_dir, SUMMARY)
     recorded = None
     if os.path.exists(summary):
@@ -162,17 +153,9 @@ def _check_ours(output_dir: str, new_sha256: str) -> None:
         if recorded is None:
             raise ValueError(f"{summary} exists and was not written by a merge of this job; "
                              "move it away, then merge again")
-    if os.path.exists(output) and _sha256(output) not in (recorded, new_sha256):
+    if os.path.exists(output) and sha256_file(output) not in (recorded, new_sha256):
         raise ValueError(f"{output} exists and was not written by a merge of this job (or was "
                          "changed since); move it away, then merge again")
-
-
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def summary_line(summary: dict) -> str:

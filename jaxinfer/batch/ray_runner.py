@@ -1,19 +1,9 @@
 """--runner=ray: the same job on Ray Data, an actor pool with one LLM per actor.
 
-    input file --(read tasks: ranges of lines after the last commit, this shard's lines of
-    each as one block)--> map_batches(_Generator, actor pool of num_workers, a block a call)
-    --(preserve_order)--> driver: duplicates found, results committed in parts exactly as the
-    local runner commits them.
-
-The driver alone writes, through the same ShardStore, after the same resume; so the output
-directory, its manifest and the final output are those of the local runner, and a job may even
-be resumed by the other runner. A killed actor is restarted by Ray and its batches run again
-(Ray Data's defaults for actor pools: max_restarts=-1, max_task_retries=-1); they reach the
-driver once, and nothing reaches the output but through the driver's commits. A killed driver
-takes its actors with it; rerunning the command resumes after the last commit.
-
-Each actor runs one engine thread that keeps its LLM full across the batches Ray Data hands it
-concurrently (up to 4 per actor), so a batch's tail does not leave slots idle.
+Read tasks yield this shard's lines of each range of input lines as one block; map_batches hands
+blocks to the actors, and the driver alone finds duplicates and commits, through the same
+ShardStore as the local runner, so either runner can resume the other's job. Each actor keeps
+its LLM full from the blocks it works on at once through one engine thread.
 """
 
 from __future__ import annotations
@@ -30,15 +20,16 @@ from jaxinfer.batch.engine_loop import EngineFeeder
 from jaxinfer.batch.inputs import IdSet, Work
 from jaxinfer.batch.job import (JobSpec, OrderedCommits, finish, open_store, progress_for,
                                 shard_lock)
+from jaxinfer.batch.merge import merge
 from jaxinfer.batch.records import Blank, Result
 
-CALLS_PER_ACTOR = 4      # batches an actor works on at once
+CALLS_PER_ACTOR = 4  # batches an actor works on at once
 
 
 def line_ranges(path: str, start: int, stop: Optional[int], size: int,
                 max_line_bytes: int = inputs.MAX_LINE_BYTES) -> list[tuple]:
     """(first line, byte offset, line count) of consecutive ranges of `size` lines covering
-    input lines [start, stop): one read task each. One pass over the file; 24 bytes a range."""
+    input lines [start, stop): one read task each."""
     ranges, offset = [], 0
     with open(path, "rb") as f:
         for no, (_, taken) in enumerate(inputs.scan_lines(f, max_line_bytes)):
@@ -88,9 +79,8 @@ def _datasource(spec: JobSpec, fmt: str, ranges: list[tuple]):
     size = os.path.getsize(spec.input_path)
 
     class BatchLines(Datasource):
-        """The input as line ranges: each read task yields one block, and Ray Data hands each
-        block to one actor call (the read operator would merge the blocks of one task, and
-        the batches of one block run one after the other)."""
+        """One block per read task, so that each block goes to one actor call (a task's blocks
+        would be merged, and one block's batches run one after the other)."""
 
         def estimate_inmemory_data_size(self) -> Optional[int]:
             return size
@@ -230,9 +220,6 @@ def _run_locked(spec: JobSpec, num_workers: int, address: Optional[str], mesh,
                 cpus_per_worker: float, gpus_per_worker: float, on_commit) -> dict:
     import ray
     from ray.data import ActorPoolStrategy, DataContext
-
-    # The function: jaxinfer.batch's `merge` attribute is merge.merge, not the module.
-    from jaxinfer.batch.merge import merge
 
     store, fmt = open_store(spec, writer=True)
     done = store.completed(spec.max_lines)

@@ -1,16 +1,7 @@
-"""Output records of a batch job: one JSON line per input line, in OpenAI's batch output format.
-
-    {"id": "batch_req_...", "custom_id": "...", "response": {"status_code": 200,
-     "request_id": "...", "body": {chat.completion | text_completion}}, "error": null}
-
-A request the API refuses (unknown url, a bad field, a prompt the model cannot take) gets the
-response the server would have sent: its status code and an OpenAI error body, "error" null.
-A line that is not a batch request at all (not JSON, no custom_id, a custom_id used before) has
-no response: "response" is null and "error" is {"code": kind, "message": "line N: ..."}.
-
-Every record is encoded to UTF-8 JSON when it is made (no NaN, no lone surrogate), so writing
-it can never fail; a record that does not encode is a bug, logged, and the line gets an
-internal_error record instead.
+"""Output records of a batch job, one JSON line per input line in OpenAI's batch output format.
+A request the API refuses gets the response the server would send; a line that is no request
+gets "response" null and an "error". Records are encoded when made, so writing one never fails.
+docs/batch.md shows each kind.
 """
 
 from __future__ import annotations

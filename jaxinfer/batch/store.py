@@ -1,23 +1,7 @@
-"""A shard's output directory and its exactly-once commits.
-
-    DIR/shard-00000-of-00001/
-        job.json          the settings that decide the output (checked when the job resumes)
-        part-000000.jsonl output lines of consecutive input lines, in input order
-        manifest.jsonl    one line per committed part: its input line range, the input lines
-                          it answers, their custom_ids, sha256 of the part and of those input
-                          lines, counts and tokens
-        summary.json      written when the shard has read all its input
-        lock              flock'ed by the one process working in the directory (its pid)
-
-A part is written to a temporary file, fsynced and renamed into place (the directory fsynced
-too); then its manifest line is appended and fsynced. The manifest line is the commit: a part
-file without one (a kill between the two) is redone and overwritten, a torn last manifest line
-is cut off. Every part listed is whole, so rerunning the same command after a kill at any point
-resumes after the last manifest line, and no input line is answered twice.
-
-That holds for one process at a time: a run holds an exclusive flock on the shard's lock file
-from start to end (and a merge on every shard's), so a second run on the same directory is
-refused at once instead of answering its lines again beside the first.
+"""A shard's output directory (job.json, part-NNNNNN.jsonl, manifest.jsonl, summary.json, lock)
+and its exactly-once commits: a part is written atomically, then its manifest line appended and
+fsynced, which is the commit, so a rerun after a kill resumes after the last one. A run holds the
+shard's lock throughout. docs/batch.md ("Exactly once") has the details.
 """
 
 from __future__ import annotations
@@ -86,10 +70,9 @@ _held_guard = threading.Lock()
 
 @contextlib.contextmanager
 def dir_lock(path: str):
-    """Holds an exclusive flock on `path`/lock for the block, or raises DirectoryInUse at once
-    naming the holder's pid. Reentrant within a process (a one-shard run merges while it holds
-    its shard), exclusive between processes. The lock lasts as long as the open file: a killed
-    run leaves none behind (the lock file stays, unlocked)."""
+    """Holds an exclusive flock on `path`/lock for the block, or raises DirectoryInUse naming
+    the holder's pid. Reentrant within a process (a one-shard run merges while it holds its
+    shard); a killed run's lock goes with its process."""
     key = os.path.realpath(path)
     with _held_guard:
         if key in _held:
@@ -131,6 +114,14 @@ def shard_lock(output_dir: str, shard_index: int, num_shards: int):
     make_dirs(path)
     with dir_lock(path):
         yield
+
+
+def sha256_file(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def read_json(path: str) -> dict:
@@ -224,9 +215,8 @@ def part_lines(shard_dir: str, entry: dict) -> list[str]:
 
 
 class ShardStore:
-    """One shard's directory: checks the job's settings, resumes after the last commit, commits
-    parts. Only the writer (process 0 of a multi-process job) touches files; the others keep
-    the same counters, so every process makes the same decisions."""
+    """One shard's directory: checks the job's settings, resumes, commits parts. Only the
+    writer touches files; other processes keep the same counters, so all decide alike."""
 
     def __init__(self, output_dir: str, shard_index: int, num_shards: int, fingerprint: dict,
                  input_path: str, writer: bool = True):
@@ -261,9 +251,8 @@ class ShardStore:
         return None
 
     def resume(self, lines: Iterator[tuple[int, bytes]], seen: Optional[IdSet]) -> None:
-        """Reads the manifest: the totals, the next part, the input line to go on from (lines is
-        consumed up to it), the custom_ids already used (into seen). Each part is checked
-        against its sha256, and the input lines it answered against theirs."""
+        """Reads the manifest (totals, next part, custom_ids into `seen`), consuming `lines` up
+        to the line to go on from; checks each part and the input lines it answered."""
         for entry in manifest_entries(os.path.join(self.dir, MANIFEST), repair=self.writer):
             part_lines(self.dir, entry)
             own, digest = set(entry["lines"]), hashlib.sha256()

@@ -1,15 +1,7 @@
-"""The built-in presets that --config resolves by name, and the data files the package itself
-needs, shipped in the package so they resolve from an installed wheel, not only from a checkout.
-
-    smollm2-cpu.json, smollm2-chat.json   presets: {"description": str, "model": {LLM kwargs},
-                                          "sampling": {SamplingParams kwargs}, "chat": bool,
-                                          "mesh": {"data": d, "tensor": t, "sequence": s}}
-                                          (checked by launch.common.load_preset)
-    draft_prompts.txt                     prompts for launch.train_draft
-
-Deployment configs to copy and edit (model x mesh x engine) are in the repository's configs/
-folder, passed by path (`--config configs/llama-3-8b-8xgpu-tp8.json`); model shapes as HF
-config.json files (for the computed-scaling benchmarks) are in configs/models/.
+"""The built-in presets --config resolves by name (NAME.json: the sections launch.common
+describes) and data files the package needs (draft_prompts.txt), shipped in the package so they
+resolve from an installed wheel. Deployment presets to copy and edit are in the repository's
+configs/ folder (configs/README.md), passed by path.
 """
 
 from __future__ import annotations

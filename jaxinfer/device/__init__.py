@@ -1,8 +1,7 @@
 """The device step: pure JAX programs over explicit state, donated through every call.
 
-    state.py        DecodeState, RowParams, admission, forks and block tables; advance_rows,
-                    the bookkeeping every step does once a row has new tokens (stops decided
-                    there, once)
+    state.py        DecodeState, RowParams, admission, forks, block tables; advance_rows
+                    (the bookkeeping of new tokens, where stops are decided)
     step.py         the flat step: prefill chunks and decode tokens in one forward, then sampling
     loop.py         decode_loop: several decode steps per dispatch, with or without speculation
     drafting.py     n-gram and draft-model proposals, exact verification

@@ -1,24 +1,17 @@
-"""Speculative decoding: drafters and exact verification (device math; the loop is in
-device/loop.py).
+"""Speculative decoding's device math: drafters and exact verification (the loop: loop.py).
 
 Shape legend: B batch rows, k draft tokens per step, V vocab, L history length.
 
-A step proposes up to k tokens per row, the target scores the row's last token and its drafts in
-one forward (k + 1 query tokens), and `verify` accepts a prefix of the drafts by exact rejection
-sampling (Leviathan et al. 2023, Chen et al. 2023): draft i is accepted with probability
-min(1, p_i(d_i) / q_i(d_i)); at the first rejection the token is redrawn from
-normalize(max(p_i - q_i, 0)), and when every draft is accepted a bonus token is drawn from
-p_{k}. Every emitted token then follows the target's distribution exactly. p is the distribution
-`sampling.sample` draws from (repetition penalty, temperature, top-k, top-p, min-p; one-hot at
-the argmax for greedy rows), so at temperature 0 verification is prefix matching.
+The target scores a row's last token and its drafts in one forward, and `verify` accepts a
+prefix by exact rejection sampling (Leviathan et al. 2023, Chen et al. 2023): draft i with
+probability min(1, p_i(d_i) / q_i(d_i)), a redraw from normalize(max(p_i - q_i, 0)) at the
+first rejection, a bonus token from p_k when all pass. p is what `sampling.sample` draws from,
+so at temperature 0 verification is prefix matching.
 
-Randomness comes from fold_in(key(seed), i) for the request's token at index i alone, as in
-plain sampling. For n-gram drafts (q one-hot) the acceptance test is coupled to the sampler's own
-uniform (see verify), so speculation emits exactly the tokens plain sampling would, for
-every seed: a seeded request gives the same tokens with or without speculation, alone or in a
-crowd. With a draft model, acceptance takes a uniform from fold_in(key, 1) and the draft its
-noise from fold_in(key, 2): outputs follow the target's distribution and repeat for a seed, but
-are other draws than plain sampling's.
+Token i's randomness comes from fold_in(key(seed), i) alone. For n-gram drafts the test uses
+the sampler's own uniform, so speculation emits exactly plain sampling's tokens for every seed;
+a draft model's acceptance and noise use streams 1 and 2, so outputs follow the target's
+distribution and repeat for a seed, but are other draws.
 """
 
 from __future__ import annotations
@@ -32,13 +25,11 @@ from jaxinfer import backends
 from jaxinfer.device.sampling import (SamplingArrays, apply_repetition_penalty, draw, mark_seen,
                                       sample, sampling_probs, uniforms)
 
+
 def ngram_propose(history: jax.Array, length: jax.Array, k: int, n_max: int, n_min: int = 1):
-    """Prompt lookup on device. history [B, L] int32 holds each row's tokens (prompt, then
-    output), of which the first length[b] are real. For n from n_max down to n_min, the last n
-    tokens are looked up earlier in the row; the longest n that occurs wins, and of its
-    occurrences the latest one with k known tokens after it (else the latest one). Returns
-    (drafts [B, k] int32, num_drafts [B] int32): the tokens after the occurrence, at most k and
-    only known ones (num_drafts 0 where nothing matched)."""
+    """Prompt lookup: history [B, L] int32 (the first length[b] real). The longest n in
+    n_max .. n_min whose last n tokens occur earlier wins, at its latest occurrence with k known
+    tokens after it (else the latest). Returns (drafts [B, k] int32, num_drafts [B] int32)."""
     B, L = history.shape
     j = jnp.arange(L, dtype=jnp.int32)[None, :]                           # occurrence start
     start = jnp.full((B,), -1, jnp.int32)
@@ -59,10 +50,8 @@ def ngram_propose(history: jax.Array, length: jax.Array, k: int, n_max: int, n_m
 
 def draw_draft(logits: jax.Array, sp: SamplingArrays, seen: jax.Array, token_index: jax.Array,
                backend=None):
-    """A draft model's proposal for output index token_index [B]: (token [B] int32, q [B, V]),
-    q the distribution it is drawn from (the same transforms as the target's p; one-hot at the
-    argmax for greedy rows). Its noise comes from fold_in(key(seed, index), 2), apart from the
-    verification's."""
+    """A draft model's proposal for output index token_index [B]: (token [B] int32, q [B, V]
+    the distribution it is drawn from, transformed as the target's p), from noise stream 2."""
     backend = backend if backend is not None else backends.default()
     q = sampling_probs(logits, sp, seen, backend)
     greedy = backend.argmax(q)
@@ -80,15 +69,11 @@ def verify(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array, sp: Samp
            draft_probs: Optional[jax.Array] = None):
     """Accepts a prefix of each row's drafts by exact rejection sampling.
 
-    logits [B, k+1, V]: the target's logits after the row's last token and after each draft;
-    drafts [B, k] int32, of which the first num_drafts[b] are real; seen [B, V]: tokens of the
-    prompt and output before this step (repetition penalty; drafts are added position by
-    position); token_index [B]: index in the request's output of the first token this step
-    produces. draft_probs [B, k, V]: the distributions the drafts were drawn from, or None for
-    proposals that are not sampled (n-gram: q is one-hot at the draft).
-
-    Returns (accepted [B] int32 <= num_drafts, token [B] int32): the row emits
-    drafts[:accepted] and then token (the redrawn token after a rejection, or the bonus token).
+    logits [B, k+1, V]: the target's after the last token and each draft; drafts [B, k] int32
+    (the first num_drafts[b] real); seen [B, V] before this step; token_index [B]: the output
+    index of the step's first token; draft_probs [B, k, V] the drafts' distributions (None:
+    n-gram, q one-hot). Returns (accepted [B] int32, token [B] int32): the row emits
+    drafts[:accepted], then token (the redraw or the bonus token).
     """
     backend = backend if backend is not None else backends.default()
     B, S, V = logits.shape
@@ -106,10 +91,8 @@ def verify(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array, sp: Samp
 
     index = token_index[:, None] + jnp.arange(S, dtype=jnp.int32)[None, :]     # [B, S]
     if draft_probs is None:
-        # q is one-hot at the draft, so the rule is: accept with probability p(d), else draw
-        # from p without d. "The token the sampler draws at this index with its own noise is d"
-        # has exactly that law, and on a mismatch that token is the redraw. Coupled so, the
-        # emitted tokens are the ones plain sampling emits, whatever was drafted.
+        # q one-hot: accept with probability p(d), else draw from p without d. "The sampler's
+        # own draw at this index is d" has that law, and on a mismatch it is the redraw.
         target = sample(flat, sp_rep, seen_s, index.reshape(-1), backend).reshape(B, S)
         a = leading(drafts == target[:, :k])
         return a, jnp.take_along_axis(target, a[:, None], axis=1)[:, 0]

@@ -3,37 +3,21 @@
 Shape legend: L layers, B batch rows (slots), P pages, Z page size, M block-table width,
 K kv heads, H head dim, T tokens of a step.
 
-Row b's position p lives in page block_tables[b, (p // Z) % M] at offset p % Z, i.e. at flat
-pool slot block_tables[b, (p // Z) % M] * Z + p % Z. Three layouts share this one rule:
-  * a paged cache (continuous batching): pages handed out by the host (jaxinfer.engine.page_allocator),
-    M = ceil(max_seq_len / Z) so the modulo never wraps; page 0 is the null page that unused
-    table entries point to;
-  * a ring buffer (PagedKVCache.ring): each row owns M consecutive pages (identity tables), and
-    positions past M * Z wrap onto the row's oldest pages. A sliding-window layer keeps only
-    the slots its window needs: every key a query of the step still sees was written less
-    than M * Z positions before the step's last token, so none was overwritten;
-  * a hybrid cache (models that interleave sliding-window and global layers, e.g. Gemma 3):
-    the global layers' keys in a paged pool (k, v), the sliding-window layers' in a ring of
-    local_pages pages per row (local_k, local_v) with the pool's page size. Both share the
-    rows' lengths; a layer's index in its part is its rank among the layers of its kind
-    (models.base.pool_index).
-A ring holds window + n - 1 slots per row (ring_capacity), n the most tokens a row writes in
-one step (a prefill chunk, or a verification's drafts + 1).
-Which position a slot holds follows from the row's length (every position below it was
-written, in order), so no per-slot position array is kept: attention reads keys by logical
-position and masks them against the queries' positions (jaxinfer.backends.attention).
+Row b's position p lives at flat pool slot block_tables[b, (p // Z) % M] * Z + p % Z. Three
+layouts share this rule:
+  * paged (continuous batching): the host hands out pages (engine.page_allocator), M covers
+    max_seq_len so the modulo never wraps; page 0 is the null page of unused entries;
+  * a ring (PagedKVCache.ring): each row owns M consecutive pages and positions past M * Z wrap
+    onto its oldest ones; ring_capacity sizes it so no key a query still sees is overwritten;
+  * hybrid (sliding-window and global layers, e.g. Gemma 3): the global layers in the pool
+    (k, v), the local layers in a ring of local_pages pages per row (local_k, local_v), sharing
+    the rows' lengths (a layer's index in its part: models.base.pool_index).
+A slot's position follows from the row's length, so attention reads keys by logical position
+and masks them against the queries' (jaxinfer.backends.attention).
 
-The model uses it as: write_slots (once per step) -> write_layer (per layer, in place, before
-the layer attends) -> attention over the pool -> advance. Where the native CPU decode kernel
-serves a layer (attention.write_and_attend), the kernel does write_layer's write itself, with
-the same bits, in the same call as the attention.
-
-Either cache's k and v are float arrays, Bits16KV (16-bit floats as raw bits, where the backend
-scatters 16-bit floats slowly: backends.tuning), or QuantizedKV (kv_cache_dtype "int8" / "fp8"): codes
-of the same shape and one float32 scale per (slot, kv head), written by write_layer as each
-token's keys are quantized and read as codes plus scales, so attention (the reference or the
-kernels) dequantizes what it reads and the cache never holds a float copy. Reads index and
-reshape the leading axes only, through jax.tree.map, so they serve both forms alike.
+Per step: write_slots, per layer write_layer (in place, before it attends) and the attention,
+then advance. k and v are float arrays, Bits16KV (16-bit floats as bits) or QuantizedKV (codes
+and float32 scales); reads index their leading axes through jax.tree.map, serving all alike.
 """
 
 from __future__ import annotations
@@ -51,12 +35,8 @@ from jaxinfer.quant.kv import KV_DTYPES, KV_MAX, QuantizedKV, quantize_kv  # noq
 
 @flax.struct.dataclass
 class Bits16KV:
-    """16-bit float keys or values kept as their raw uint16 bits (backends.tuning: kv_16bit_as_bits).
-
-    XLA:CPU scatters into a bf16 or f16 array by converting the whole array to float32 and back
-    (1.2 s a step for SmolLM2's paged pool), but scatters integers in place (0.13 ms for the
-    same 30 layers' writes); reads gather the bits and turn them into floats after the gather.
-    """
+    """16-bit float keys or values kept as uint16 bits (tuning.kv_16bit_as_bits): XLA:CPU
+    scatters into a 16-bit float array by converting the whole array, but integers in place."""
 
     bits: jax.Array  # [..., K, H] uint16
     float_dtype: str = flax.struct.field(pytree_node=False, default="bfloat16")
@@ -83,9 +63,8 @@ class Bits16KV:
 
 def kv_buffer(shape: tuple[int, ...], dtype, zeros=jnp.zeros, bits16: bool = False,
               fp8_bits: bool = False):
-    """An empty K or V buffer of `shape` [..., K, H]: a float array of `dtype`, for a dtype in
-    KV_DTYPES' values a QuantizedKV (with fp8_bits, float8 codes kept as uint8 bits), and with
-    bits16 a 16-bit float dtype as Bits16KV. zeros(shape, dtype) makes each array."""
+    """An empty K or V buffer [..., K, H] of `dtype`: a QuantizedKV for a quantized dtype (fp8
+    codes as uint8 with fp8_bits), Bits16KV for a 16-bit float with bits16, else an array."""
     if jnp.dtype(dtype) in KV_MAX:
         scale = zeros(shape[:-1], jnp.float32)
         if fp8_bits and jnp.dtype(dtype).itemsize == 1 and jnp.dtype(dtype) != jnp.int8:
@@ -123,28 +102,22 @@ def _set(buf, index, new: jax.Array):
     return buf.at[index].set(new.astype(buf.dtype), mode="drop")
 
 
-
-
 RING_PAGE_SIZE = 16  # a ring's page size (its capacity is rounded up to whole pages)
 
 
 @flax.struct.dataclass
 class PagedKVCache:
-    # The pool is stored with pages flattened, [L, P * Z, K, H]: a view as [L, P, Z, K, H] is
-    # free, but reshaping around each layer's in-place write made XLA copy the whole pool
-    # inside the decode loop.
+    # Pages flattened, [L, P * Z, K, H]: reshaping around each in-place write made XLA copy the
+    # whole pool inside the decode loop.
     k: jax.Array             # [L, P * Z, K, H] (or QuantizedKV)
     v: jax.Array             # [L, P * Z, K, H]
     block_tables: jax.Array  # [B, M] int32: row b's pages in order; unused entries = 0 (null)
     lengths: jax.Array       # [B] int32: tokens written so far (= position of the next token)
     page_size: int = flax.struct.field(pytree_node=False, default=16)
-    # A ring (identity tables, positions may wrap onto a row's oldest pages); static.
+    # A ring (identity tables, positions may wrap onto a row's oldest pages).
     wraps: bool = flax.struct.field(pytree_node=False, default=False)
-    # A hybrid cache (models with sliding-window and global layers): the sliding-window
-    # ("local") layers keep their keys in a ring of local_pages pages per row, [L_local,
-    # B * local_pages * Z, K, H], with the pool's page size, and k / v hold the global layers
-    # only. Row b owns ring pages b * local_pages .. + local_pages - 1 (identity tables, which
-    # local_tables makes). local_pages 0: no ring, every layer is in k / v.
+    # A hybrid cache's ring of local layers, [L_local, B * local_pages * Z, K, H] (row b owns
+    # pages b * local_pages ..); k / v then hold the global layers. local_pages 0: no ring.
     local_k: Any = None
     local_v: Any = None
     local_pages: int = flax.struct.field(pytree_node=False, default=0)
@@ -153,8 +126,7 @@ class PagedKVCache:
     def create(cls, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
                head_dim: int, block_tables: jax.Array, dtype=jnp.float32,
                wraps: bool = False, xp=jnp) -> "PagedKVCache":
-        """xp: the array module the buffers are made with; numpy (xp=np) makes a host cache
-        that one device_put places without compiling anything."""
+        """xp=numpy makes a host cache that one device_put places without compiling."""
         shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
         block_tables = xp.asarray(block_tables, xp.int32)
         return cls(k=kv_buffer(shape, dtype, xp.zeros), v=kv_buffer(shape, dtype, xp.zeros),
@@ -165,8 +137,7 @@ class PagedKVCache:
     @classmethod
     def ring(cls, num_layers: int, batch: int, capacity: int, num_kv_heads: int, head_dim: int,
              dtype=jnp.float32, page_size: int = RING_PAGE_SIZE, xp=jnp) -> "PagedKVCache":
-        """A ring buffer of `capacity` slots per row (rounded up to whole pages): row b owns
-        pages b * M .. b * M + M - 1."""
+        """A ring of `capacity` slots per row (whole pages): row b owns pages b * M .. + M - 1."""
         page_size = min(page_size, capacity)
         M = -(-capacity // page_size)
         return cls.create(num_layers, batch * M, page_size, num_kv_heads, head_dim,
@@ -202,14 +173,13 @@ class PagedKVCache:
         return jnp.asarray(ring_tables(self.batch, self.local_pages))
 
     def ring_part(self) -> "PagedKVCache":
-        """The local layers' ring as a cache of its own (wrapping identity tables), sharing
-        this cache's lengths."""
+        """The local layers' ring as a cache of its own, sharing this cache's lengths."""
         return PagedKVCache(k=self.local_k, v=self.local_v, block_tables=self.local_tables(),
                             lengths=self.lengths, page_size=self.page_size, wraps=True)
 
     def write_slots(self, rows: jax.Array, positions: jax.Array) -> jax.Array:
-        """Flat pool slots [T] of tokens at positions [T] of cache rows [T]; a row index of B
-        (padding) gives P * Z, past the pool, which scatters drop."""
+        """Flat pool slots [T] of tokens at positions [T] of rows [T] (row B, padding: P * Z,
+        past the pool, which scatters drop)."""
         Z, M = self.page_size, self.block_tables.shape[1]
         B = self.batch
         page = self.block_tables[jnp.minimum(rows, B - 1), (positions // Z) % M]
@@ -218,14 +188,9 @@ class PagedKVCache:
     @staticmethod
     def write_layer(buf, layer: int, new: jax.Array, slots: jax.Array):
         """buf [L, P * Z, K, H] with layer `layer`'s slots [T] set to new [T, K, H] (quantized
-        first when the cache is).
-
-        Written inside the layer loop, before the layer reads the cache, so XLA updates the
-        donated buffer in place: reading a layer's old keys after the write was issued made it
-        copy the whole cache every decode step. A single token's write gets a second, dropped
-        entry: XLA:CPU turned a one-index scatter into an update that copied the whole pool per
-        layer (a batch-1 forward of SmolLM2 took 3.2 s instead of 0.16 s).
-        """
+        when the cache is). Written before the layer reads the cache, so XLA updates the donated
+        buffer in place. A single token gets a second, dropped entry: XLA:CPU turned a
+        one-index scatter into a copy of the whole pool."""
         if slots.shape[0] == 1:
             slots = jnp.concatenate([slots, jnp.full((1,), jax.tree.leaves(buf)[0].shape[1],
                                                      slots.dtype)])
@@ -240,10 +205,7 @@ class PagedKVCache:
                             local_k=local_k, local_v=local_v)
 
     def rollback(self, lengths: jax.Array) -> "PagedKVCache":
-        """Forgets every position at or past lengths [B] (rejected speculative tokens): visible
-        positions follow from a row's length, so their K/V stay unseen until overwritten.
-        Nothing is copied. A ring must be sized so that the slots those tokens overwrote held
-        no key still inside a window (see the module docstring)."""
+        """Forgets every position at or past lengths [B] (rejected drafts); nothing is copied."""
         return self.replace(lengths=lengths)
 
     def reset_rows(self, mask: jax.Array, start: jax.Array) -> "PagedKVCache":
@@ -252,8 +214,8 @@ class PagedKVCache:
         return self.replace(lengths=jnp.where(mask, start, self.lengths))
 
     def copy_pages(self, src: jax.Array, dst: jax.Array) -> "PagedKVCache":
-        """Every layer's page src[i] copied into page dst[i] (src, dst [C] int32; dst < 0:
-        no copy). The copy a fork makes of a shared, partly filled page (engine/page_allocator.py)."""
+        """Every layer's page src[i] copied into dst[i] (src, dst [C] int32; dst < 0: none):
+        a fork's copy of a shared, partly filled page."""
         Z, P = self.page_size, self.num_pages
         z = jnp.arange(Z, dtype=jnp.int32)
         src_slots = (jnp.maximum(src, 0)[:, None] * Z + z).reshape(-1)
@@ -262,8 +224,7 @@ class PagedKVCache:
         return self.replace(k=jax.tree.map(copy, self.k), v=jax.tree.map(copy, self.v))
 
     def copy_rows(self, src_rows: jax.Array, dst_rows: jax.Array) -> "PagedKVCache":
-        """A ring's rows src_rows [C] copied whole into dst_rows [C] (entries of B or more: no
-        copy): a ring row owns its pages, so a fork copies them all."""
+        """A ring's rows src_rows [C] copied whole into dst_rows [C] (B or more: none)."""
         B, M = self.block_tables.shape
         src = self.block_tables[jnp.minimum(src_rows, B - 1)].reshape(-1)
         dst = jnp.where(dst_rows[:, None] < B, self.block_tables[jnp.minimum(dst_rows, B - 1)],
@@ -272,9 +233,8 @@ class PagedKVCache:
 
     def fork(self, src_rows: jax.Array, dst_rows: jax.Array, src_pages: jax.Array,
              dst_pages: jax.Array) -> "PagedKVCache":
-        """Rows dst_rows [C] forked from src_rows [C]: a ring copies the rows whole, a paged
-        pool the pages src_pages [C'] into dst_pages [C'] (the partly filled page each fork may
-        not share: engine/page_allocator.py), and a hybrid cache's ring its rows whole as well."""
+        """Rows dst_rows [C] forked from src_rows [C]: a ring's rows are copied whole, a pool's
+        pages src_pages [C'] into dst_pages [C'] (the partly filled page a fork cannot share)."""
         if self.wraps:
             cache = self.copy_rows(src_rows, dst_rows)
         else:
@@ -286,11 +246,9 @@ class PagedKVCache:
 
 
 def ring_capacity(window: int, tokens_per_step: int) -> int:
-    """Slots per row a ring needs for a sliding window: a step writing n of a row's tokens
-    (positions s .. s + n - 1) overwrites the slots of positions up to s + n - 1 - capacity,
-    while its first query still sees back to s - window + 1; so capacity >= window + n - 1.
-    Attention reads by logical position (any logical page that aliases a visible one then holds
-    only keys no query sees), so no more is needed."""
+    """Slots per row a ring needs: a step writing positions s .. s + n - 1 overwrites those up
+    to s + n - 1 - capacity while its first query sees back to s - window + 1, so capacity >=
+    window + n - 1."""
     if window < 1 or tokens_per_step < 1:
         raise ValueError(f"need window >= 1 and tokens_per_step >= 1, got {window} and "
                          f"{tokens_per_step}")
@@ -298,5 +256,5 @@ def ring_capacity(window: int, tokens_per_step: int) -> int:
 
 
 def ring_tables(batch: int, pages_per_row: int) -> np.ndarray:
-    """Block tables of a ring buffer: row b owns pages b * M .. b * M + M - 1 (host numbers)."""
+    """A ring's block tables (numpy): row b owns pages b * M .. b * M + M - 1."""
     return np.arange(batch * pages_per_row, dtype=np.int32).reshape(batch, pages_per_row)

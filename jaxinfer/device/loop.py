@@ -26,9 +26,8 @@ from jaxinfer.models import get_model
 
 
 def _run_if(pred: jax.Array, fn, operand, default):
-    """fn(operand) -> (operand', out) when pred, else (operand, default): a while loop that
-    runs at most once. XLA updates a while loop's buffers in place, but copies a cache passed
-    into lax.cond's branches at every write (two full copies per layer)."""
+    """fn(operand) -> (operand', out) when pred, else (operand, default), as a while loop run at
+    most once: XLA updates its buffers in place, where lax.cond's branches copied the cache."""
     def body(carry):
         _, x, _ = carry
         return (jnp.bool_(False),) + fn(x)
@@ -41,10 +40,8 @@ def _draft_model_steps(draft_params, draft_cfg: ModelConfig, draft_cache: PagedK
                        last_token: jax.Array, seen: jax.Array, num_generated: jax.Array,
                        sampling: SamplingArrays, rows: jax.Array, fed: jax.Array, k: int,
                        backend: Backend):
-    """k single-token steps of the draft model on the listed rows [R] of draft_cache, the first
-    feeding each row's last token [R] and each later one the token drawn before, then one more
-    feeding the last draft (its K/V only: no head). seen, num_generated, sampling: the rows'
-    own ([R, ...]). Returns (drafts [R, k], their distributions q [R, k, V], draft cache)."""
+    """k single-token steps of the draft model on rows [R], fed each row's last token then its
+    drafts, and one more for the last draft's K/V. Returns (drafts [R, k], q [R, k, V], cache)."""
     fed = fed.astype(jnp.int32)
     draft = get_model(draft_cfg.architecture)
 
@@ -65,8 +62,8 @@ def _draft_model_steps(draft_params, draft_cfg: ModelConfig, draft_cache: PagedK
 
 
 def _emitted(drafts: jax.Array, accepted: jax.Array, token: jax.Array) -> jax.Array:
-    """[R, k+1]: a step's tokens, the accepted drafts then the redrawn or bonus token (or the
-    one sampled token of a plain step); entries past it are filler."""
+    """[R, k+1]: a step's accepted drafts then its redrawn, bonus or sampled token (filler past
+    it)."""
     if drafts.shape[1] == 0:
         return token[:, None]
     j = jnp.arange(drafts.shape[1] + 1, dtype=jnp.int32)[None, :]
@@ -93,25 +90,20 @@ def decode_loop(params, state: DecodeState, rows: jax.Array, draft_on: jax.Array
                 ngram_min: int = 1, backend: Backend | None = None,
                 exit_on_stop: jax.Array | bool = False, draft_params=None,
                 draft_cfg: ModelConfig | None = None):
-    """Up to num_steps decode steps of the listed rows [R] (B: an empty entry) in one
-    dispatch (a lax.while_loop), each step emitting 1 to num_draft + 1 tokens per row.
+    """Up to num_steps decode steps of the listed rows [R] (B: empty) in one lax.while_loop,
+    each emitting 1 to num_draft + 1 tokens per row.
 
-    A plain step feeds every running row's last token and samples the next. With num_draft
-    = k > 0, rows where draft_on [B] is set propose up to k tokens: by prompt lookup in
-    state.history (drafting.ngram_propose), or with draft_cfg by k single-token steps of the
-    draft model on state.draft_cache (a (k+1)-th feeds the last draft, so the draft cache holds
-    whatever the target keeps). The target then takes each row's last token and its drafts as
-    one flat batch of R * (k + 1) tokens, accepts a prefix by exact rejection sampling
-    (drafting.verify) and the cache is rolled back past the first rejected position (lengths
-    only: nothing is copied). A step in which no row has a draft is a plain step. Every step
-    books its tokens through state.advance_rows, which decides the stops (a stop id, or
-    max_new). The loop ends when every row is done, after num_steps, or (exit_on_stop, a traced
-    bool: a request is waiting for a slot) as soon as any row is done.
+    A plain step feeds each running row's last token and samples the next. With num_draft k > 0
+    rows with draft_on [B] propose up to k tokens (prompt lookup in state.history, or the draft
+    model on state.draft_cache); the target takes last token and drafts as one batch, accepts a
+    prefix (drafting.verify), and the cache's lengths roll back past the first rejection. A step
+    with no drafts is a plain step. advance_rows books every step and decides the stops. The
+    loop ends when every row is done, after num_steps, or (exit_on_stop: a request waits for a
+    slot) when any row is done.
 
-    Returns (state, out_tokens [B, W] int32 with W = num_steps * (k + 1), num_out [B] int32,
-    done [B] bool, logprobs = (ids [B, W, K], values [B, W, K], chosen [B, W]) filled for rows
-    with logprobs, counts (SpecCounts)): row b produced out_tokens[b, :num_out[b]], the last a
-    stop id where it ended on one.
+    Returns (state, out_tokens [B, W] int32 (row b's: the first num_out[b]; W = num_steps *
+    (k + 1)), num_out [B] int32, done [B] bool, logprobs (ids [B, W, K], values [B, W, K],
+    chosen [B, W]), SpecCounts).
     """
     backend = backend if backend is not None else backends.default()
     B, k, R = state.last_token.shape[0], num_draft, rows.shape[0]
@@ -144,8 +136,7 @@ def decode_loop(params, state: DecodeState, rows: jax.Array, draft_on: jax.Array
         want_lp = want_lp_rows & running
 
         def plain_step(caches):
-            """One token per row (a (k+1)-token forward would cost more for nothing); a draft
-            model's cache takes the last token's K/V."""
+            """One token per row; a draft model's cache takes the last token's K/V."""
             cache, draft_cache = caches
             fed = running.astype(jnp.int32)
             h, cache = model.forward(params, cfg, last_token[:, None], cache, fed, rows=rows,
@@ -175,8 +166,7 @@ def decode_loop(params, state: DecodeState, rows: jax.Array, draft_on: jax.Array
                 num = jnp.where(can_draft, jnp.minimum(k, room), 0)
 
             def verify_drafts(caches):
-                """Drafts (the draft model's k + 1 steps, or the n-gram ones), then the last
-                token and the drafts through the target; exact acceptance."""
+                """Drafts, then the last token and the drafts through the target."""
                 cache, draft_cache = caches
                 if draft_cfg is None:
                     drafts, draft_probs = ngram_drafts, None

@@ -1,5 +1,5 @@
-"""Where a flat step's queries sit: the metadata (RaggedMeta) built once per forward and read
-by every layer's attention (jaxinfer.backends.attention), and the jnp path's tiles and page blocks.
+"""Where a flat step's queries sit: RaggedMeta, built once per forward and read by every layer's
+attention (jaxinfer.backends.attention), with the jnp path's tiles and page blocks.
 
 Shape legend: B rows, T flat tokens, Nt tiles, Q queries a tile, Z page size.
 """
@@ -11,17 +11,11 @@ import jax
 import jax.numpy as jnp
 
 
-# Keys the jnp attention gathers per multi-query tile and loop iteration: as many pages as hold
-# them (at least one), so that a larger page_size does not widen the blocks (and the keys
-# short prompts' tiles mask). Measured as 4 pages of 16.
+# Keys the jnp attention gathers per multi-query tile and iteration, in whole pages (so a larger
+# page_size does not widen the blocks).
 BLOCK_KEYS = 64
-# Keys per loop iteration for single-query (decode) tiles. Their body does little work per
-# key, so larger blocks amortise the loop's per-iteration cost: over 16 rows of
-# 128-384 tokens at SmolLM2's shapes (30 layers, one jitted program, a loop to the longest row),
-# 8 pages of 16 took 44.3 ms against 49.6 for 4 and 65.0 for 16 with a float32 pool, 37.7
-# against 44.4 and 61.9 with a bf16 one (a one-off sweep of the benchmarks/attention_gather.py
-# setup); with the work list, the engine's 16-row float32 step ran 1.99x its matmul stack with
-# 8 pages, 2.08x with 4 and 2.28x with 16 (one run each).
+# The same for decode tiles, whose body does little work per key: larger blocks amortise the
+# loop's cost per iteration, up to a point (docs/cpu_kernels.md has the sweep).
 SINGLE_BLOCK_KEYS = 128
 
 
@@ -32,18 +26,13 @@ def block_pages(page_size: int, keys: int) -> int:
 
 @flax.struct.dataclass
 class Tiles:
-    """A step's queries cut into Nt tiles of Q queries, each tile within one row: index [Nt, Q]
-    their flat token (T: none), pos [Nt, Q] their position (-1: none), row [Nt] (B: an empty
-    tile), first_page [Nt] the first logical page (position // Z) a tile's queries may see,
-    blocks [Nt] how many blocks of pages_per_block pages from there each tile needs (0: an
-    empty tile), and num_blocks their maximum, the trip count of a page loop over every tile."""
+    """A step's queries cut into Nt tiles of Q queries, each within one row."""
 
-    index: jax.Array
-    pos: jax.Array
-    row: jax.Array
-    first_page: jax.Array
-    num_blocks: jax.Array
-    blocks: jax.Array
+    index: jax.Array       # [Nt, Q] flat token of each query (T: none)
+    pos: jax.Array         # [Nt, Q] its position (-1: none)
+    row: jax.Array         # [Nt] (B: an empty tile)
+    first_page: jax.Array  # [Nt] the first logical page a tile's queries may see
+    blocks: jax.Array      # [Nt] blocks of pages_per_block pages each tile needs from there
     pages_per_block: int = flax.struct.field(pytree_node=False)
 
     @property
@@ -55,14 +44,10 @@ class Tiles:
 class RaggedMeta:
     """Where a flat step's queries sit, built once per forward and read by every layer.
 
-    The kernel's view: row b owns queries query_start[b] .. + num_queries[b] of the flat batch
-    and has kv_lengths[b] keys once the step's tokens are written (its last query at position
-    kv_lengths[b] - 1). The jnp path's view: two sets of Tiles, each walked by its own page
-    loop over the blocks its tiles need: `singles`, one tile per row that
-    feeds one token (decode), and `tiles`, the rows that feed several (prefill chunks,
-    verification), in tiles of query_tile queries. Either is None when no row can have it.
-    Each set walks its pages in blocks of its own pages_per_block (singles:
-    the pages of SINGLE_BLOCK_KEYS keys; tiles: the pages_per_block given to ragged_meta).
+    The kernel's view: row b owns queries query_start[b] .. + num_queries[b] and has
+    kv_lengths[b] keys once they are written. The jnp path's: `singles`, one tile per row that
+    feeds one token (decode), and `tiles`, the rows that feed several, in tiles of query_tile
+    queries, each set walked in its own blocks of pages (None where no row can have it).
     """
 
     query_start: jax.Array
@@ -70,9 +55,8 @@ class RaggedMeta:
     kv_lengths: jax.Array
     singles: Tiles | None
     tiles: Tiles | None
-    # A static trip count instead, enough for static_pages pages (every page a row's table can
-    # hold): a loop of fixed length that reverse-mode differentiation can go through (scoring
-    # and training forwards).
+    # A static trip count covering static_pages pages, which reverse-mode differentiation can go
+    # through (scoring and training forwards).
     static_pages: int | None = flax.struct.field(pytree_node=False, default=None)
 
 
@@ -99,8 +83,7 @@ def _tiles(query_start, counts, kv_lengths, num_queries, *, num_tokens: int, que
     span = jnp.where(last >= 0, last // Z + 1 - first, 0)                 # pages a tile needs
     blocks = (span + pages_per_block - 1) // pages_per_block
     return Tiles(index=index, pos=pos, row=jnp.where(last >= 0, row, B), first_page=first,
-                 num_blocks=jnp.max(blocks, initial=0), blocks=blocks,
-                 pages_per_block=pages_per_block)
+                 blocks=blocks, pages_per_block=pages_per_block)
 
 
 def ragged_meta(query_start: jax.Array, num_queries: jax.Array, kv_lengths: jax.Array, *,
@@ -108,11 +91,9 @@ def ragged_meta(query_start: jax.Array, num_queries: jax.Array, kv_lengths: jax.
                 sliding_window: int | None = None, pages_per_block: int | None = None,
                 single_pages_per_block: int | None = None,
                 static_pages: int | None = None) -> RaggedMeta:
-    """RaggedMeta of a step (see there); num_tiles must cover sum_b ceil(num_queries[b] /
-    query_tile) (num_tiles_bound gives a safe value). query_tile 1: every query is a single
-    (no multi-query tiles). pages_per_block: pages per loop iteration of the multi-query tiles
-    (None: the pages of BLOCK_KEYS keys), single_pages_per_block of the singles (None: of
-    SINGLE_BLOCK_KEYS). static_pages: see RaggedMeta."""
+    """A step's RaggedMeta; num_tiles must cover sum_b ceil(num_queries[b] / query_tile)
+    (num_tiles_bound). query_tile 1: every query is a single. pages_per_block and
+    single_pages_per_block default to BLOCK_KEYS' and SINGLE_BLOCK_KEYS' pages."""
     if pages_per_block is None:
         pages_per_block = block_pages(page_size, BLOCK_KEYS)
     if single_pages_per_block is None:

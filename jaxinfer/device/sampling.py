@@ -1,19 +1,10 @@
-"""Token sampling over per-row parameter arrays.
+"""Token sampling over per-row parameter arrays ([B] each: a new temperature compiles nothing).
 
-Every sampling parameter is a [B] array, so a new temperature or top-p never compiles anything.
-Token i of a request is drawn with the key fold_in(key(seed), i): it depends on the request's
-seed and the token's index alone, so a seeded request gives the same tokens whatever else shares
-the batch, and recomputing a prefix never re-samples it differently.
-
-Order of operations (as HF and vLLM): repetition penalty on raw logits, temperature, top-k,
-top-p over the top-k survivors (renormalised), min-p relative to the most likely token, then an
-inverse-CDF draw (`draw`): one uniform u = uniform(fold_in(key(seed), i)) per token, and the
-first token whose cumulative weight exceeds u times the total. temperature == 0 is greedy
-(argmax after the repetition penalty).
-
-The draw needs one random number per token instead of one per vocabulary entry (the Gumbel-max
-draw it replaces): on XLA:CPU the threefry bits and two logarithms over the vocabulary of every
-row cost more than the rest of the sampler.
+Token i of a request is drawn with fold_in(key(seed), i) alone, so a seeded request gives the
+same tokens whatever shares the batch. Order (as HF and vLLM): repetition penalty, temperature,
+top-k, top-p over the renormalised top-k survivors, min-p, then an inverse-CDF draw (`draw`:
+one uniform per token, cheaper on XLA:CPU than Gumbel-max's one per vocabulary entry).
+temperature == 0 is greedy (argmax after the repetition penalty).
 """
 
 from __future__ import annotations
@@ -26,7 +17,6 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer import backends
-
 
 
 @flax.struct.dataclass
@@ -43,11 +33,8 @@ Seen = Union[jax.Array, Callable[[], jax.Array]]
 
 
 def apply_repetition_penalty(logits: jax.Array, seen: Seen, penalty: jax.Array) -> jax.Array:
-    """logits [B, V] float32; seen [B, V] bool (token occurred in prompt or output), or a
-    function giving it, called only where a penalty applies (the decode loop gathers its rows'
-    masks there, not every step); penalty [B]. Skipped when every row's penalty is 1 (the result
-    would be logits exactly): XLA:CPU makes five passes over [B, V] for it, about 0.5 ms of a
-    16-row decode step of SmolLM2."""
+    """logits [B, V] float32; seen [B, V] bool (or a function giving it, called only where a
+    penalty applies); penalty [B]. Skipped when every penalty is 1 (five passes over [B, V])."""
     def penalize(logits):
         pen = penalty[:, None]
         penalized = jnp.where(logits > 0, logits / pen, logits * pen)
@@ -55,10 +42,9 @@ def apply_repetition_penalty(logits: jax.Array, seen: Seen, penalty: jax.Array) 
     return jax.lax.cond(jnp.any(penalty != 1.0), penalize, lambda logits: logits, logits)
 
 
-# Candidate counts tried, smallest first, before top-k / top-p sort a whole vocabulary (a top
-# of a few hundred is much cheaper than a full sort; docs/sampling.md has the figures).
+# Candidate counts tried before top-k / top-p sort a whole vocabulary (docs/sampling.md); with
+# the native sort, a full sort is cheaper than XLA's top 4,096.
 SORT_CANDIDATES = (256, 4096)
-# Where the backend's sort is the native one, a full sort is cheaper than XLA's top 4,096.
 NATIVE_SORT_CANDIDATES = (256,)
 
 
@@ -66,13 +52,10 @@ def filtered_logits(logits: jax.Array, sp: SamplingArrays, backend=None,
                     candidates: tuple[int, ...] | None = None) -> jax.Array:
     """Temperature-scaled logits [B, V] with tokens outside top-k / top-p / min-p at -inf.
 
-    Rows with top-k or top-p are filtered over their `candidates[0]` most likely tokens
-    (backend.top) when every such row's survivors are
-    certain to lie among them: top_k at most that many, or (top-k off) the candidates'
-    probability mass reaching top_p. Otherwise the next candidate count is tried, and last the
-    whole vocabulary is sorted; each gives the survivors the full sort gives. candidates=None:
-    NATIVE_SORT_CANDIDATES where the native sort serves the full sort, else SORT_CANDIDATES.
-    backend: its sorts (default backends.default())."""
+    Top-k / top-p rows are filtered over their candidates[0] most likely tokens when every
+    row's survivors surely lie among them, else the next count is tried, last a full sort; each
+    keeps what the full sort keeps. candidates=None: NATIVE_SORT_CANDIDATES with the native
+    sort, else SORT_CANDIDATES."""
     backend = backend if backend is not None else backends.default()
     if candidates is None:
         candidates = NATIVE_SORT_CANDIDATES if backend.native_sort(logits) else SORT_CANDIDATES
@@ -86,8 +69,7 @@ def filtered_logits(logits: jax.Array, sp: SamplingArrays, backend=None,
 
 
 def filtered_weights(logits: jax.Array, sp: SamplingArrays, backend=None) -> jax.Array:
-    """The sampling distribution of each row up to a factor, [B, V] float32 >= 0:
-    exp(filtered - max), 1 at the most likely token and 0 where filtered away."""
+    """Each row's sampling distribution up to a factor, [B, V] float32: exp(filtered - max)."""
     masked = filtered_logits(logits, sp, backend)
     return jnp.exp(masked - jnp.max(masked, axis=-1, keepdims=True))
 
@@ -105,9 +87,9 @@ def _top_k_size(sp: SamplingArrays, V: int) -> jax.Array:
 
 def _keep_sorted(sorted_logits: jax.Array, sp: SamplingArrays, V: int,
                  log_total: jax.Array | None = None):
-    """Which of each row's tokens, given in descending order ([B, C], the first C of V), survive
-    top-k, top-p and min-p, and their probabilities over the top-k set ([B, C] each). For rows
-    whose top-k set is larger than C, log_total [B, 1] is the log of that set's total weight."""
+    """(keep, probs) [B, C] of the first C of V tokens in descending order: which survive
+    top-k, top-p and min-p, and their probabilities over the top-k set (log_total [B, 1]: that
+    set's log weight where it exceeds C)."""
     B, C = sorted_logits.shape
     rank = jnp.arange(C, dtype=jnp.int32)[None, :]
     k = _top_k_size(sp, V)[:, None]
@@ -115,14 +97,10 @@ def _keep_sorted(sorted_logits: jax.Array, sp: SamplingArrays, V: int,
     in_k = jax.nn.logsumexp(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1, keepdims=True)
     lse = in_k if log_total is None else jnp.where(k <= C, in_k, log_total)
     probs = jnp.where(keep, jnp.exp(sorted_logits - lse), 0.0)
-    # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it is
-    # still below top_p (so the most likely token always stays).
-    # The running sum as a log-depth scan: jnp.cumsum lowers to a reduce_window that XLA:CPU
-    # ran 4x slower over a full sort's [16, 49152] (3.4 against 14.2 ms on a loaded machine);
-    # both differ from a float64 sum by about 3e-7 relative.
+    # The smallest prefix whose mass reaches top_p (the most likely token always stays). A
+    # log-depth scan: XLA:CPU's jnp.cumsum (a reduce_window) was several times slower.
     mass_before = jax.lax.associative_scan(jnp.add, probs, axis=-1) - probs
-    # top_p == 1 is "off": the float32 running sum reaches 1.0 before the tail, which must not
-    # be cut.
+    # top_p == 1 is "off": the float32 running sum reaches 1.0 before the tail.
     keep &= (mass_before < sp.top_p[:, None]) | (sp.top_p[:, None] >= 1.0)
     keep &= probs >= sp.min_p[:, None] * probs[:, :1]
     return keep, probs
@@ -130,8 +108,8 @@ def _keep_sorted(sorted_logits: jax.Array, sp: SamplingArrays, V: int,
 
 def _candidate_filter(scaled: jax.Array, sp: SamplingArrays, candidates: tuple[int, ...],
                       backend):
-    """filtered_logits of a batch with top-k or top-p rows: over the first candidate count below
-    V whose candidates hold every such row's survivors, else the next, else the full sort."""
+    """filtered_logits over the first candidate count that holds every row's survivors, else
+    the next, else the full sort."""
     V = scaled.shape[-1]
     caps = tuple(c for c in candidates if c < V)
     if not caps:
@@ -140,8 +118,7 @@ def _candidate_filter(scaled: jax.Array, sp: SamplingArrays, candidates: tuple[i
     vals, idx = backend.top(scaled, C)  # descending; equal values: lower index first
     keep, probs = _keep_sorted(vals, sp, V, jax.nn.logsumexp(scaled, axis=-1, keepdims=True))
     k = _top_k_size(sp, V)
-    # Every token past the candidates is cut: top-k stops within them, or (top-k off) the
-    # mass before the first token past them already reaches top_p.
+    # Covered: top-k stops within the candidates, or their mass already reaches top_p.
     uses_sort = (sp.top_k > 0) | (sp.top_p < 1.0)
     covered = ~uses_sort | (k <= C) | ((k >= V) & (jnp.sum(probs, axis=-1) >= sp.top_p))
     sorted_rows = _in_vocab_order(scaled, vals, idx, keep, backend)
@@ -160,10 +137,8 @@ def _sorted_filter(scaled: jax.Array, sp: SamplingArrays, backend) -> jax.Array:
 
 def _in_vocab_order(scaled: jax.Array, sorted_logits: jax.Array, order: jax.Array,
                     keep: jax.Array, backend) -> jax.Array:
-    """scaled [B, V] with every token but the survivors at -inf, given the first C of each
-    row's descending order (sorted_logits, order [B, C]) and which of them survive (keep
-    [B, C]): by _kept_prefix's comparison where the order is the native sort's, else by a
-    scatter."""
+    """scaled [B, V] with all but the survivors (keep [B, C] of the first C of each row's
+    descending order) at -inf: _kept_prefix with the native sort's order, else a scatter."""
     if backend.native_sort(scaled):
         return _kept_prefix(scaled, sorted_logits, order, keep)
     B, V = scaled.shape
@@ -173,13 +148,9 @@ def _in_vocab_order(scaled: jax.Array, sorted_logits: jax.Array, order: jax.Arra
 
 def _kept_prefix(scaled: jax.Array, sorted_logits: jax.Array, order: jax.Array,
                  keep: jax.Array) -> jax.Array:
-    """scaled [B, V] with every token outside the first n of its row's descending order at
-    -inf, n the number of the row's survivors in keep [B, C] (sorted_logits and order [B, C]:
-    the first C of the native sort's order, in which equal values go by index and -0.0 equals
-    0.0; NaN last). Every condition of _keep_sorted keeps a prefix of that order (should the
-    scan's rounding make the running mass dip at the top_p boundary, the first n are kept),
-    so the survivors are the tokens above the n-th value and those equal to it up to its
-    index: one comparison over the vocabulary instead of a scatter."""
+    """scaled [B, V] outside the first n of the native sort's order at -inf, n the survivors in
+    keep [B, C]. The filters keep a prefix of that order, so the survivors are the tokens above
+    the n-th value and those equal to it up to its index: one comparison, no scatter."""
     V = scaled.shape[-1]
     n = jnp.sum(keep, axis=-1, dtype=jnp.int32, keepdims=True)
     last = jnp.maximum(n - 1, 0)
@@ -191,16 +162,12 @@ def _kept_prefix(scaled: jax.Array, sorted_logits: jax.Array, order: jax.Array,
 
 
 DRAW_BLOCK = 256  # vocabulary entries per block of the two-level inverse CDF
-def draw(weights: jax.Array, u: jax.Array, block: int = DRAW_BLOCK) -> jax.Array:
-    """Inverse-CDF draw: for each row of weights [B, V] (>= 0, some > 0; unnormalised) and
-    u [B] in [0, 1), the first token i whose inclusive cumulative weight exceeds u * total.
-    Token i is drawn with probability weights[i] / total, and a token of weight 0 is never drawn.
 
-    Two levels, so that no scan runs over the whole vocabulary: the sums of blocks of `block`
-    tokens, their running sum over the blocks (u picks a block), then the running sum within
-    that block. Float rounding can make a running sum step down or miss u * total by an ulp; the
-    pick then falls on the nearest entry of positive weight, never on a zero. Returns [B] int32.
-    """
+
+def draw(weights: jax.Array, u: jax.Array, block: int = DRAW_BLOCK) -> jax.Array:
+    """Inverse-CDF draw: for weights [B, V] (>= 0, unnormalised) and u [B] in [0, 1), the first
+    token whose cumulative weight exceeds u * total -> [B] int32; weight 0 is never drawn.
+    Two levels (block sums, then within the picked block), so no scan spans the vocabulary."""
     B, V = weights.shape
     C = -(-V // block)
     w = jnp.pad(weights.astype(jnp.float32), ((0, 0), (0, C * block - V))).reshape(B, C, block)
@@ -225,9 +192,8 @@ def _first_or_last(hit: jax.Array, positive: jax.Array) -> jax.Array:
 
 
 def uniforms(seed: jax.Array, token_index: jax.Array, stream: int | None = None) -> jax.Array:
-    """u [B] in [0, 1) of each row's token: uniform(fold_in(key(seed), token_index)), or of
-    fold_in(that key, stream) for a separate stream of the same token (speculative decoding's
-    proposal and acceptance draws)."""
+    """u [B] in [0, 1): uniform(fold_in(key(seed), token_index)), or of fold_in(that key,
+    stream), a separate stream (speculative decoding's proposal and acceptance draws)."""
     def one(s, i):
         key = jax.random.fold_in(jax.random.key(s), i)
         if stream is not None:
@@ -238,10 +204,8 @@ def uniforms(seed: jax.Array, token_index: jax.Array, stream: int | None = None)
 
 def sample(logits: jax.Array, sp: SamplingArrays, seen: Seen, token_index: jax.Array,
            backend=None) -> jax.Array:
-    """Draws one token per row. logits [B, V]; seen [B, V] bool (or a function giving it, as
-    apply_repetition_penalty takes); token_index [B] int32 (index of the token being drawn
-    within its request's output); backend: its argmax and sorts (default
-    backends.default()). Returns [B] int32."""
+    """One token per row: logits [B, V]; seen [B, V] bool (or a function giving it);
+    token_index [B] int32 (the token's index in its request's output) -> [B] int32."""
     backend = backend if backend is not None else backends.default()
     def full(logits):
         logits = apply_repetition_penalty(logits, seen, sp.repetition_penalty)
@@ -251,20 +215,17 @@ def sample(logits: jax.Array, sp: SamplingArrays, seen: Seen, token_index: jax.A
             drawn = draw(filtered_weights(logits, sp, backend), uniforms(sp.seed, token_index))
             return jnp.where(sp.temperature > 0, drawn, greedy)
 
-        # The sort behind top-k/top-p costs more than a decode step's matmuls on small models;
-        # skip it entirely when every row is greedy.
+        # All-greedy batches skip the filters' sort.
         return jax.lax.cond(jnp.any(sp.temperature > 0), stochastic, lambda _: greedy, logits)
 
-    # Every row greedy without a penalty (the common case) takes the argmax alone: the penalty's
-    # cond, skipped, still copies the [B, V] logits through its identity branch.
+    # All greedy without a penalty: the argmax alone (a skipped cond still copies the logits).
     plain = jnp.all(sp.temperature <= 0) & jnp.all(sp.repetition_penalty == 1.0)
     return jax.lax.cond(plain, backend.argmax, full, logits.astype(jnp.float32))
 
 
 def sampling_probs(logits: jax.Array, sp: SamplingArrays, seen: jax.Array,
                    backend=None) -> jax.Array:
-    """The distribution `sample` draws from, [B, V] float32: one-hot at the argmax for greedy
-    rows, else the softmax of the filtered logits (repetition penalty first, as in sample)."""
+    """The distribution `sample` draws from, [B, V] float32 (one-hot for greedy rows)."""
     backend = backend if backend is not None else backends.default()
     logits = apply_repetition_penalty(logits.astype(jnp.float32), seen, sp.repetition_penalty)
     V = logits.shape[-1]
@@ -291,9 +252,8 @@ MAX_LOGPROBS = 20  # top-k log-probabilities returned per token (a static output
 
 
 def top_logprobs(logits: jax.Array, chosen: jax.Array):
-    """Log-probabilities of the model's distribution (raw logits, before any sampling
-    transform). logits [..., V]; chosen [...] int32 (-1 = none). Returns (ids [..., k] int32,
-    values [..., k] float32, chosen_logprob [...] float32) with k = MAX_LOGPROBS."""
+    """Log-probabilities of the raw logits [..., V]; chosen [...] int32 (-1: none) ->
+    (ids [..., k] int32, values [..., k] float32, chosen_logprob [...]), k = MAX_LOGPROBS."""
     lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     V = lp.shape[-1]
     vals, ids = jax.lax.top_k(lp, min(MAX_LOGPROBS, V))
@@ -306,13 +266,12 @@ def top_logprobs(logits: jax.Array, chosen: jax.Array):
 
 
 def no_logprobs(shape: tuple[int, ...]):
-    """What top_logprobs returns, zero-filled, for when no row asked (same shapes and dtypes)."""
+    """top_logprobs's output, zero-filled."""
     return (jnp.zeros(shape + (MAX_LOGPROBS,), jnp.int32),
             jnp.zeros(shape + (MAX_LOGPROBS,), jnp.float32), jnp.zeros(shape, jnp.float32))
 
 
 def maybe_top_logprobs(want: jax.Array, logits_fn, operand, chosen: jax.Array):
-    """top_logprobs(logits_fn(operand), chosen) if any of want [B] is set, else zeros; the
-    head and the top-k over the vocabulary only run when asked (lax.cond)."""
+    """top_logprobs(logits_fn(operand), chosen) if any of want [B] is set, else zeros."""
     return jax.lax.cond(jnp.any(want), lambda x: top_logprobs(logits_fn(x), chosen),
                         lambda x: no_logprobs(chosen.shape), operand)

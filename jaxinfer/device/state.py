@@ -1,14 +1,9 @@
-"""The device state of a batch of rows and the programs that change it outside a step:
-DecodeState, admission, forks, block tables; and `advance_rows`, the bookkeeping every step and
-loop does once a row has new tokens (stops, counts, seen tokens, history).
+"""DecodeState, the device state of a batch of rows (donated through every call; no request
+property is a compile-time constant), the programs that change it outside a step (admission,
+forks, block tables), and `advance_rows`, the bookkeeping of every step's new tokens.
 
 Shape legend: B cache rows (slots), R listed rows, V vocab, E stop ids per row, W tokens a row
 may emit at once.
-
-The device owns DecodeState: the cache, each row's last token, output count, seen-token mask,
-request parameters (RowParams, written when a request is admitted) and, for n-gram speculation,
-each row's token history. It is donated through every call. No request property is ever a
-compile-time constant.
 """
 
 from __future__ import annotations
@@ -64,11 +59,9 @@ class DecodeState:
     def create(cls, cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.float32,
                cache=None, draft_cfg: ModelConfig | None = None, draft_capacity: int = 0,
                history: int = 0, num_stop_ids: int = 8, xp=jnp):
-        """A ring cache of `capacity` slots per row, or the given cache (e.g. a paged one);
-        with draft_cfg, a ring of draft_capacity slots per row for the draft model too;
-        history > 0: a token history of that many positions per row (n-gram drafting).
-        xp=numpy builds the state on the host, for one device_put that compiles nothing (the
-        engine's way: each jnp.zeros of a new shape would be a small program of its own)."""
+        """A ring cache of `capacity` slots per row, or the given cache; with draft_cfg a draft
+        ring of draft_capacity slots; history > 0: that many positions of token history.
+        xp=numpy builds it on the host, for one device_put that compiles nothing."""
         if cache is None:
             cache = PagedKVCache.ring(cfg.num_layers, batch, capacity, cfg.num_kv_heads,
                                       cfg.head_dim, dtype, xp=xp)
@@ -93,8 +86,8 @@ class DecodeState:
                            else self.draft_cache.logical_axes())
 
     def constrained(self) -> "DecodeState":
-        """The state pinned to its sharding on the context mesh (identity without one): every
-        jitted step returns this, so its output sharding equals its input's."""
+        """The state pinned to its sharding on the context mesh, so a step's output sharding
+        equals its input's."""
         return sharding.constrain_tree(self, self.logical_axes())
 
 
@@ -102,12 +95,10 @@ class DecodeState:
 def admit_rows(state: DecodeState, mask: jax.Array, start: jax.Array, generated: jax.Array,
                rows: RowParams, history: jax.Array | None = None,
                block_tables: jax.Array | None = None) -> DecodeState:
-    """Starts new requests in the rows where mask [B] is set: their cache rows restart at
-    position start [B] (non-zero for prefix-cache hits), num_generated at generated [B] (the
-    tokens a preempted request already produced, which its prefill recomputes), their
-    parameters become rows' (others keep theirs) and, with n-gram drafting, their history
-    history's [B, L]. K/V data is left in place: positions past a row's length are never
-    attended. block_tables [B, M]: a paged cache's new tables."""
+    """Starts requests in the rows where mask [B] is set: the cache row restarts at start [B]
+    (prefix-cache hits), num_generated at generated [B] (a preempted request's), with rows'
+    parameters and history [B, L]. K/V stay in place (past a row's length, never attended).
+    block_tables [B, M]: a paged cache's new tables."""
     cache = state.cache.reset_rows(mask, start)
     if block_tables is not None:
         cache = cache.replace(block_tables=block_tables)
@@ -127,11 +118,9 @@ def admit_rows(state: DecodeState, mask: jax.Array, start: jax.Array, generated:
 @functools.partial(program_jit, donate_argnums=(0,))
 def fork_rows(state: DecodeState, src_rows: jax.Array, dst_rows: jax.Array,
               src_pages: jax.Array, dst_pages: jax.Array) -> DecodeState:
-    """Rows dst_rows [C] forked from src_rows [C] (B: padding), after admit_rows started them:
-    each takes its source's seen-token mask (the prompt so far, for the repetition penalty).
-    A paged cache copies pages src_pages [C'] into dst_pages [C'] (-1: none), the partly
-    filled page each fork may not share; a ring cache (a hybrid cache's ring of local layers,
-    and a draft model's ring) copies the source rows' whole rings."""
+    """Rows dst_rows [C] forked from src_rows [C] (B: padding) after admit_rows: each takes its
+    source's seen mask and, through PagedKVCache.fork, its pages (src_pages [C'] into dst_pages
+    [C'], -1: none) or whole ring rows (a draft model's too)."""
     seen = state.seen.at[dst_rows].set(_take(state.seen, src_rows), mode="drop")
     cache = state.cache.fork(src_rows, dst_rows, src_pages, dst_pages)
     draft = state.draft_cache
@@ -158,12 +147,9 @@ def _put(x: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Array:
 
 def advance_rows(state: DecodeState, rows: jax.Array, emitted: jax.Array, count: jax.Array,
                  running: jax.Array, base: jax.Array):
-    """Books new tokens of the listed rows [R] (B: none): row r emitted emitted[r, :count[r]]
-    ([R, W]) at positions base[r] + 1 + j. Where a row's stop id occurs among them, or its
-    max_new is reached, the row's tokens end there (the stop id included) and it is done: the
-    one place stops are decided. Rows not running [R] book nothing. Sets last_token,
-    num_generated, the seen mask and the n-gram history. Returns (state, count [R] as booked,
-    done [R])."""
+    """Books emitted[r, :count[r]] ([R, W]) of the listed rows [R] (B: none) at positions
+    base[r] + 1 + j, cut after a stop id or at max_new (then done): the one place stops are
+    decided. Rows not running book nothing. Returns (state, count [R] booked, done [R])."""
     B, W = state.last_token.shape[0], emitted.shape[1]
     j = jnp.arange(W, dtype=jnp.int32)[None, :]
     generated = _take(state.num_generated, rows)

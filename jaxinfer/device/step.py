@@ -1,11 +1,7 @@
-"""The flat step: one jitted forward over a flat token batch, then a sampled token for each
-row that completed what it had to feed.
+"""The flat step: one jitted forward over a TokenBatch (decode tokens and prefill chunks side by
+side), then a sampled token for each row that completed what it had to feed.
 
 Shape legend: B cache rows (slots), T tokens of a step, S rows sampled in a step, V vocab.
-
-A step's input is a TokenBatch (device.token_batch): decode tokens and prefill chunks side by
-side, one forward over [T, D]. The static arguments are shapes (T), the attention's query tile
-and the Backend (jaxinfer.backends), whose ops every program takes.
 """
 
 from __future__ import annotations
@@ -26,21 +22,19 @@ from jaxinfer.models import get_model
 
 def sample_rows(logits, state: DecodeState, rows: jax.Array, index: jax.Array,
                 backend: Backend):
-    """A token for each listed row [R] from its logits [R, V] with the row's parameters, seen
-    mask and token index [R]. The rows' seen masks ([R, V]) are gathered only where a
-    repetition penalty applies: gathered every step, they cost a copy of R x V bools."""
+    """A token for each listed row [R] from logits [R, V] at token index [R]; the rows' seen
+    masks are gathered only where a repetition penalty applies."""
     sp = jax.tree.map(lambda x: _take(x, rows), state.rows.sampling)
     return sample(logits, sp, lambda: _take(state.seen, rows), index, backend)
 
 
 @flax.struct.dataclass
 class StepOutput:
-    """What one step returns for the host: the rows that sampled, their tokens, and whether
-    each is done (its token is a stop id, or it reached max_new)."""
+    """What one step returns for the host."""
 
     sampled_rows: jax.Array  # [S] int32 rows that sampled a token (B: none), in row order
     tokens: jax.Array        # [S] int32 their tokens
-    done: jax.Array          # [S] bool
+    done: jax.Array          # [S] bool: the row ended (a stop id, or max_new)
     logprobs: tuple          # (ids [S, k], values [S, k], chosen [S]), filled where wanted
     prompt_logprobs: tuple   # (ids [T, k], values [T, k], chosen [T]) of batch.next_tokens
 
@@ -49,15 +43,11 @@ def step(params, state: DecodeState, batch: TokenBatch, sampled: jax.Array,
          next_tokens: jax.Array | None = None, *, cfg: ModelConfig,
          backend: Backend | None = None, query_tile: int = 16, draft_params=None,
          draft_cfg: ModelConfig | None = None) -> tuple[StepOutput, DecodeState]:
-    """One engine step, pure: every token of the flat batch through the model once (prefill
-    chunks and one token per decoding row side by side), then a sampled token for each row
-    listed in sampled [S] (B: an empty entry), from the logits of the row's last token in the
-    batch. A row samples when the step completes what it had to feed (a decode token, or a
-    prompt's last chunk); rows mid-prompt only fill their cache. next_tokens [T] int32 (-1:
-    none): the prompt token after each batch token, scored when the row wants
-    prompt_logprobs. backend: the ops' implementations (default: backends.default(), as
-    resolved when this is traced). Usable inside a caller's own jax.jit; jitted for the engine
-    as step_jit. Returns (StepOutput, state)."""
+    """One engine step, pure: every batch token through the model, then a token for each row in
+    sampled [S] (B: empty) from its last token's logits. next_tokens [T] int32 (-1: none): the
+    prompt token after each batch token, for prompt_logprobs. backend default:
+    backends.default(). Usable inside a caller's jax.jit (the engine's: step_jit). Returns
+    (StepOutput, state)."""
     backend = backend if backend is not None else backends.default()
     B = state.last_token.shape[0]
     model = get_model(cfg.architecture)
@@ -91,6 +81,5 @@ def step(params, state: DecodeState, batch: TokenBatch, sampled: jax.Array,
     return out, state.constrained()
 
 
-# Compiled with the platform's compiler options (backends.tuning), as every program here.
 step_jit = program_jit(step, donate_argnums=(1,),
                        static_argnames=("cfg", "backend", "query_tile", "draft_cfg"))

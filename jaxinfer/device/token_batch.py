@@ -2,11 +2,9 @@
 
 Shape legend: T tokens of the step (a bucketed size), B cache rows (slots).
 
-Decode tokens (one per decoding row) and prefill chunks (many per row) sit side by side in one
-[T] array; every matmul runs over [T, D] with no per-request padding. Each row's tokens are
-contiguous: row b owns tokens query_start[b] .. query_start[b] + num_queries[b] - 1, at
-positions cache.lengths[b] + i (i-th token of the row), and rows[t] names the row of token t
-(B for a padding token, which writes nothing and whose output is discarded).
+Decode tokens and prefill chunks sit side by side in one [T] array, so every matmul runs over
+[T, D] without per-request padding. Row b owns tokens query_start[b] .. + num_queries[b] - 1 at
+positions cache.lengths[b] + i; rows[t] names token t's row (B: padding, which writes nothing).
 """
 
 from __future__ import annotations
@@ -29,8 +27,7 @@ class TokenBatch:
         return self.tokens.shape[0]
 
     def positions(self, lengths: jax.Array) -> jax.Array:
-        """[T] int32 absolute position of each token, from the rows' lengths [B] before the
-        step (0 for padding)."""
+        """[T] int32 positions from the rows' lengths [B] before the step (0 for padding)."""
         B = lengths.shape[0]
         r = jnp.minimum(self.rows, B - 1)
         t = jnp.arange(self.tokens.shape[0], dtype=jnp.int32)
@@ -39,8 +36,7 @@ class TokenBatch:
     @classmethod
     def dense(cls, tokens: jax.Array, num_new: jax.Array, rows: jax.Array | None,
               num_rows: int) -> "TokenBatch":
-        """The batch of a [R, T] token block: block row i feeds cache row rows[i] (None:
-        row i) its first num_new[i] tokens; the rest is padding."""
+        """A [R, T] block's batch: row i feeds cache row rows[i] (None: i) num_new[i] tokens."""
         R, T = tokens.shape
         rows = jnp.arange(R, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32)
         real = jnp.arange(T, dtype=jnp.int32)[None, :] < num_new[:, None]
@@ -54,8 +50,7 @@ class TokenBatch:
 
 
 def host_batch(num_tokens: int, num_rows: int, segments) -> TokenBatch:
-    """A TokenBatch built in numpy (so nothing compiles for a new step): segments is a list of
-    (row, token ids) in batch order, at most num_tokens tokens in all."""
+    """A TokenBatch in numpy (nothing compiles for a new step) from (row, token ids) segments."""
     tokens = np.zeros(num_tokens, np.int32)
     rows = np.full(num_tokens, num_rows, np.int32)
     start = np.zeros(num_rows, np.int32)

@@ -1,21 +1,10 @@
 """Beam search over the engine's paged cache: beams fork and die by moving block-table
-references (engine/page_allocator.py `fork`), never by copying a cache; the one page a fork copies is
-the partly filled page its tokens end in. The contract is in docs/api.md ("Beam search").
-
-Each step feeds every live beam's newest token through one flat step (jaxinfer.step) whose
-rows return the top MAX_LOGPROBS log-probabilities of the model's distribution (the top-k over
-the vocabulary runs on the device); the host merges those W x 2W candidates:
-
-  score(beam) = cumulative log-probability / generated_tokens ** length_penalty
-  * candidates (beam, token) ranked by cumulative log-probability, the best 2W kept;
-  * walking them in order, a candidate that ends the sequence (EOS unless ignore_eos, or a
-    stop string) becomes a finished hypothesis if it ranks among the first W, else is
-    skipped; the others become the next beams until there are W;
-  * at max_tokens every live beam finishes ("length");
-  * search stops early once W hypotheses are finished and no live beam's current score
-    beats the worst of them.
-The result is the W best hypotheses by score, best first. generated_tokens counts the EOS
-that ended a hypothesis; the text and token_ids exclude it.
+references (PageAllocator.fork), never by copying a cache. Each step feeds every live beam's
+newest token through one flat step; the host ranks the top-k candidates by cumulative
+log-probability, keeps the best 2W, finishes those among the first W that end the sequence,
+and stops at max_tokens or once no live beam can beat the W finished ones. Score: cumulative
+log-probability / generated_tokens ** length_penalty, counting an ending EOS that the text
+excludes. The contract is in docs/api.md ("Generating").
 """
 
 from __future__ import annotations
@@ -157,9 +146,8 @@ class BeamSearch:
     # ---- the search --------------------------------------------------------------------------
 
     def prefill(self, prompts: list[list[int]]) -> list[_Beam]:
-        """Every prompt's root beam, its prompt in the cache (chunks of at most prefill_chunk
-        tokens within the token budget, as the scheduler cuts them: a ring holds a window plus
-        one chunk)."""
+        """Every prompt's root beam, its prompt prefilled in chunks as the scheduler cuts them
+        (a ring holds a window plus one chunk)."""
         roots = []
         for k, ids in enumerate(prompts):
             req = self._new_request(ids, [])
@@ -175,7 +163,8 @@ class BeamSearch:
             self.scheduler.slots[slot] = req
             self._admit.append((req, cached))
             roots.append(_Beam(req, 0.0))
-        budget, chunk = self.engine.engine_cfg.max_num_batched_tokens, self.engine.engine_cfg.prefill_chunk
+        ecfg = self.engine.engine_cfg
+        budget, chunk = ecfg.max_num_batched_tokens, ecfg.prefill_chunk
         while any(b.req.prefilled < len(b.req.prefill_ids) for b in roots):
             segments, done, left = [], [], budget
             for b in roots:
@@ -272,8 +261,7 @@ class BeamSearch:
         return out
 
     def search(self, prompts: list[list[int]]) -> list[list[BeamSequence]]:
-        """The W best hypotheses of each prompt, best first (LLM.beam_search passes as many
-        prompts at once as leave every beam a slot)."""
+        """The W best hypotheses of each prompt, best first."""
         W, lp = self.W, self.p.length_penalty
         max_seq_len = self.engine.engine_cfg.max_seq_len
         limits = [min(self.p.max_tokens, max_seq_len - len(ids)) for ids in prompts]

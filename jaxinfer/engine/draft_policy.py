@@ -1,13 +1,13 @@
 """Speculation policy on the host: whether a decode dispatch drafts, and per request whether
-drafting pays (acceptance), measured as the engine runs."""
+drafting pays (acceptance), both judged from what the engine observes as it runs."""
 
 from __future__ import annotations
 
 import collections
 
-# Adaptive speculation: every SPEC_JUDGE_STEPS verification steps a request's accepted drafts per
-# step are judged; below SPEC_MIN_ACCEPTED its drafting pauses for SPEC_PAUSE_TOKENS generated
-# tokens, doubling on each further pause up to SPEC_MAX_PAUSE_TOKENS (a pass resets it).
+# Every SPEC_JUDGE_STEPS verification steps, a request accepting under SPEC_MIN_ACCEPTED drafts
+# a step pauses drafting for SPEC_PAUSE_TOKENS tokens, doubling to SPEC_MAX_PAUSE_TOKENS until a
+# judgement passes.
 SPEC_JUDGE_STEPS = 8
 SPEC_MIN_ACCEPTED = 0.5
 SPEC_PAUSE_TOKENS = 32
@@ -15,12 +15,9 @@ SPEC_MAX_PAUSE_TOKENS = 1024
 
 
 class SpeculationRates:
-    """Whether drafting pays at a batch size, measured: the output tokens/s of recent decode
-    dispatches with drafting and without (moving averages, per row-bucket size). Verifying k
-    drafts per row costs about what a single-token step costs where a step is bound by reading
-    the weights (a GPU at small batch, a CPU at batch 1), and several times that where it is
-    bound by compute (a CPU at 16 rows); measuring covers both. The losing mode is tried again
-    every PROBE_EVERY dispatches, as acceptance changes with the text."""
+    """Whether drafting pays at a batch size, from moving averages of recent dispatches' output
+    tokens/s with and without it (verifying is cheap where a step reads weights, costly where it
+    computes); the loser is retried every PROBE_EVERY dispatches as acceptance changes."""
 
     PROBE_EVERY = 16
     ALPHA = 0.3
@@ -34,13 +31,12 @@ class SpeculationRates:
         spec, plain = self.rates.get((batch, True)), self.rates.get((batch, False))
         if spec is None or plain is None:
             return spec is None  # measure each mode once, drafting first
-        if spec >= plain:
-            return True
+        winner = spec >= plain
         self.since_probe[batch] += 1
-        if self.since_probe[batch] >= self.PROBE_EVERY:
+        if self.since_probe[batch] >= self.PROBE_EVERY:  # re-measure the losing mode
             self.since_probe[batch] = 0
-            return True
-        return False
+            return not winner
+        return winner
 
     def record(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
         if seconds <= 0 or tokens <= 0:

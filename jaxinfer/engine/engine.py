@@ -1,11 +1,6 @@
-"""The host-side engine: the glue between the scheduler (which requests run, how many tokens),
-the runner (device state, one dispatch per step) and the requests (tokens, stop conditions,
-streaming, metrics).
-
-A step: the scheduler admits waiting requests and plans either one flat step (a token for every
-decoding row plus prefill chunks within the token budget) or, with nothing to prefill, one
-dispatch of up to decode_steps decode (or speculative) steps per row; the runner runs it; the
-engine books what came back. Host code only: all device math is in jaxinfer.decode.
+"""The host-side engine: glue between the scheduler (which requests run, how many tokens), the
+runner (device state, one dispatch per step) and the requests (tokens, stop conditions,
+streaming, metrics). Host code only: the device math is in jaxinfer.device.
 """
 
 from __future__ import annotations
@@ -108,8 +103,7 @@ def _logprob_dict(k: int, ids, values, token: int, chosen: float) -> dict[int, f
 
 
 def tree_bytes(tree) -> int:
-    """The bytes of every array in a pytree (a quantized weight's codes, scales and offsets
-    alike), as placed: the global size of a sharded array."""
+    """The bytes of every array in a pytree, a sharded array at its global size."""
     return sum(int(x.nbytes) for x in jax.tree.leaves(tree))
 
 
@@ -122,10 +116,7 @@ class Engine:
                  partitioner: Optional[Partitioner] = None, kv_dtype=None,
                  ring_capacity: int = 0, program_index: Optional[str] = None,
                  backend=None):
-        self.cfg = cfg
-        self.tokenizer = tokenizer
         self.engine_cfg = engine_cfg
-        self.dtype = dtype
         # The KV cache's storage dtype: the model's, or int8 / float8 codes (QuantizedKV).
         self.kv_dtype = dtype if kv_dtype is None else kv_dtype
         self.partitioner = partitioner
@@ -155,7 +146,6 @@ class Engine:
 
     # Attributes tests, benchmarks and LLM read.
     params = property(lambda self: self.runner.params)
-    backend = property(lambda self: self.runner.backend)
     state = property(lambda self: self.runner.state)
     draft_kw = property(lambda self: self.runner.draft_kw)
     num_pages = property(lambda self: self.runner.num_pages)
@@ -197,8 +187,7 @@ class Engine:
         return req
 
     def _fail(self, req: SequenceState) -> None:
-        """Finishes a sequence whose host bookkeeping (detokenizing, stop matching, logprobs)
-        raised: finish_reason "error", the traceback logged; the other rows go on."""
+        """Finishes with "error" a sequence whose host bookkeeping raised; the others go on."""
         log.exception("request %s: its bookkeeping failed; it finishes with finish_reason "
                       "'error'", req.request_id)
         req.stream.finished = True  # its text stays as it was; no flush of a broken stream
@@ -208,9 +197,7 @@ class Engine:
     # ---- one scheduling step -----------------------------------------------------------------
 
     def step(self) -> list[SequenceState]:
-        """Runs one scheduling step; returns the requests that progressed (finished included).
-        The scheduler's plan is final: the runner applies its admissions, forks and block
-        tables, then runs its one dispatch."""
+        """Runs one scheduling step; returns the requests that progressed (finished included)."""
         with self.runner.on_mesh():
             self.runner.ensure_state()
             plan = self.scheduler.schedule()
@@ -224,8 +211,8 @@ class Engine:
         return list({id(req): req for req in progressed}.values())
 
     def _plan_decode(self, decoding: list) -> tuple[int, Optional[np.ndarray]]:
-        """The scheduler's question for a multi-step dispatch: how many tokens each row may
-        take (its pages are reserved for them), and with speculation which rows draft."""
+        """A multi-step dispatch's tokens per row (pages are reserved for them) and, with
+        speculation, which rows draft."""
         steps = self.engine_cfg.decode_steps
         if self.spec is None:
             return steps, None
@@ -293,8 +280,7 @@ class Engine:
             self.paged.computed(req, len(req.prompt_ids) + len(req.token_ids) - 1)
 
     def _decode(self, plan) -> list[SequenceState]:
-        """One decode dispatch of up to decode_steps steps per decoding row (with speculation
-        on, drafting where plan.draft_on says)."""
+        """One decode dispatch of up to decode_steps steps per row, drafting per plan.draft_on."""
         decoding, draft_on = plan.decode, plan.draft_on
         t0 = time.perf_counter()
         out, num_out, done, lp, counts = self.runner.decode(
@@ -318,11 +304,8 @@ class Engine:
         return decoding
 
     def _append(self, req: SequenceState, new_ids: list[int], done: bool, lps=None) -> None:
-        """Books tokens the device produced. The device decided whether the row is done (a
-        stop id, booked as its last token, or max_new); the host adds the stop strings, which
-        only text can show. A stop id ends the request with "stop" and is not part of the
-        output. lps: per token (top ids, top values, chosen logprob) when the request wants
-        logprobs."""
+        """Books tokens the device produced and decided `done` for (a stop id, left out of the
+        output, or max_new); the host adds stop strings. lps: per token (ids, values, chosen)."""
         now = time.perf_counter()
         if req.metrics.first_token_time is None and new_ids:
             req.metrics.first_token_time = now
@@ -344,8 +327,7 @@ class Engine:
             self._finish(req, "length")
 
     def _is_stop_id(self, req: SequenceState, token: int) -> bool:
-        """Whether token is among the row's stop ids on the device (runner.admit writes them:
-        the EOS ids unless ignore_eos)."""
+        """Whether token is among the row's stop ids as runner.admit wrote them."""
         return not req.params.ignore_eos and token in self.eos_ids[:MAX_STOP_IDS]
 
     # ---- warmup, sizing and stats ------------------------------------------------------------

@@ -1,9 +1,6 @@
-"""Sizing the paged KV cache from device memory (num_pages=None).
-
-On a device that reports its memory (GPU), the pool gets what is left of `utilization` of the
-device's memory after the weights (already resident) and the scratch memory of the largest
-compiled step (XLA's memory analysis of the compiled programs). Where the backend reports no
-memory (CPU), the caller falls back to room for every slot at max_seq_len.
+"""Sizing the paged KV cache from device memory (num_pages=None): what `utilization` of the
+device's memory leaves after the weights and the largest compiled step's scratch. Where the
+backend reports no memory (CPU) the caller gives every slot room for max_seq_len instead.
 """
 
 from __future__ import annotations
@@ -22,8 +19,7 @@ UTILIZATION = 0.9  # fraction of device memory the engine may use, as vLLM's def
 def kv_page_bytes(cfg: ModelConfig, page_size: int, dtype,
                   num_layers: Optional[int] = None) -> int:
     """Bytes of one page: keys and values of page_size tokens in every layer, or in num_layers
-    of them (a hybrid cache's pool holds the global layers only) (int8 / float8 codes with a
-    float32 scale per token and kv head: see kv_cache.QuantizedKV)."""
+    (a hybrid pool's global layers); 1-byte codes carry a float32 scale per token and kv head."""
     per_token = cfg.kv_dim * np.dtype(dtype).itemsize
     if np.dtype(dtype).itemsize == 1:
         per_token += cfg.num_kv_heads * 4
@@ -50,10 +46,8 @@ def pages_for_memory(limit: int, in_use: int, step_bytes: int, page_bytes: int,
 
 def local_ring_capacity(cfg: ModelConfig, max_seq_len: int, tokens_per_step: int,
                         page_size: int) -> int:
-    """Slots per row of the ring that keeps the sliding-window layers' keys of a model whose
-    layers mix sliding-window and global attention (a hybrid cache: the pool then holds the
-    global layers only), or 0: every layer stays in the pool. 0 as well when the ring would not
-    be smaller than a row's pages."""
+    """Slots per row of a hybrid cache's ring for the sliding-window layers of a model that
+    mixes them with global ones; 0 (all in the pool) otherwise or where it saves no pages."""
     windows = cfg.windows
     local = [w for w in windows if w is not None]
     if not local or None not in windows:

@@ -1,37 +1,13 @@
 """Host-side page allocator for a paged KV cache: reference counts and prefix caching.
 
-The KV cache is a pool of `num_pages` pages of `page_size` token slots each. A sequence owns a
-block table (page ids, one per `page_size` tokens). Full pages whose KV has been computed are
-registered in a prefix cache under a chained hash of their contents, so a later sequence with
-the same prefix shares them instead of recomputing.
-
-Page states (each page is in exactly one): *fresh* (free, never cached or its cache entry
-dropped; handed out lowest id first), *set aside* (free, refcount 0, held for one sequence's
-growth, see below), *cached* (free, refcount 0, still in the prefix cache, evictable in LRU
-order) and *used* (refcount >= 1). Page 0 is reserved as `null_page`: it is never handed out, so
-fixed-shape block tables can be padded with it and padded writes never land in a live page.
-
-Growth in runs: when a sequence takes a fresh page, up to `growth_run - 1` fresh pages right
-after it are set aside for that sequence, and its next pages come from them. Sequences that
-decode side by side each take one page at a time, so without this their pages would interleave
-(row a: 40, 42, 44; row b: 41, 43, 45), and the decode attention, which reads a row's keys page
-by page, would jump across the pool at every page. Set-aside pages count as free: an
-allocation that finds no fresh page takes them back (the ones set aside last first) before it
-evicts a cached page, and a sequence's leftovers are fresh again when it is freed.
-
-Data parallelism: with num_partitions > 1 the pool is split into that many equal, contiguous
-ranges, one per replica (the range whose K/V live on that replica's devices), and a sequence
-takes its pages from the range it was allocated in. Each range has its own free lists and its
-own prefix cache (its hash chains start from a root of their own), so a sequence never reads a
-page of another replica.
-
-Sharing is by reference counts: registered (full, computed) pages between sequences with the
-same prefix, and a forked sequence's full pages with its source (`fork`: the sequences of a
-request with n > 1, beams). A sequence only writes at positions past its last token, so the only
-page a fork could write into while another sequence holds it is the one its tokens end in,
-partly filled: `fork` copies that one page at once (copy-on-write done eagerly, since a fork
-always writes next) and shares the rest. `append` asserts that every page written is held by
-its writer alone.
+Each sequence owns a block table of page ids. Full, computed pages are registered under a
+chained hash of their tokens so a later sequence with the same prefix shares them; freed, they
+stay cached (evictable, LRU) until needed. Page 0 (`null_page`) is never handed out, so padded
+block tables never point at a live page. A sequence taking a fresh page sets aside the next
+`growth_run - 1` for itself, so rows decoding side by side get runs of consecutive pages for
+the decode attention to read. With num_partitions > 1 (one per data replica) the pool splits
+into contiguous ranges, each with its own free lists and prefix cache. A fork shares its
+source's full pages and copies the partly filled last one at once.
 """
 
 from __future__ import annotations
@@ -50,18 +26,14 @@ GROWTH_RUN = 4
 
 
 def page_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
-    """Chained hash of one full page: sha256(parent hash || token ids as int64).
-
-    Chaining makes a page's key depend on the whole prefix before it, so two pages are shared
-    only when every earlier token matches too. A cryptographic hash (not Python's `hash`) keeps
-    collisions, which would silently serve another prompt's KV, out of reach.
-    """
+    """sha256(parent hash || token ids as int64): chained, so a page matches only with its whole
+    prefix; cryptographic, since a collision would serve another prompt's KV."""
     return hashlib.sha256(parent + np.asarray(token_ids, dtype=np.int64).tobytes()).digest()
 
 
 class _FreshPages:
-    """A partition's fresh pages, handed out lowest id first (so pages freed in any order are
-    reused in runs), with membership tests and removal of any one of them."""
+    """A partition's fresh pages, handed out lowest id first (so freed pages are reused in
+    runs), with membership tests and removal of any one."""
 
     def __init__(self, pages):
         self._set = set(pages)
@@ -111,13 +83,8 @@ class _Seq:
 
 
 class PageAllocator:
-    """Allocates KV pages to sequences, with optional prefix caching.
-
-    num_pages: pages in the pool, including the reserved `null_page` (so num_pages - 1 are
-    usable). page_size: token slots per page. growth_run: a sequence's pages come in runs of up
-    to this many consecutive ids (module docstring; 1: no pages set aside). Token counts are in
-    tokens, page counts in pages.
-    """
+    """Allocates KV pages to sequences, with optional prefix caching. num_pages includes the
+    reserved `null_page`; growth_run: pages per run of consecutive ids (1: none set aside)."""
 
     null_page = 0
 
@@ -141,8 +108,7 @@ class PageAllocator:
         # Per partition: fresh pages, and cached-but-evictable ones in LRU order.
         self._fresh = [_FreshPages(p for p in self._range(i) if p != self.null_page)
                        for i in range(num_partitions)]
-        # Pages set aside: per sequence in the order it takes them, and per partition every
-        # set-aside page -> its sequence, in the order they were set aside.
+        # Pages set aside, per sequence and per partition (page -> sequence, in order).
         self._aside: dict[object, collections.deque[int]] = {}
         self._aside_pages: list[collections.OrderedDict[int, object]] = [
             collections.OrderedDict() for _ in range(num_partitions)]
@@ -215,13 +181,9 @@ class PageAllocator:
 
     # ---- mutation ------------------------------------------------------------------------
     def allocate(self, seq_id, token_ids: Sequence[int], partition: int = 0) -> int:
-        """Admit a sequence with its prompt, its pages to come from `partition`; return how
-        many prompt tokens are already cached (in that partition).
-
-        The result is a multiple of page_size and < len(token_ids): the last prompt token is
-        always left to compute so the model yields its logits. Pages for the rest of the prompt
-        are taken from the pool. Raises OutOfPages (state unchanged) if they do not fit.
-        """
+        """Admits a sequence with its prompt, its pages from `partition`; returns how many
+        prompt tokens are already cached: a multiple of page_size below len(token_ids), since
+        the last token must be computed for its logits. OutOfPages (state unchanged)."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} is already allocated")
         if not 0 <= partition < self.num_partitions:
@@ -260,10 +222,8 @@ class PageAllocator:
         return num_cached
 
     def fork(self, source_id, seq_id, num_tokens: int) -> list[tuple[int, int]]:
-        """A new sequence seq_id holding source's first num_tokens (computed) tokens: it
-        references source's full pages among them and takes a fresh page for the partly filled
-        one. Returns [(src page, dst page)]: the copy the device must make (empty when
-        num_tokens is a multiple of page_size). Raises OutOfPages (state unchanged)."""
+        """A new sequence sharing source's first num_tokens computed tokens' full pages; returns
+        the copy of a partly filled one [(src page, dst page)]. OutOfPages (state unchanged)."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} is already allocated")
         src = self._seqs[source_id]
@@ -285,8 +245,8 @@ class PageAllocator:
         return copies
 
     def ensure_capacity(self, seq_id, num_tokens: int) -> None:
-        """Grow the block table to hold num_tokens tokens in total (e.g. multi-step decode
-        lookahead); tokens are not recorded. Raises OutOfPages (state unchanged)."""
+        """Grows the block table to num_tokens tokens in all, recording no tokens. OutOfPages
+        (state unchanged)."""
         seq = self._seqs[seq_id]
         partition = seq.partition
         needed = self.pages_for(num_tokens) - len(seq.pages)
@@ -297,8 +257,8 @@ class PageAllocator:
             seq.pages += self._take(needed, partition, seq_id)
 
     def append(self, seq_id, token_ids: Sequence[int]) -> None:
-        """Record new tokens of the sequence (e.g. sampled ones), taking pages as needed.
-        Raises OutOfPages (state unchanged). Their KV counts once `mark_computed` says so."""
+        """Records new tokens, taking pages as needed; their KV counts once `mark_computed`
+        says so. OutOfPages (state unchanged)."""
         seq = self._seqs[seq_id]
         new = [int(t) for t in token_ids]
         self.ensure_capacity(seq_id, len(seq.tokens) + len(new))
@@ -310,12 +270,8 @@ class PageAllocator:
             seq.tokens += new
 
     def mark_computed(self, seq_id, num_computed: int) -> None:
-        """Declare that the KV of the first num_computed tokens is written; full pages within
-        them are registered in the prefix cache under their chained hash.
-
-        Registration waits for this (not for a page merely filling with known tokens) so that
-        another sequence can never hit a page whose KV a pending prefill chunk has not written.
-        """
+        """Declares the KV of the first num_computed tokens written and registers their full
+        pages: never earlier, so no sequence hits a page a pending chunk has not written."""
         seq = self._seqs[seq_id]
         if not seq.num_computed <= num_computed <= len(seq.tokens):
             raise ValueError(f"{seq_id!r}: num_computed {num_computed} outside "
@@ -336,8 +292,7 @@ class PageAllocator:
                 self._page_to_hash[page] = h
 
     def free(self, seq_id) -> None:
-        """Release a finished, aborted or preempted sequence. Its registered pages stay cached
-        (evictable) so re-admitting the same tokens hits them until they are evicted."""
+        """Releases a sequence; its registered pages stay cached (evictable)."""
         seq = self._seqs.pop(seq_id)
         # Reversed: a sequence's tail pages become least recently used, so they are evicted
         # before its head pages, which more prompts share and whose loss orphans the tail.
@@ -359,10 +314,8 @@ class PageAllocator:
         return _ROOT_HASH if partition == 0 else b"partition %d" % partition
 
     def _take(self, n: int, partition: int, seq_id) -> list[int]:
-        """Take n free pages of a partition for seq_id (caller checked they exist): the ones
-        set aside for it first, then fresh ones (each setting aside the fresh pages right after
-        it), then ones set aside for other sequences, last evicting cached ones in LRU order
-        (dropping their prefix-cache entries)."""
+        """n free pages of a partition for seq_id (the caller checked they exist): its own
+        set-aside pages, then fresh ones, then others' set-aside ones, then LRU eviction."""
         fresh, evictable = self._fresh[partition], self._evictable[partition]
         aside_pages = self._aside_pages[partition]
         own = self._aside.get(seq_id)
@@ -387,7 +340,7 @@ class PageAllocator:
         return out
 
     def _set_aside(self, seq_id, page: int, partition: int):
-        """Sets the fresh pages right after `page` (up to growth_run - 1) aside for seq_id;
+        """Sets up to growth_run - 1 fresh pages after `page` aside for seq_id; returns all
         its set-aside pages."""
         own = self._aside.setdefault(seq_id, collections.deque())
         fresh = self._fresh[partition]

@@ -1,43 +1,12 @@
 """Compiled model programs kept on disk across processes, so that a warm start skips tracing
-and lowering as well as XLA compilation.
+and lowering as well as XLA compilation (JAX's persistent cache keys on the lowered program).
 
-JAX's persistent compilation cache (jaxinfer.llm.enable_compilation_cache) skips XLA's
-compilation, but its key is computed from the lowered program: every process still traces and
-lowers each step program before that cache can answer (about 0.6 s of tracing and 0.4 s of
-lowering for SmolLM2's flat step on the development CPU). This cache keys a compiled program by
-what decides it, without tracing anything:
-- the program (the jitted function's module and name) and the static arguments' repr (the
-  model config, the Backend, step sizes);
-- the abstract dynamic arguments: their tree structure (static dataclass fields included) and
-  each leaf's shape, dtype, weak type and placement;
-- a fingerprint of the code that traces it (every .py and .cc file of jaxinfer and
-  pallas_kernels), of jax's and jaxlib's versions, the XLA flags, the platform and its devices
-  (backends.signature()) and jax's configuration values. The Backend, with the CPU kernels'
-  build, is a static argument of every program (LLM() resolves it, which registers the
-  kernels, before any entry is loaded).
-An entry holds the serialized executable (jax.experimental.serialize_executable), compressed,
-and the pickled input and output trees; a hit loads it and calls it with the dynamic
-arguments. Any change to the code or the environment misses, and a miss compiles through jit's
-lowering (JAX's cache still serves the XLA compilation) and writes the entry.
-
-Only a program XLA compiled in this process is written. An executable that JAX's cache loaded
-serializes without the code of some of its functions (XLA:CPU, jaxlib 0.10: written again and
-loaded in another process, it failed with "Function ... not found"), so unless jax reported a
-backend compile, and no cache hit, on the compiling thread, nothing is written and the next
-process traces as before. An entry that fails to load is removed and compiled anew. Programs
-loaded or compiled are also kept in memory by key, for another engine of the same shapes.
-
-Module-level settings changed at run time (monkeypatching jaxinfer's functions or constants)
-are not in the key: such a process should set JAXINFER_PROGRAM_CACHE=0.
-
-Used by the Runner for its flat steps, decode loops and state updates on a single device when
-the XLA cache is on; entries live in <compilation cache>/programs, beside the indexes that
-prefetch reads. docs/architecture.md ("Programs cache") has the rules and the measured effect.
-
-An entry is unpickled, which can run code, so the directory must be owned by this user and
-writable by no one else (created 0700; hub.ensure_private_dir), and so must each entry file: a
-directory that is not turns this cache off for the process (one warning; JAX's own cache is
-left as it is), and such an entry is compiled anew and replaced.
+A program is keyed without tracing: the jitted function, its static arguments' repr, its
+dynamic arguments' tree and abstract leaves, and a fingerprint of the code, jax, its
+configuration, the XLA flags and the devices. Only programs XLA compiled in this process are
+written (one JAX's cache loaded serializes incompletely). Monkeypatched code is not in the key
+(set JAXINFER_PROGRAM_CACHE=0). Entries are unpickled, so they and their directory must be
+private to this user. docs/architecture.md ("Programs cache") has the rules.
 """
 
 from __future__ import annotations
@@ -50,7 +19,6 @@ import json
 import logging
 import os
 import pickle
-import tempfile
 import threading
 import weakref
 import zlib
@@ -58,7 +26,7 @@ from typing import Callable, Optional
 
 import jax
 
-from jaxinfer.loading.hub import ensure_private_dir, not_private
+from jaxinfer.loading.hub import ensure_private_dir, not_private, write_atomic
 
 log = logging.getLogger(__name__)
 _FINGERPRINT: Optional[str] = None
@@ -70,8 +38,7 @@ _CONFIG_NOT_IN_KEY = ("jax_log_compiles", "jax_explain_cache_misses", "jax_loggi
                       "jax_compiler_detailed_logging_min_ops", "jax_raise_persistent_cache_errors")
 _CONFIG_PREFIXES_NOT_IN_KEY = ("jax_compilation_cache", "jax_persistent_cache", "jax_dump_",
                                "jax_transfer_guard")
-# jax.monitoring events: XLA compiled a program (the duration of its backend compile), and
-# JAX's cache answered a compile. Seen on the compiling thread.
+# jax.monitoring events, seen on the compiling thread: XLA compiled, JAX's cache answered.
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 _watch = threading.local()
@@ -79,13 +46,13 @@ _listening = False
 
 
 def code_fingerprint() -> str:
-    """sha256 of every .py file under the jaxinfer and pallas_kernels packages (path and
-    bytes), with the versions, flags and devices a compiled program depends on."""
+    """sha256 of jaxinfer's and pallas_kernels' .py and .cc files, jax's versions and
+    backends.signature()."""
     global _FINGERPRINT
     if _FINGERPRINT is None:
         h = hashlib.sha256()
         for package in ("jaxinfer", "pallas_kernels"):
-            # Found without importing (importing pallas_kernels loads Pallas: 0.17 s).
+            # Found without importing: importing pallas_kernels loads Pallas.
             root = importlib.util.find_spec(package).submodule_search_locations[0]
             for dirpath, dirnames, filenames in os.walk(root):
                 dirnames.sort()
@@ -105,9 +72,8 @@ def code_fingerprint() -> str:
 
 
 def _settings() -> str:
-    """jax's configuration values (those that can change a traced program), read at each key:
-    they may change during a process. (The Backend, with the CPU kernels' build, is a static
-    argument of every program, so it is in the key with the other static arguments.)"""
+    """jax's configuration values that can change a traced program, read at each key: they may
+    change during a process."""
     values = sorted((k, repr(v)) for k, v in jax.config.values.items()
                     if k not in _CONFIG_NOT_IN_KEY
                     and not k.startswith(_CONFIG_PREFIXES_NOT_IN_KEY))
@@ -142,9 +108,8 @@ def _on_event(event: str, *_args, **_kwargs) -> None:
 
 
 def _compile_fresh_or_loaded(fn, args, kwargs):
-    """fn's program compiled through jit's lowering: (compiled, fresh). fresh: XLA compiled it
-    in this process, which only a compile event on this thread, and no cache-hit event, shows
-    (were jax to rename either event, nothing would count as fresh and nothing be written)."""
+    """fn's program compiled through jit's lowering: (compiled, fresh), fresh when this thread
+    saw a compile event and no cache hit (a renamed event makes nothing fresh: nothing written)."""
     global _listening
     with _LOCK:
         if not _listening:
@@ -160,9 +125,8 @@ def _compile_fresh_or_loaded(fn, args, kwargs):
 
 
 def directory() -> Optional[str]:
-    """The programs cache's directory: <JAX's compilation cache>/programs, in a single-process
-    run with JAX's cache on (created 0700 where missing); None (off) otherwise, with
-    JAXINFER_PROGRAM_CACHE=0, or where it is not private to this user (hub.not_private)."""
+    """<JAX's compilation cache>/programs (created 0700), or None: off in multi-process runs,
+    without JAX's cache, with JAXINFER_PROGRAM_CACHE=0, or where not private to this user."""
     cache = jax.config.jax_compilation_cache_dir
     if os.environ.get("JAXINFER_PROGRAM_CACHE", "1") == "0" or not cache \
             or jax.process_count() != 1:
@@ -185,8 +149,7 @@ def directory() -> Optional[str]:
 _REFUSED: set[str] = set()
 
 
-# Programs an LLM of the same arguments used first, loaded in the background while the
-# weights load (prefetch): program key -> Future of the loaded program (None: no entry).
+# Prefetched programs: key -> Future of the loaded program (None: no entry).
 _PREFETCH: dict[str, concurrent.futures.Future] = {}
 # How many of an index's programs prefetch loads: the first step programs a new LLM runs.
 PREFETCH_PROGRAMS = 2
@@ -217,10 +180,8 @@ def _read_index(root: str, index_key: str) -> list:
 
 
 def prefetch(root: str, index_key: str, limit: int = PREFETCH_PROGRAMS) -> int:
-    """Starts loading, on a background thread, the first `limit` programs that an engine of
-    this index used (ProgramCache(index_key=...) records them): XLA releases the GIL while it
-    loads an executable, so this overlaps the weights' loading. The engine's ProgramCache
-    takes each one when it asks for that key. Returns how many loads started."""
+    """Starts loading the first `limit` programs an engine of this index used, on background
+    threads that overlap the weights' loading (XLA releases the GIL); returns how many."""
     started = 0
     for key in _read_index(root, index_key)[:limit]:
         with _LOCK:
@@ -251,9 +212,7 @@ def _take_prefetched(key: str):
         return None
 
 
-# Programs this process has loaded or compiled, by key, while an engine holds them: another
-# engine of the same shapes (a second LLM of one model) takes them from here, as jit's own
-# in-memory cache would serve it. Weak: an engine's programs go with it.
+# Programs loaded or compiled, by key, for another engine of the same shapes (weak).
 _IN_PROCESS: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 
 
@@ -262,9 +221,8 @@ def _entry_path(root: str, key: str) -> str:
 
 
 class ProgramCache:
-    """Compiled programs by program_key: in this process (loaded once), and on disk under
-    `directory`. index_key: the startup_key under which the programs this cache serves are
-    recorded, in order of first use, for prefetch (None: not recorded)."""
+    """Compiled programs by program_key, in this process and on disk under `directory`.
+    index_key: the startup_key recording them in order of first use for prefetch, or None."""
 
     def __init__(self, directory: str, index_key: Optional[str] = None):
         self.directory = directory
@@ -285,16 +243,14 @@ class ProgramCache:
             self.index.append(key)
             data = json.dumps(self.index).encode()
         try:
-            _write(_index_path(self.directory, self.index_key), data)
+            write_atomic(_index_path(self.directory, self.index_key), data)
         except OSError:  # a read-only or full disk: the programs still run, unrecorded
             pass
 
     def get(self, name, call: tuple, run: bool = True) -> Callable:
         """The program of call = (jitted, args, kwargs) as a callable(args, kwargs), loaded or
-        compiled once under the caller's `name` (which must fix every argument's shape,
-        dtype and placement, and the static arguments). run: the caller runs it now, which
-        adds it to the index in the order programs are first run (warmup's compiles, largest
-        first, pass False)."""
+        compiled once under `name` (which must fix every argument's shape, dtype and placement).
+        run: the caller runs it now, which records it in the index in first-run order."""
         entry = self.loaded.get(name)
         if entry is None:
             entry = self._load_or_compile(*call)
@@ -332,8 +288,7 @@ class ProgramCache:
             _IN_PROCESS[key] = compiled
         if not fresh:
             return _calling(compiled, static), None
-        # Written beside the first run (serializing, compressing and writing SmolLM2's flat
-        # step takes about 0.3 s); the interpreter waits for the thread at exit.
+        # Written beside the first run; the interpreter waits for the thread at exit.
         writer = threading.Thread(target=self._store, args=(compiled, path),
                                   name="jaxinfer-program-writer")
         with _LOCK:
@@ -348,12 +303,12 @@ class ProgramCache:
             payload, in_tree, out_tree = se.serialize(compiled)
         except (ValueError, NotImplementedError):  # not serializable: jit alone serves it
             return
-        # The devices it runs on, by id: loaded onto every device of the process (the
-        # default), a one-device program on a process of 8 expected 8 shards of each input.
+        # Its devices: loaded onto all, a one-device program would expect a shard per device.
         shardings = jax.tree.leaves((compiled.input_shardings, compiled.output_shardings))
         devices = sorted({d.id for s in shardings for d in s.device_set})
         try:
-            _write(path, zlib.compress(pickle.dumps((payload, in_tree, out_tree, devices)), 1))
+            data = pickle.dumps((payload, in_tree, out_tree, devices))
+            write_atomic(path, zlib.compress(data, 1))
         except OSError:  # a read-only or full disk: this process has the program anyway
             return
         with _LOCK:
@@ -403,17 +358,3 @@ def _calling(compiled, static: tuple) -> Callable:
     def call(args, kwargs):
         return compiled(*args, **{k: v for k, v in kwargs.items() if k not in static})
     return call
-
-
-def _write(path: str, data: bytes) -> None:
-    """Writes atomically (a temporary file renamed), so a reader never sees half an entry."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise

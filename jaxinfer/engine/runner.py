@@ -1,11 +1,7 @@
 """The model runner: device state, inputs built in numpy at bucketed shapes, one dispatch and
-one device-to-host fetch per step.
-
-Programs (every one compiled by warmup, none afterwards): the flat step at each token bucket
-(steps that prefill), and the multi-step decode loop (or speculative loop) at each row bucket
-(dispatches with nothing to prefill). Nothing else is a compile-time shape: no per-request
-padding, no key-length or page-count buckets (attention walks each row's pages in a loop of
-dynamic trip count).
+one device-to-host fetch per step. Warmup compiles every program: the flat step per token bucket
+and the decode loop per row bucket; attention walks each row's pages in a loop of dynamic trip
+count, so nothing else is a compile-time shape.
 """
 
 from __future__ import annotations
@@ -33,8 +29,7 @@ from jaxinfer.sharding import Partitioner, fetch
 from jaxinfer.device.token_batch import host_batch
 
 MAX_STOP_IDS = 8
-# Programs warmup compiles at once (at most the CPUs the process may use);
-# $JAXINFER_COMPILE_THREADS overrides it (1: one after the other).
+# Programs warmup compiles at once (at most the usable CPUs); $JAXINFER_COMPILE_THREADS overrides.
 COMPILE_THREADS = 2
 
 
@@ -69,8 +64,7 @@ class Runner:
         self.num_slots, self.capacity = num_slots, capacity
         self.dtype, self.kv_dtype = dtype, kv_dtype
         self.page_size, self.num_pages, self.paged = page_size, num_pages, paged
-        # > 0: the sliding-window layers keep a ring of this many slots per row (a hybrid
-        # cache, kv_cache.PagedKVCache.local_k); 0: every layer is in the pool.
+        # Slots per row of a hybrid cache's sliding-window ring; 0: every layer in the pool.
         self.ring_capacity = ring_capacity
         self.eos_ids = eos_ids
         self.spec = engine_cfg.speculative
@@ -80,14 +74,10 @@ class Runner:
         self.token_buckets = buckets.geometric(budget, min(tune.min_tokens, budget),
                                                tune.bucket_growth)
         self.row_buckets = buckets.geometric(num_slots, 1, tune.bucket_growth)
-        # Where padding costs what a real token costs (compute-bound backends), the scheduler
-        # sizes each prefilling step to the bucket nearest its token count (buckets.fill).
+        # Where padding costs what a real token does, prefilling steps fill buckets.
         self.fill_buckets = self.token_buckets if tune.fill_token_buckets else None
         self.state: Optional[DecodeState] = None
-        # The flat steps, decode loops and state updates, loaded from (and written to) the
-        # programs cache beside the XLA cache on one device (jaxinfer.engine.programs), recorded
-        # under program_index for prefetch; None: jit dispatches (also with
-        # JAXINFER_PROGRAM_CACHE=0).
+        # The programs cache on one device (engine.programs); None: jit dispatches.
         root = programs.directory() if partitioner is None else None
         self.programs = ProgramCache(root, program_index) if root else None
 
@@ -106,14 +96,12 @@ class Runner:
         return self.partitioner.put_tree(state, state.logical_axes())
 
     def on_mesh(self):
-        """The context of every dispatch: the mesh, whose rules the jitted steps' sharding
-        constraints resolve against (nothing without one)."""
+        """The context of every dispatch: the mesh its sharding constraints resolve against."""
         return self.partitioner.active() if self.partitioner is not None \
             else contextlib.nullcontext()
 
     def _zeros(self, shape: tuple[int, ...]):
-        """An empty K or V buffer: on the host (placed with the rest of the state), or made
-        shard by shard on the mesh."""
+        """An empty K or V buffer: on the host, or made shard by shard on the mesh."""
         bits = dict(bits16=self.backend.kv_bits16, fp8_bits=self.backend.kv_fp8_bits)
         if self.partitioner is None:
             return kv_buffer(shape, self.kv_dtype, np.zeros, **bits)
@@ -157,8 +145,8 @@ class Runner:
     # ---- admission -------------------------------------------------------------------------
 
     def admit(self, admitted: list, tables) -> None:
-        """Writes newly admitted requests' rows: start position (prefix-cache hits), tokens
-        generated before a preemption, sampling parameters and n-gram history."""
+        """Writes admitted rows: start (prefix-cache hits), tokens generated before a
+        preemption, sampling parameters and n-gram history."""
         B = self.num_slots
         mask, start = np.zeros(B, bool), np.zeros(B, np.int32)
         generated = np.zeros(B, np.int32)
@@ -187,8 +175,7 @@ class Runner:
             {}))
 
     def fork(self, rows: list, copies: list) -> None:
-        """Forked sequences (already admitted): rows [(source slot, slot)], page copies
-        [(src page, dst page)], at most one per fork."""
+        """Forks rows [(source slot, slot)] with page copies [(src page, dst page)]."""
         B = self.num_slots
         src, dst = np.full(B, B, np.int32), np.full(B, B, np.int32)
         page_src, page_dst = np.zeros(B, np.int32), np.full(B, -1, np.int32)
@@ -200,9 +187,8 @@ class Runner:
             device_state.fork_rows, (self.state, src, dst, page_src, page_dst), {}))
 
     def apply(self, admitted: list, tables, forks: list = (), copies: list = ()) -> None:
-        """A plan's state changes before its dispatch: admitted rows [(request, start)] with
-        the block tables (or the tables alone, None: unchanged), then forks [(source slot,
-        slot)] with their page copies [(src page, dst page)]."""
+        """A plan's state changes before its dispatch: admissions [(request, start)] with the
+        block tables (None: unchanged), then forks with their page copies."""
         if admitted:
             self.admit(admitted, tables)
         else:
@@ -235,7 +221,6 @@ class Runner:
                 nxt[t:t + len(after)] = after
                 t += len(ids)
         out, self.state = self._step(batch, sample_rows, nxt)
-        # One device-to-host fetch: the tokens, and the logprobs only when a row wants them.
         tokens, done, lp, prompt_lp = fetch((
             out.tokens, out.done, out.logprobs if want_logprobs else None,
             out.prompt_logprobs if next_tokens is not None else None))
@@ -257,11 +242,9 @@ class Runner:
         return self._dispatch(("step", batch.tokens.shape[0]), call)
 
     def _dispatch(self, name: tuple, call: tuple):
-        """Runs call = (jitted, args, kwargs): through the programs cache under `name`, which
-        fixes every argument's shape (("step", T), ("loop", R), and the admission, fork and
-        block-table updates, which JAX's cache leaves out: each compiles in under its 0.2 s
-        threshold, yet tracing and compiling them took 0.14 s of a warm first token), or by
-        jit."""
+        """Runs call = (jitted, args, kwargs) through the programs cache under `name`, which
+        fixes every argument's shape, or by jit. The small state updates go through it too:
+        JAX's cache skips programs that compile fast, yet they delay a warm first token."""
         fn, args, kw = call
         if self.programs is None:
             return fn(*args, **kw)
@@ -269,24 +252,18 @@ class Runner:
 
     # ---- multi-step decode ------------------------------------------------------------------
 
-    def rows_array(self, slots: list) -> np.ndarray:
-        R = buckets.pick(self.row_buckets, len(slots))
-        rows = np.full(R, self.num_slots, np.int32)
-        rows[:len(slots)] = slots
-        return rows
-
     def decode(self, slots: list, draft_on: Optional[np.ndarray], exit_on_stop: bool):
         """One decode dispatch for the listed slots. Returns (out [B, W], num_out [B],
         done [B], logprobs or None (fetched when asked), counts or None (without speculation))."""
-        rows = self.rows_array(slots)
+        rows = np.full(buckets.pick(self.row_buckets, len(slots)), self.num_slots, np.int32)
+        rows[:len(slots)] = slots
         call = self._loop_call(self.state, rows, draft_on, exit_on_stop)
         self.state, out, num_out, done, lp, counts = self._dispatch(("loop", len(rows)), call)
         counts = fetch(counts) if self.spec is not None else None
         return fetch((out, num_out, done)) + (lp, counts)
 
     def _loop_call(self, state, rows, draft_on, exit_on_stop: bool) -> tuple:
-        """The multi-step decode program and arguments, (jitted, args, kwargs): the decode loop,
-        drafting with speculation on (draft_on [B]: rows that may draft)."""
+        """The decode loop's (jitted, args, kwargs); draft_on [B]: rows that may draft."""
         kw = dict(cfg=self.cfg, num_steps=self.engine_cfg.decode_steps, backend=self.backend,
                   exit_on_stop=np.bool_(exit_on_stop), **self.draft_kw)
         if self.spec is None:
@@ -298,14 +275,13 @@ class Runner:
     # ---- compilation -------------------------------------------------------------------------
 
     def num_programs(self) -> int:
-        """The model programs warmup compiles: a flat step per token bucket, a decode (or
-        speculative) loop per row bucket."""
+        """The model programs warmup compiles: a flat step per token bucket, a decode loop per
+        row bucket."""
         return len(self.token_buckets) + len(self.row_buckets)
 
     def warmup(self, tables) -> None:
-        """Compiles every program the engine can dispatch, on an idle state (every row empty:
-        the programs run but change nothing), and the small ones admission and page growth
-        use (tables: the current block tables of a paged cache, None for a ring)."""
+        """Compiles and runs every program on an idle state, which they leave unchanged
+        (tables: the paged cache's block tables, None for a ring)."""
         self.ensure_state()
         B = self.num_slots
         self.admit([], tables)
@@ -326,24 +302,19 @@ class Runner:
         return host_batch(T, B, []), np.full(min(B, T), B, np.int32), np.full(T, -1, np.int32)
 
     def _model_calls(self, state) -> list:
-        """Every model program warmup compiles, as (jitted, args, kwargs) over `state`: the
-        flat step per token bucket, then the decode (or speculative) loop per row bucket, each
-        in increasing size."""
+        """Every model program as (jitted, args, kwargs) over `state`, in _model_names' order."""
         B = self.num_slots
         return ([self._step_call(state, *self._idle_step_inputs(T)) for T in self.token_buckets]
                 + [self._loop_call(state, np.full(R, B, np.int32), np.zeros(B, bool), False)
                    for R in self.row_buckets])
 
     def _model_names(self) -> list:
-        """The _dispatch names of _model_calls' programs, in the same order."""
+        """The flat steps by token bucket, then the decode loops by row bucket."""
         return [("step", T) for T in self.token_buckets] + [("loop", R) for R in self.row_buckets]
 
     def _compile_all(self, calls: list) -> None:
-        """Compiles the programs of calls [(name, (jitted, args, kwargs))] on up to
-        COMPILE_THREADS threads at once (or loads them from the programs cache); jit, or
-        _dispatch, then reuses each for the same arguments. XLA keeps about 1.45 of this CPU's
-        two cores busy compiling one program of the real model, and the GIL is released while
-        it compiles, so two at a time fill the gaps (docs/architecture.md, Compiled shapes)."""
+        """Compiles (or loads) calls [(name, (jitted, args, kwargs))] on up to COMPILE_THREADS
+        threads: one XLA compile leaves cores idle and releases the GIL."""
         def compile_one(named_call):
             name, (fn, args, kw) = named_call
             if self.programs is not None:
@@ -365,8 +336,7 @@ class Runner:
             list(pool.map(compile_one, calls))
 
     def step_scratch_bytes(self) -> int:
-        """Scratch (temporary) bytes of the largest programs (the biggest token bucket and row
-        bucket), from XLA's memory analysis. Compiles them with abstract inputs."""
+        """XLA's scratch bytes of the largest flat step and decode loop (compiled abstractly)."""
         calls = self._model_calls(jax.eval_shape(self.new_state))
         biggest = [calls[len(self.token_buckets) - 1], calls[-1]]
         return max(fn.lower(*args, **kw).compile().memory_analysis().temp_size_in_bytes

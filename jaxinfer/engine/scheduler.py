@@ -1,19 +1,8 @@
-"""The scheduler: which requests run this step, and how many of their tokens.
-
-Host bookkeeping only. Each step it (1) admits waiting requests into free slots while pages last
-(prefix-cache hits start a row past its cached tokens), (2) if any row is still prefilling, plans
-one flat step: one token for every decoding row plus prefill chunks of the oldest prefilling
-requests within the token budget (max_num_batched_tokens, decodes first: SARATHI-style
-decode-maximal batching), or (3) with nothing to prefill, one multi-step decode dispatch.
-Pages for the planned tokens are reserved here, preempting the newest running requests (pages
-freed, requeued first, recomputed on readmission) while pages run short. With fill_buckets
-(the runner's token buckets, on backends where a padding token costs a real one), a prefilling
-step's chunks are trimmed to the bucket below its token count when that is nearer than the
-bucket above (buckets.fill); the trimmed tokens go in the next step.
-
-The plan is final for its dispatch: every page it needs is reserved (for a multi-step
-dispatch, as many tokens per row as decode_plan says the dispatch may emit), and it carries
-the block tables the device needs, taken once at the end.
+"""The scheduler (host only): each step it admits waiting requests while slots and pages last,
+then plans one flat step (a token for every decoding row plus prefill chunks of the oldest
+prefilling requests within the token budget) or, with nothing to prefill, one multi-step
+decode dispatch. It reserves the plan's pages, preempting the newest requests while pages run
+short, so the plan is final for its dispatch.
 """
 
 from __future__ import annotations
@@ -35,15 +24,10 @@ class SchedulerOutput:
     prefill: list             # [(request, tokens)]: chunks from request.prefilled on
     decode: list              # requests feeding their newest token
     multi_step: bool          # nothing to prefill: one dispatch of several decode steps
-    preempted: list = dataclasses.field(default_factory=list)
     forked: list = dataclasses.field(default_factory=list)       # [(sequence, its source)]
     page_copies: list = dataclasses.field(default_factory=list)  # [(src page, dst page)]
     draft_on: Optional[np.ndarray] = None  # multi-step with speculation: [B] rows that draft
     tables: Optional[np.ndarray] = None    # the block tables where they changed, else None
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.decode) + sum(n for _, n in self.prefill)
 
 
 class Scheduler:
@@ -110,14 +94,12 @@ class Scheduler:
                 preempted += self.reserve(decoding, tokens)
         admitted, forked = self._still_placed(admitted, forked, preempted)
         return SchedulerOutput(admitted, chunks, [r for r in decoding if r.slot is not None],
-                               multi_step=not chunks, preempted=preempted, forked=forked,
+                               multi_step=not chunks, forked=forked,
                                page_copies=copies, draft_on=draft_on, tables=self.take_tables())
 
     def _still_placed(self, admitted: list, forked: list, preempted: list) -> tuple:
-        """The admissions and forks of this round that a reservation did not undo. A request
-        admitted or forked and then preempted never ran: it waits again, and its admission
-        must not reach the device (it has no row). A fork whose source went copies that
-        source's row, so it waits again too."""
+        """This round's admissions and forks that no preemption undid: a preempted one must not
+        reach the device (it has no row), and a fork whose source went waits again too."""
         for child, source in forked:
             if source.slot is None and child.slot is not None:
                 self._preempt(child)
@@ -180,9 +162,8 @@ class Scheduler:
         return admitted
 
     def _fork(self) -> tuple[list, list]:
-        """Forks the sequences waiting on a request whose prompt, but its last token, is in
-        the cache: they share its full pages and get a copy of the partly filled one
-        (engine/page_allocator.py). Returns ([(sequence, source)], [(src page, dst page)])."""
+        """Forks the sequences waiting on a request whose prompt but its last token is in the
+        cache. Returns ([(sequence, source)], [(src page, dst page)])."""
         forked, copies = [], []
         for req in self.slots:
             if req is None or not req.forks or req.prefilled < req.fork_at:
@@ -201,8 +182,7 @@ class Scheduler:
 
     def reserve(self, decoding: list, tokens: int) -> list:
         """Gives every decoding request pages for `tokens` more tokens, preempting the newest
-        running requests while pages run short. Returns the preempted requests (their slot is
-        None afterwards)."""
+        running requests while pages run short; returns the preempted."""
         if self.paged is None:
             return []
         preempted = []

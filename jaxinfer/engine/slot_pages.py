@@ -1,9 +1,5 @@
-"""Host bookkeeping of the paged KV cache for the engine: which pages each slot's request holds.
-
-The engine asks three things of it: can this waiting request be admitted (its prompt's pages,
-minus prefix-cache hits), does every decoding request have pages for the next dispatch (if not,
-which requests to preempt), and what the device's block tables look like now. Pages come from
-PageAllocator; a request's id is its sequence id there.
+"""The engine's view of the paged KV cache: the pages each slot's request holds
+(PageAllocator, keyed by seq_id) and the device's block tables.
 """
 
 from __future__ import annotations
@@ -34,8 +30,7 @@ class PagedSlots:
         self.dirty = True
 
     def _sync(self, req) -> None:
-        """Copies req's block table into its slot row; the device copy is stale only if it
-        changed (a new page), which is not every step."""
+        """Copies req's block table into its slot row, marking the tables dirty if it changed."""
         table = self.allocator.block_table(req.seq_id)
         row = self.tables[req.slot]
         if row[len(table):].any() or not np.array_equal(row[:len(table)], table):
@@ -45,8 +40,7 @@ class PagedSlots:
 
     def admit(self, req, slot: int, partition: int = 0) -> int | None:
         """Takes pages for req's prefill tokens from `partition` (the slot's data replica);
-        returns the number of tokens already cached (the row starts there), or None when there
-        are not enough free pages."""
+        returns the tokens already cached, or None when pages are short."""
         try:
             cached = self.allocator.allocate(req.seq_id, req.prefill_ids, partition)
         except OutOfPages:
@@ -56,9 +50,8 @@ class PagedSlots:
         return cached
 
     def fork(self, source, req, num_tokens: int) -> list[tuple[int, int]] | None:
-        """req shares source's first num_tokens tokens (their full pages, referenced, and a
-        copy of the page they end in) and gets room for one more; returns the page copies
-        [(src, dst)] for the device, or None when there are not enough free pages."""
+        """req shares source's first num_tokens tokens and gets room for one more; returns the
+        page copies [(src, dst)] for the device, or None when pages are short."""
         try:
             copies = self.allocator.fork(source.seq_id, req.seq_id, num_tokens)
         except OutOfPages:
@@ -72,9 +65,7 @@ class PagedSlots:
         """num_tokens of req (prefill ids, then generated) now have K/V in their pages."""
         have = self.allocator.num_tokens(req.seq_id)
         if num_tokens > have:
-            # The cache holds prompt + generated tokens (a recompute re-prefills the same):
-            # the new ones sliced from each list, not from the two joined (a copy of the
-            # whole context per row and step).
+            # Sliced from each list: joining them would copy the whole context per step.
             P = len(req.prompt_ids)
             new = (req.prompt_ids[have:num_tokens]
                    + req.token_ids[max(have - P, 0):max(num_tokens - P, 0)])

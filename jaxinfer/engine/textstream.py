@@ -23,9 +23,8 @@ def _prefix_function(s: str) -> list[int]:
 
 
 class StopMatcher:
-    """Stop strings found in a text fed piece by piece (Knuth-Morris-Pratt): the work is linear
-    in the text fed plus the stop strings' length, whatever the strings are, so a long or
-    repetitive stop string cannot make a stream quadratic."""
+    """Stop strings found in a text fed piece by piece (Knuth-Morris-Pratt: linear work, so no
+    stop string can make a stream quadratic)."""
 
     def __init__(self, stops: Sequence[str]):
         self.stops = tuple(stops)

@@ -1,5 +1,5 @@
-"""Batch generation: an OpenAI batch file (or one prompt a line) in, OpenAI batch output out.
-Sharded, resumable, exactly-once; the contract is docs/batch.md.
+"""Batch generation: an OpenAI batch file (or one prompt a line) in, OpenAI batch output out;
+sharded, resumable, exactly-once. The contract is docs/batch.md.
 
     python -m jaxinfer.launch.batch --input requests.jsonl --output DIR
     python -m jaxinfer.launch.batch --input prompts.txt --output DIR --max_tokens 128 \
@@ -10,10 +10,8 @@ Sharded, resumable, exactly-once; the contract is docs/batch.md.
     python -m jaxinfer.launch.batch --input requests.jsonl --output DIR \
         --runner ray --num_workers 8                # Ray Data, one LLM per actor
 
-After a kill at any point, rerunning the same command goes on from the last commit. The model,
-engine, quantization, speculative and sampling flags and --config come from launch.common, the
-mesh and multi-process flags from launch.distributed. The progress bar goes to stderr, the
-final one-line summary to stdout.
+Rerunning the same command after a kill goes on from the last commit. Model, engine, sampling
+and --config flags come from launch.common, mesh flags from launch.distributed.
 """
 
 from __future__ import annotations
@@ -111,9 +109,8 @@ def run() -> dict:
 
 
 def _early_lock(spec):
-    """The shard's lock, taken before the model loads, where this is plainly the one process
-    of the run (the runners take it again, reentrantly). A multi-process worker learns whether
-    it is the writer (process 0) only once jax.distributed has started, inside make_llm."""
+    """The shard's lock, taken before the model loads when this is plainly the run's only
+    process (a multi-process worker learns whether it writes only inside make_llm)."""
     from jaxinfer.batch.job import shard_lock
 
     multi = FLAGS["coordinator_address"].value is not None or any(

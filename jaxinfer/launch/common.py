@@ -1,19 +1,11 @@
-"""Flags and set-up shared by the launch scripts that serve a model (generate, batch, serve).
+"""Flags and set-up shared by the launchers that serve a model (generate, batch, serve): the
+model, engine, speculative and sampling flags and --config, turned into LLM and SamplingParams
+keyword arguments. Mesh and multi-process flags live in launch/distributed.py.
 
-Defines, once per process, the model / engine / quantization / speculative flags, the sampling
-flags and --config, and turns them into LLM and SamplingParams keyword arguments. Mesh and
-multi-process flags live in launch/distributed.py.
-
---config takes a preset name (jaxinfer/configs/NAME.json, shipped in the package) or a path to a
-JSON file, such as the deployment configs in the repository's configs/ folder, shaped
-
-    {"description": str, "model": {LLM kwargs}, "sampling": {SamplingParams kwargs},
-     "chat": bool, "mesh": {"data": d, "tensor": t, "sequence": s}}
-
-every section optional ("description" is for the reader and ignored). Flags passed on the
-command line override the preset, one setting at a time (--tensor replaces only the preset's
-"tensor"). A preset's model "speculative" entry is a dict of SpeculativeConfig fields. Defaults
-come from the library, so the command line and the Python API agree.
+--config takes a preset name (jaxinfer/configs/NAME.json) or a path to a JSON file (such as the
+deployment presets in the repository's configs/ folder) with the optional sections
+{"description", "model", "sampling", "chat", "mesh"}; flags passed explicitly override it one
+setting at a time. Defaults come from the library, so the command line and Python API agree.
 """
 
 from __future__ import annotations
@@ -29,10 +21,9 @@ from typing import Optional
 from absl import app, flags, logging
 
 from jaxinfer import backends, configs
-from jaxinfer.config import MeshConfig
+from jaxinfer.config import MeshConfig, SpeculativeConfig
 from jaxinfer.engine.request import SamplingParams
 from jaxinfer.launch import distributed
-from jaxinfer.config import SpeculativeConfig
 
 SP_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
 _SPEC_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SpeculativeConfig)}
@@ -173,10 +164,9 @@ def preset_from_flag() -> dict:
 
 
 def build_settings(preset: dict) -> tuple[dict, dict]:
-    """(LLM kwargs, SamplingParams kwargs): the preset, overridden by flags passed explicitly.
-    A flag that is neither passed nor in the preset contributes its default (the library's).
-    The LLM kwargs' "speculative" is a SpeculativeConfig or None. The mesh comes from
-    build_mesh: a batch job records it beside the LLM kwargs, not among them."""
+    """(LLM kwargs, SamplingParams kwargs): the preset, overridden by flags passed explicitly,
+    else the library's defaults. "speculative" is a SpeculativeConfig or None; the mesh is
+    build_mesh's, kept apart because a batch job records it beside the LLM kwargs."""
     llm_kwargs = dict(preset.get("model", {}))
     sampling_kwargs = dict(preset.get("sampling", {}))
     for names, kwargs in ((MODEL_FLAGS, llm_kwargs), (SAMPLING_FLAGS, sampling_kwargs)):
@@ -195,15 +185,13 @@ def build_settings(preset: dict) -> tuple[dict, dict]:
 
 
 def build_mesh(preset: dict) -> Optional[MeshConfig]:
-    """The MeshConfig of the preset's "mesh" section and the --data/--tensor/--sequence flags
-    passed explicitly (distributed.mesh_config); None for one device."""
+    """The preset's "mesh" section overridden by the mesh flags; None for one device."""
     return distributed.mesh_config(preset.get("mesh"))
 
 
 def make_llm(llm_kwargs: dict, mesh: Optional[MeshConfig] = None, warmup: bool = False):
-    """Starts jax.distributed (a no-op for one process), builds the LLM on `mesh` (a
-    MeshConfig, from build_mesh; None: one device), and warms it up when asked; timings go to
-    stderr."""
+    """Starts jax.distributed (a no-op for one process), builds the LLM on `mesh` (None: one
+    device) and warms it up when asked; load and compile times go to stderr."""
     from jaxinfer.llm import LLM
 
     kwargs = dict(llm_kwargs)
@@ -221,12 +209,9 @@ def make_llm(llm_kwargs: dict, mesh: Optional[MeshConfig] = None, warmup: bool =
 
 
 def run_main(argv, run, errors=(ValueError, NotImplementedError)):
-    """The launchers' main: the process-wide XLA flags set before anything can start a jax
-    backend (jax.distributed, the mesh, the model), no positional arguments, absl logging at
-    WARNING unless --verbosity was given, and bad input (`errors`) as a one-line message
-    instead of a traceback. Returns run()'s result."""
-    # XLA reads its flags once, when the first backend starts; LLM() sets them too, but
-    # distributed.initialize() runs before it.
+    """The launchers' main: XLA flags set before any jax backend starts (XLA reads them once),
+    no positional arguments, absl logging at WARNING unless --verbosity is given, and
+    `errors` as a one-line message instead of a traceback. Returns run()'s result."""
     backends.set_xla_flags()
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")

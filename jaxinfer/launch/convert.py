@@ -4,13 +4,9 @@ checkpoint, optionally quantized.
     python -m jaxinfer.launch.convert --model smollm2-135m --output /tmp/smollm2 \
         [--dtype float32|bfloat16] [--quantization int8|int4|int4-awq|fp8] [--overwrite]
 
-The checkpoint restores without the source model or its tokenizer files:
-`jaxinfer.loading.load_model("/tmp/smollm2")`, `LLM("/tmp/smollm2")`. With --quantization the
-quantized weights are stored as they are (codes, scales, offsets), so loading them does no
-quantization work: an int4-awq checkpoint loads without its calibration (138 s for SmolLM2 on
-two CPU cores, paid once here; measured by `python benchmarks/loading.py --configs int4-awq
---runs 1`, docs/quantization.md). Loading it with the same quantization keeps it as
-is; another mode requantizes from its dequantized weights.
+The checkpoint loads without the source model: `LLM("/tmp/smollm2")`. Quantized weights are
+stored as they are, so loading them skips quantization work such as AWQ's calibration
+(docs/quantization.md); loading with another mode requantizes.
 """
 
 from __future__ import annotations
@@ -23,9 +19,8 @@ from absl import app, flags, logging
 
 
 def define_flags() -> None:
-    """Registers this script's flags. Called when it runs as a script, not on import, so
-    that `convert` imports into a process that also holds launch.common's flags (which
-    define --model, --dtype and --quantization with other meanings)."""
+    """Registers this script's flags when it runs as a script, not on import: launch.common
+    defines --model, --dtype and --quantization with other meanings."""
     flags.DEFINE_string("model", None, "Model alias, .gguf path or HF model directory.")
     flags.DEFINE_string("output", None, "Checkpoint directory to write.")
     flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
@@ -43,12 +38,9 @@ def _dir_size(path: str) -> int:
 
 def convert(model: str, output: str, dtype: str = "float32", overwrite: bool = False,
             quantization: Optional[str] = None) -> dict:
-    """Loads `model` with float params cast to `dtype`, quantized by `quantization` (see
-    jaxinfer.quant.quantize_model), and saves it as a checkpoint at `output`.
-
-    Returns a summary: output, num_params (array elements, codes counted once), bytes (on
-    disk), seconds, has_tokenizer, quantization.
-    """
+    """Loads `model` (float params in `dtype`, quantized by `quantization`) and saves it as a
+    checkpoint at `output`; returns a summary (output, num_params, bytes on disk, seconds,
+    has_tokenizer, quantization)."""
     import jax
     import jax.numpy as jnp
 
@@ -72,10 +64,7 @@ def convert(model: str, output: str, dtype: str = "float32", overwrite: bool = F
 def main(argv):
     from jaxinfer import backends
 
-    # First thing, as common.run_main does for generate, serve and batch (this script cannot
-    # import launch.common: their --model flags clash). XLA reads its flags when the first
-    # backend starts, here inside load_model.
-    backends.set_xla_flags()
+    backends.set_xla_flags()  # as common.run_main, before load_model starts a backend
     FLAGS = flags.FLAGS
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")

@@ -1,13 +1,7 @@
-"""Multi-process (multi-host) start-up and mesh flags shared by the launch scripts.
-
-One process per host (or per group of local devices) runs the same script; together they form
-one mesh over every process's devices. `--coordinator_address host:port --num_processes N
---process_id i` start jax.distributed explicitly; without them, a cluster environment that jax
-recognises (SLURM, Open MPI, Kubernetes JobSet, Cloud TPU) or JAX_COORDINATOR_ADDRESS starts
-it; otherwise the script runs as a single process.
-
-The mesh is a preset's "mesh" section ({"data": d, "tensor": t, "sequence": s}, each optional),
-each degree overridden by its flag (--data, --tensor, --sequence) when that is passed.
+"""Multi-process start-up and mesh flags shared by the launchers. Every process runs the same
+script; jax.distributed starts from --coordinator_address/--num_processes/--process_id, or from
+a cluster environment jax recognises, else the script runs as one process. The mesh is a
+preset's "mesh" section, each degree overridden by its flag (--data, --tensor, --sequence).
 """
 
 from __future__ import annotations
@@ -53,9 +47,8 @@ def initialize() -> None:
 
 
 def mesh_config(preset_mesh: Optional[dict] = None) -> Optional[MeshConfig]:
-    """The mesh of a preset's "mesh" section (checked by common.load_preset), each degree
-    replaced by its flag where that was passed on the command line; a degree in neither is 1.
-    None when every degree is 1 (one device)."""
+    """The preset's "mesh" section, each degree replaced by its flag where that was passed
+    (a degree in neither is 1); None when every degree is 1."""
     preset_mesh = preset_mesh or {}
     mesh = MeshConfig(**{f.name: f.value if f.present else preset_mesh.get(f.name, f.value)
                          for f in (_DATA, _TENSOR, _SEQUENCE)})

@@ -5,13 +5,8 @@
         --text /usr/share/common-licenses/GPL-3 --max_tokens 4096 --window 512 --json out.json
     python -m jaxinfer.launch.evaluate --model /tmp/smollm2-awq --reference_model smollm2-135m
 
-The text's first --max_tokens tokens are scored in windows of --window tokens
-(jaxinfer.evaluation). The same model in float32 with a float cache (or --reference_model, for
-a quantized checkpoint, whose float source is another path) is scored too (unless
---noreference): its perplexity, and the fraction of positions where both models' most likely
-next token agree ("greedy agreement", teacher-forced on the text). Prints one line per model
-and the parameter bytes of each; --json writes the same as JSON. --group_size: elements per
-scale of int8 / int4 (default jaxinfer.quant.GROUP_SIZE; 0: per output channel).
+The float32 reference (or --reference_model, for a quantized checkpoint) is scored on the same
+windows; greedy agreement is the fraction of positions where both models' top token agree.
 """
 
 from __future__ import annotations
@@ -29,9 +24,8 @@ from jaxinfer.quant import KV_DTYPES, MODES
 DEFAULT_TEXT = "/usr/share/common-licenses/GPL-3"
 
 def define_flags() -> None:
-    """Registers this script's flags. Called when it runs as a script, not on import, so
-    that `evaluate` imports into a process that also holds launch.common's flags (which
-    define --model, --quantization and --max_tokens with other meanings)."""
+    """Registers this script's flags when it runs as a script, not on import: launch.common
+    defines --model, --quantization and --max_tokens with other meanings."""
     flags.DEFINE_string("model", "smollm2-135m", "Model alias, .gguf path or HF model "
                         "directory.")
     flags.DEFINE_enum("quantization", None, list(MODES), "Weight quantization.")
@@ -90,10 +84,7 @@ def _nbytes(params) -> int:
 
 def main(argv):
     del argv
-    # First thing, as common.run_main does for generate, serve and batch (this script cannot
-    # import launch.common: their --model flags clash). XLA reads its flags when the first
-    # backend starts, here inside load_model.
-    backends.set_xla_flags()
+    backends.set_xla_flags()  # as common.run_main, before load_model starts a backend
     F = flags.FLAGS
     r = evaluate(F.model, F.quantization, F.kv_cache_dtype, F.text, F.max_tokens, F.window,
                  F.reference, F.group_size, F.reference_model)

@@ -9,15 +9,9 @@
         --process_id i --data 2 --sequence 4 --prompt ...
     python -m jaxinfer.launch.generate --config configs/smollm2-135m-ngram-cpu.json --prompt ...
 
---config takes a preset name (jaxinfer/configs/NAME.json, shipped in the package) or a path to a
-JSON file shaped {"model": {LLM kwargs}, "sampling": {SamplingParams kwargs}, "chat": bool,
-"mesh": {"data": d, "tensor": t, "sequence": s}} (launch.common; the repository's configs/
-folder holds deployment configs to copy). Flags passed on the command line override the preset.
-Sampling flag defaults are SamplingParams' defaults (greedy decoding).
-
-Prints each answer, then a table of per-request metrics (TTFT, mean inter-token latency, decode
-tokens/s, finish reason) and an aggregate line. The first request of a run pays for XLA
-compilation in its TTFT unless --warmup compiles every shape beforehand.
+--config and the shared flags are launch.common's. Prints each answer, then per-request metrics
+(TTFT, inter-token latency, decode tokens/s, finish reason); without --warmup the first request's
+TTFT includes compilation. Sampling defaults are SamplingParams' (greedy).
 """
 
 from __future__ import annotations

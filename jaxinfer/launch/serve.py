@@ -6,14 +6,8 @@
     python -m jaxinfer.launch.serve --tensor 2 --host 0.0.0.0   # on a mesh, reachable from others
     python -m jaxinfer.launch.serve --config configs/smollm2-135m-chat-server.json
 
-Then any OpenAI client: `openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key=...)`.
-Endpoints: POST /v1/completions, POST /v1/chat/completions (stream: true for server-sent
-events), GET /v1/models, GET /health (200 once the model is loaded and warmed), GET /metrics
-(Prometheus). Binds 127.0.0.1 unless --host says otherwise. SIGTERM drains: no new requests,
-running ones finish or are aborted after --drain_timeout, exit 0. The contract is in
-docs/serving.md; the model, engine, quantization, speculative, mesh and --config flags are
-those of launch.generate (sampling is per request, so the sampling flags are refused, and a
-preset's "sampling" and "chat" sections are not used).
+Model, engine, mesh and --config flags are those of launch.generate; sampling is per request,
+so the sampling flags are refused. SIGTERM drains, then exits 0. The contract is docs/serving.md.
 """
 
 from __future__ import annotations
@@ -58,18 +52,13 @@ def check_flags() -> None:
     if given:
         raise ValueError(f"--{given[0]}: sampling settings are per request in the server "
                          "(send them in the request body)")
-    for name, flag, lo in (("--port", _PORT, 0), ("--max_waiting", _MAX_WAITING, 0),
-                           ("--max_body_bytes", _MAX_BODY, 1)):
-        if flag.value < lo:
-            raise ValueError(f"{name} must be >= {lo}, got {flag.value}")
-    if not _DRAIN.value >= 0:
-        raise ValueError(f"--drain_timeout must be >= 0, got {_DRAIN.value}")
-    if not _KEEP_ALIVE.value > 0:
-        raise ValueError(f"--keep_alive_timeout must be > 0, got {_KEEP_ALIVE.value}")
-    if not _READ_TIMEOUT.value > 0:
-        raise ValueError(f"--read_timeout must be > 0, got {_READ_TIMEOUT.value}")
-    if _MAX_CONNECTIONS.value is not None and _MAX_CONNECTIONS.value < 1:
-        raise ValueError(f"--max_connections must be >= 1, got {_MAX_CONNECTIONS.value}")
+    for flag, lo in ((_PORT, 0), (_MAX_WAITING, 0), (_MAX_BODY, 1), (_DRAIN, 0),
+                     (_MAX_CONNECTIONS, 1)):
+        if flag.value is not None and not flag.value >= lo:
+            raise ValueError(f"--{flag.name} must be >= {lo}, got {flag.value}")
+    for flag in (_KEEP_ALIVE, _READ_TIMEOUT):
+        if not flag.value > 0:
+            raise ValueError(f"--{flag.name} must be > 0, got {flag.value}")
 
 
 def run() -> int:
@@ -102,7 +91,7 @@ def main(argv):
     code = common.run_main(argv, run)
     sys.stdout.flush()
     sys.stderr.flush()
-    # The loader thread may still be inside JAX when a signal came during loading.
+    # The loader thread may still be inside JAX if a signal came during loading.
     os._exit(code)
 
 

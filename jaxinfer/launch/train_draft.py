@@ -5,22 +5,12 @@
     then: ji.LLM("smollm2-135m", speculative=ji.SpeculativeConfig("draft",
                  draft_model="/tmp/smollm2-draft"))
 
-1. Data: the target answers every prompt of --prompts_file itself, --samples_per_prompt times
-   (chat template unless --nochat, --gen_tokens tokens at --gen_temperature, seeded), so the
-   draft learns the text it will be asked to predict. The last --eval_prompts prompts are held out.
-2. Draft: --num_layers decoder layers, initialised from evenly spaced layers of the target
-   (the first and the last among them); it shares the target's embedding, head and final norm,
-   which stay frozen.
-3. Training: optax AdamW (--learning_rate, cosine decay, gradient clipping at 1.0) on the
-   forward KL(p_target || q_draft) over the full vocabulary at every position of prompt and
-   answer, --batch_size sequences of at most --seq_len tokens per step.
-4. Saved as a jaxinfer (orbax) checkpoint with the target's tokenizer: usable as draft_model.
-5. With --eval (default), the acceptance of the trained draft and of the untrained one (the
-   same layers before training) in greedy speculative decoding of the held-out prompts,
-   through the public API (SpeculativeConfig("draft", num_draft_tokens=--num_draft)).
-
-Prints the loss every --log_every steps and, at the end, a JSON summary (also written to
-<out>/train_summary.json).
+The recipe: the target answers every prompt itself (seeded), so the draft learns the text it
+will be asked to predict; the draft (jaxinfer.draft_train) is trained with AdamW on
+KL(p_target || q_draft) over prompt and answer, and saved as a checkpoint with the target's
+tokenizer. With --eval, the acceptance of the trained and the untrained draft in greedy
+speculative decoding of the last --eval_prompts prompts (held out) is reported. The JSON
+summary is printed and written to <out>/train_summary.json.
 """
 
 from __future__ import annotations

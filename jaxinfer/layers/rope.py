@@ -15,12 +15,8 @@ from jaxinfer.config import RopeScaling
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None,
                   freq_factors: Sequence[float] | None = None) -> np.ndarray:
-    """Inverse frequencies [H/2] (float32).
-
-    `scaling` applies Llama-3 frequency-dependent scaling from its parameters (HF configs);
-    `freq_factors` [H/2] divides each inverse frequency by its factor (GGUF's `rope_freqs` tensor,
-    which is how llama.cpp stores the same scaling). At most one of the two may be given.
-    """
+    """Inverse frequencies [H/2] float32, with Llama-3 `scaling` (HF configs) or `freq_factors`
+    [H/2] dividing each (GGUF's rope_freqs, the same scaling as llama.cpp stores it)."""
     inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
     if scaling is not None and freq_factors is not None:
         raise ValueError("give RoPE scaling either as parameters or as frequency factors, not both")

@@ -29,26 +29,15 @@ class LoadedModel:
 def load_model(spec: str, dtype=jnp.float32, partitioner=None,
                quantization: Optional[str] = None,
                group_size: Optional[int] = None) -> LoadedModel:
-    """Loads a model from a spec. Raises ValueError (ModelFileError) for anything unusable.
+    """Loads a model from a spec; ValueError (ModelFileError) for anything unusable.
 
-    quantization (jaxinfer.quant.MODES; see jaxinfer.quant.quantize_model): the matrices are
-    quantized on the host before they reach the device. A GGUF's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K
-    blocks load natively, with no float copy of the model, and are kept where they are of the
-    requested kind ("int4" on a Q4_1 file keeps the file's blocks). "int4-awq" quantizes the
-    float (or dequantized) weights with activation-aware scales calibrated on the package's
-    calibration text: a calibration forward and a search on the host, 138 s for SmolLM2
-    on the 2-core CPU (benchmarks/loading.py --configs int4-awq), unless the model is a checkpoint written with that mode
-    (`launch.convert --quantization int4-awq`), which loads as it was written. group_size:
+    quantization (quant.MODES): the matrices are quantized on the host before they reach the
+    device (quant.quantize_model); a GGUF's blocks of the requested kind are kept as they are.
+    "int4-awq" calibrates on the host, which takes minutes, unless the model is a checkpoint
+    converted with that mode. A checkpoint loads as written without `quantization`. group_size:
     elements per scale for "int8" / "int4" (default quant.GROUP_SIZE; 0: per channel).
-
-    An orbax checkpoint loads as it was written (quantized or not) without `quantization`;
-    with another mode its weights are dequantized on the host and quantized anew.
-
-    partitioner (jaxinfer.sharding.Partitioner): weights, quantized ones too, go straight into
-    their shardings on its mesh (each device receives its own shard, from host memory or from
-    the checkpoint); a tensor degree that does not split the model raises ValueError first.
-    Where the tensor degree exceeds the kv heads they are replicated (the returned config
-    says how many).
+    partitioner: weights go straight into their shardings on its mesh, kv heads replicated
+    where the tensor degree exceeds them (the returned config says how many).
     """
     from jaxinfer import quant
 
@@ -113,9 +102,8 @@ def load_model(spec: str, dtype=jnp.float32, partitioner=None,
 
 
 def _build(cfg: ModelConfig, weights: dict, dtype, partitioner):
-    """(config, params) from host weights, placed by the partitioner when there is one: each
-    weight (a quantized one's codes, scales and offsets alike) put straight into its sharding,
-    so no device ever holds a whole replicated copy."""
+    """(config, params) from host weights, each put straight into its sharding when there is a
+    partitioner, so no device holds a whole copy."""
     from jaxinfer.models import get_model
 
     model = get_model(cfg.architecture)

@@ -1,18 +1,13 @@
 """jaxinfer checkpoints: a model's params saved with orbax, its config and its tokenizer.
 
-Layout of a checkpoint directory:
-
     jaxinfer_config.json   {"format_version", "config": ModelConfig fields, "param_dtype",
                             optional "quantization": {"mode", "weights": {name: layout}}}
     params/                the params pytree, orbax StandardCheckpointer format
     tokenizer/             optional: tokenizer.json, tokenizer_config.json, generation_config.json
 
-The config file is written last, so a directory counts as a checkpoint (`is_checkpoint_dir`)
-only once the params are complete. Restoring builds the abstract params tree from the config
-(`jax.eval_shape` of the model's initialiser), so nothing of the source model is read. A
-quantized weight (quant.QuantizedWeight) is stored as its codes, scales and offsets; its layout
-(kind, grouped axis, group size) is in the config file and the arrays' shapes and dtypes in
-orbax's metadata, so an int4-awq checkpoint restores as it was searched, without calibration.
+The config file is written last, so a directory is a checkpoint only once the params are
+complete. Restoring builds the abstract params from the config and the recorded layouts, so a
+quantized checkpoint (int4-awq included) restores as written, without calibration.
 """
 
 from __future__ import annotations
@@ -34,10 +29,6 @@ PARAMS_DIR = "params"
 TOKENIZER_DIR = "tokenizer"
 
 
-def config_to_json(cfg: ModelConfig) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)  # rope_scaling becomes a nested dict (or None)
-
-
 def config_from_json(d: dict[str, Any], path: str = "") -> ModelConfig:
     try:
         d = dict(d)
@@ -49,11 +40,8 @@ def config_from_json(d: dict[str, Any], path: str = "") -> ModelConfig:
 
 
 def save_tokenizer(tok, directory: str) -> None:
-    """Writes `tok` (jaxinfer.loading.tokenizer.Tokenizer) as HF tokenizer files that
-    `Tokenizer.from_hf_dir` reads back to an equivalent tokenizer."""
+    """Writes `tok` as HF tokenizer files that `Tokenizer.from_hf_dir` reads back as equal."""
     os.makedirs(directory, exist_ok=True)
-    # The Tokenizer has no writer of its own; its `tokenizers` backend holds the vocabulary,
-    # merges, pre-tokenizer and added tokens, and serialises them as tokenizer.json.
     tok._tok.save(os.path.join(directory, "tokenizer.json"))
     text = tok.id_to_token
     config = {
@@ -93,12 +81,9 @@ def named_weights(params) -> dict:
 
 def save_checkpoint(path: str, cfg: ModelConfig, params, tokenizer=None, *,
                     overwrite: bool = False, quantization: Optional[str] = None) -> None:
-    """Saves params (any dtype; leaves as stored, quantized weights as their codes, scales and
-    offsets) and config, and the tokenizer if given. `quantization`: the mode the params were
-    quantized with (recorded, so that loading with the same mode keeps them as they are).
-
-    Raises ValueError if `path` exists and is not empty, unless overwrite.
-    """
+    """Saves params (quantized weights as their codes, scales and offsets), config and the
+    tokenizer if given; `quantization` records the params' mode, so loading with it keeps
+    them. ValueError if `path` exists and is not empty, unless overwrite."""
     import shutil
 
     import orbax.checkpoint as ocp
@@ -119,7 +104,7 @@ def save_checkpoint(path: str, cfg: ModelConfig, params, tokenizer=None, *,
         save_tokenizer(tokenizer, os.path.join(path, TOKENIZER_DIR))
     leaves = jax.tree_util.tree_leaves_with_path(params, is_leaf=_is_quantized)
     dtypes = sorted({str(leaf.dtype) for _, leaf in leaves if not _is_quantized(leaf)})
-    meta = {"format_version": FORMAT_VERSION, "config": config_to_json(cfg),
+    meta = {"format_version": FORMAT_VERSION, "config": dataclasses.asdict(cfg),
             "param_dtype": dtypes[0] if len(dtypes) == 1 else dtypes}
     layouts = {_name(p): leaf.layout() for p, leaf in leaves if _is_quantized(leaf)}
     if layouts or quantization is not None:
@@ -167,9 +152,8 @@ def _leaf_shapes(tree) -> dict[str, tuple[int, ...]]:
 
 
 def _abstract_params(model, cfg: ModelConfig, dtype, layouts: dict, stored: dict):
-    """The params tree to restore into: float leaves from the model's initialiser (in
-    `dtype`, which orbax casts to), quantized ones as QuantizedWeights of the stored arrays'
-    shapes and dtypes (stored: orbax's metadata by _name) with the recorded layout."""
+    """The params tree to restore into: float leaves from the model's initialiser in `dtype`,
+    quantized ones of the stored shapes and dtypes (stored: orbax's metadata by _name)."""
     from jaxinfer.quant import QuantizedWeight
 
     floats = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0), dtype))
@@ -189,8 +173,7 @@ def _abstract_params(model, cfg: ModelConfig, dtype, layouts: dict, stored: dict
 
 
 def _replicated_kv_heads(cfg: ModelConfig, params, model, partitioner):
-    """Restored params with kv heads replicated for a tensor degree above their count
-    (sharding.replicate_kv_heads on device; only wk, wv and their biases change)."""
+    """Restored params with kv heads replicated for a tensor degree above their count."""
     from jaxinfer import sharding
 
     layers = []
@@ -207,12 +190,8 @@ def _replicated_kv_heads(cfg: ModelConfig, params, model, partitioner):
 
 def load_checkpoint(path: str, dtype=jnp.float32,
                     partitioner=None) -> tuple[ModelConfig, Any, Optional[Any]]:
-    """Restores (config, params cast to dtype, Tokenizer or None) from a checkpoint directory.
-
-    Params come back as the model family's pytree (models.ModelParams of its layers) on the
-    default device, or with a partitioner (jaxinfer.sharding) restored straight into their
-    shardings on its mesh, kv heads replicated where the tensor degree exceeds them.
-    """
+    """Restores (config, params cast to dtype, Tokenizer or None) from a checkpoint directory,
+    on the default device or straight into the partitioner's shardings."""
     import orbax.checkpoint as ocp
 
     from jaxinfer.models import get_model

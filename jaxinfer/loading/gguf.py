@@ -1,15 +1,9 @@
-"""Reading GGUF files: metadata, model config and (dequantized) weights.
+"""Reading GGUF files: metadata, model config and weights.
 
-GGUF stores a 2-D weight of logical shape [out, in] with `shape == [in, out]` (ggml order) and
-the data laid out row-major as [out, in]. Llama-family Q and K projections are stored permuted
-for interleaved ("GPT-J style") RoPE; `_unpermute_qk` restores the half-rotation layout that the
-model uses (the layout of HF checkpoints).
-
-The file is parsed by `jaxinfer.loading.gguf_file` (memory-mapped, zero-copy tensor data).
-Tensors are decoded by `jaxinfer.quant.gguf_blocks`, the one block decoder: Q8_0, Q4_0, Q4_1,
-Q4_K and Q6_K as QuantizedWeights (kept as such with `quantized=True`, else dequantized on the
-host), F32 and F16 directly, other types through gguf-py; each bit for bit as
-`gguf.quants.dequantize`.
+GGUF stores a matrix of logical shape [out, in] row-major, with dims in ggml order. Llama and
+Mistral files store Q and K permuted for interleaved RoPE; `_unpermute_qk` restores the
+half-rotation layout of HF checkpoints that the model uses. The file is parsed by
+`gguf_file` and every tensor decoded by `quant.gguf_blocks`, bit for bit as gguf-py.
 """
 
 from __future__ import annotations
@@ -31,15 +25,9 @@ SUPPORTED_ARCHITECTURES = tuple(sorted(REGISTRY))
 Weight = Union[np.ndarray, quant.QuantizedWeight]
 
 
-def _open(path: str) -> GGUFFile:
-    """Parses a GGUF file; ModelFileError when it is missing, empty, not GGUF, truncated or
-    corrupt."""
-    return GGUFFile(path)
-
-
 def read_metadata(path: str) -> dict[str, Any]:
-    """All key/value metadata of a GGUF file as plain Python values (str, int, float, bool, list)."""
-    return dict(_open(path).metadata)
+    """All key/value metadata of a GGUF file as plain Python values."""
+    return dict(GGUFFile(path).metadata)
 
 
 def config_from_metadata(meta: dict[str, Any], path: str = "<gguf>") -> ModelConfig:
@@ -114,18 +102,15 @@ def config_from_metadata(meta: dict[str, Any], path: str = "<gguf>") -> ModelCon
         raise ModelFileError(f"{path!r}: {e}") from None
 
 
-# Threads that dequantize tensors while a model loads to float: numpy releases the GIL in the
-# block arithmetic, so the embedding and the layers decode side by side (SmolLM2's file:
-# load_model 0.42-0.46 s against 0.71-0.90 s on one thread). Loads that keep the file's codes
-# (quantized=True) use one: they gain little (0.22 against 0.25 s) and a second thread raised
-# their peak memory by 165 MiB (`benchmarks/loading.py --configs float,int4`).
+# Threads that dequantize tensors in a float load (numpy releases the GIL in the block
+# arithmetic). Loads that keep the file's codes use one: a second gains little and raises the
+# peak memory (docs/quantization.md).
 LOAD_THREADS = 2
 
 
 def _in_order(jobs: list[Callable[[], Any]], threads: int) -> list:
-    """Runs the jobs on `threads` threads and returns their results in order; a failing job
-    raises its error when its turn comes, the first failure in order being the one raised.
-    One thread: the caller's own (a worker thread's malloc arena kept its memory)."""
+    """The jobs' results in order, run on `threads` threads (the first failure in order is
+    raised); one thread is the caller's own (a worker's malloc arena kept its memory)."""
     if threads == 1:
         return [job() for job in jobs]
     with concurrent.futures.ThreadPoolExecutor(max_workers=threads) as pool:
@@ -134,9 +119,8 @@ def _in_order(jobs: list[Callable[[], Any]], threads: int) -> list:
 
 
 def gguf_family(meta: dict[str, Any]) -> str:
-    """The family (jaxinfer.models registry name) of a GGUF file: its general.architecture,
-    except that llama.cpp writes Mixtral as architecture "llama" with experts
-    (`llama.expert_count` > 0), which is the Mixtral family."""
+    """The models registry name of a GGUF file: its general.architecture, but "mixtral" for a
+    "llama" file with experts (how llama.cpp writes Mixtral)."""
     arch = meta.get("general.architecture")
     if arch == "llama" and int(meta.get("llama.expert_count") or 0) > 0:
         return "mixtral"
@@ -175,9 +159,7 @@ def dequantize(data: np.ndarray, type_id: int) -> np.ndarray:
 
 
 def dequantize_transposed(data: np.ndarray, type_id: int, shape: tuple[int, int]) -> np.ndarray:
-    """The transpose [in, out] (C-contiguous float32) of a matrix of logical shape
-    shape = (out, in) stored as `data`: `dequantize(data, type_id).reshape(shape).T`, but for
-    GGUF's blocks the codes are transposed rather than the floats."""
+    """`dequantize(data, type_id).reshape(shape).T`, C-contiguous, shape = (out, in)."""
     return to_float(data, type_id, tuple(shape), transposed=True)
 
 
@@ -199,9 +181,8 @@ def _dequantize(gf: GGUFFile, t: TensorInfo, transposed: bool = False) -> np.nda
 
 
 def _read(gf: GGUFFile, t: TensorInfo, transposed: bool, quantized: bool) -> Weight:
-    """`_dequantize`, except that with quantized=True a matrix of a type `gguf_blocks.from_gguf`
-    takes comes back as a QuantizedWeight of the same orientation ([in, out] and axis 0 with
-    transposed=True, else [out, in] and axis 1)."""
+    """`_dequantize`, but with quantized=True a matrix of a BLOCKS type comes back as a
+    QuantizedWeight of the same orientation."""
     if (quantized and len(t.shape) == 2 and gf.byte_order == "<"
             and t.type in gguf_blocks.BLOCKS):
         try:
@@ -232,23 +213,14 @@ _UNSUPPORTED_BIASES = ("attn_output.bias", "ffn_gate.bias", "ffn_up.bias", "ffn_
 
 def load_gguf(path: str, *, quantized: bool = False
               ) -> tuple[ModelConfig, dict[str, Weight], dict[str, Any]]:
-    """Loads a GGUF model.
-
-    Returns (config, weights, metadata). weights uses the names of the family's
-    params_from_weights (jaxinfer.models): "embed" [V, D], "final_norm" [D], optional
-    "lm_head" [D, V], and per layer i "layers.{i}.{name}" with linear weights as [in, out]
-    float32 arrays; a family with its own `gguf_layer` (Qwen3, the MoE families, Gemma 3)
-    reads its layers' tensors itself, the Llama family through the tables below. Every
-    tensor's shape is checked against the metadata before it is read. A `rope_freqs.weight`
-    tensor (Llama-3 RoPE scaling as llama.cpp stores it) becomes `config.rope_freq_factors`.
-
-    quantized=True: matrices stored as Q8_0, Q4_0, Q4_1, Q4_K or Q6_K come as
-    `quant.QuantizedWeight` holding the file's codes (host numpy arrays), grouped along the
-    contraction axis: axis 0 of linear weights and "lm_head" [in, out], axis 1 of "embed"
-    [V, D]. Each dequantizes to the float array that quantized=False gives. Other types and
-    1-D tensors stay float32.
+    """Loads a GGUF model: (config, weights, metadata), weights named as the family's
+    params_from_weights takes them: "embed" [V, D], "final_norm" [D], optional "lm_head"
+    [D, V], "layers.{i}.{name}" with linear weights [in, out], float32. Every tensor's shape is
+    checked against the metadata before it is read. quantized=True: matrices of the BLOCKS
+    types come as QuantizedWeights of the file's codes, grouped along the contraction axis,
+    each dequantizing to what quantized=False gives.
     """
-    gf = _open(path)
+    gf = GGUFFile(path)
     meta = dict(gf.metadata)
     cfg = config_from_metadata(meta, path)
     tensors = gf.tensors
@@ -287,8 +259,7 @@ def load_gguf(path: str, *, quantized: bool = False
         return _read(gf, checked(name, symbols), transposed, quantized)
 
     weights: dict[str, Weight] = {}
-    # The embedding, the largest tensor, is checked now and decodes beside the layers (see
-    # _in_order below).
+    # The embedding, the largest tensor, is checked now and decodes beside the layers.
     embed_info = checked("token_embd.weight", ("V", "D"))
     threads = 1 if quantized else LOAD_THREADS
     read_embed = lambda: _read(gf, embed_info, False, quantized)  # noqa: E731

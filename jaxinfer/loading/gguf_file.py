@@ -1,19 +1,13 @@
-"""A reader for GGUF files, the model format of ggml / llama.cpp (ggml's docs/gguf.md).
-
-Layout (little-endian unless the file is big-endian, which the version field reveals):
+"""A reader for GGUF files, the model format of ggml / llama.cpp (ggml's docs/gguf.md):
 
     magic "GGUF" | version u32 (2 or 3) | tensor_count u64 | kv_count u64
     kv_count x (key: string, value_type: u32, value)
     tensor_count x (name: string, n_dims: u32, dims: u64[n_dims], ggml_type: u32, offset: u64)
     padding to `general.alignment` (default 32) | tensor data
 
-A string is a u64 byte length and UTF-8 bytes; an array is an element type (u32), a count (u64)
-and the elements, which may themselves be arrays. Tensor offsets count from the start of the data
-section; dims are in ggml order (ne0, the contiguous dimension, first).
-
-The file is memory-mapped: metadata is decoded straight from the mapping (string arrays such as a
-tokenizer vocabulary with one tight loop, numeric arrays with one numpy view each) and tensor data
-are zero-copy numpy views. Every malformation raises `ModelFileError` naming the file.
+Little-endian unless the version field reveals a big-endian file. The file is memory-mapped:
+metadata is decoded from the mapping and tensor data are zero-copy numpy views. Every
+malformation raises `ModelFileError` naming the file.
 """
 
 from __future__ import annotations
@@ -30,13 +24,10 @@ GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 _MAX_ARRAY_NESTING = 16
-# Elements of one metadata array, nested arrays counted together: the largest in real files
-# are the tokenizer's (tokens, scores and token types: 262,144 each for Gemma 3; merges, about
-# 280,000 for Llama 3). 2**24 leaves 64 times that, and bounds what a crafted count makes us
-# build (a Python object per element) before the file's end is reached.
+# Bounds on what a crafted count makes us build before the file's end is reached, far above
+# real files' largest (a tokenizer's arrays; an embedded tokenizer.json): elements of one
+# metadata array with its nested arrays, and bytes of one string.
 MAX_ARRAY_ELEMENTS = 2**24
-# Bytes of one string (a key, a value, an array element, a tensor name): the largest in real
-# files are chat templates and an embedded tokenizer.json (tens of MB).
 MAX_STRING_BYTES = 2**27
 
 
@@ -107,13 +98,8 @@ class _Corrupt(Exception):
 
 
 class GGUFFile:
-    """A parsed, memory-mapped GGUF file.
-
-    metadata: key -> plain Python value (int, float, bool, str, or a list of those, nested for
-    arrays of arrays), in file order. value_types: key -> (type,) for a scalar, (ARRAY, element
-    type) for an array. tensors: name -> TensorInfo, in file order. `tensor_bytes` and
-    `tensor_array` give zero-copy read-only views of a tensor's data.
-    """
+    """A parsed, memory-mapped GGUF file. metadata: key -> plain Python value, in file order;
+    value_types: key -> (type,) or (ARRAY, element type); tensors: name -> TensorInfo."""
 
     def __init__(self, path: str | os.PathLike):
         path = os.fspath(path)
@@ -141,8 +127,7 @@ class GGUFFile:
             raise
 
     def close(self) -> None:
-        """Unmaps the file unless tensor views still use it (then it stays mapped until they
-        are gone)."""
+        """Unmaps the file unless tensor views still use it."""
         try:
             self._mm.close()
         except BufferError:
@@ -355,9 +340,8 @@ class GGUFFile:
         return np.frombuffer(self._mm, np.uint8, t.n_bytes, t.data_offset)
 
     def tensor_array(self, name: str) -> np.ndarray:
-        """A read-only view of a tensor's data: for plain types (F32, F16, F64, I8..I64) with its
-        logical shape and dtype (in the file's byte order); for block types (quantized, BF16) as
-        uint8 of shape (*shape[:-1], bytes per row)."""
+        """A read-only view of a tensor's data: plain types with their logical shape and dtype,
+        block types as uint8 (*shape[:-1], bytes per row)."""
         t = self.tensors[name]
         raw = self.tensor_bytes(name)
         plain = _PLAIN_DTYPES.get(t.type)

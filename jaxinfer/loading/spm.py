@@ -1,14 +1,10 @@
 """SentencePiece-style tokenizers from GGUF metadata (`tokenizer.ggml.model` "llama"): Gemma.
 
-Such a file carries the vocabulary (with scores and token types) but no merges. The tokenizer is
-rebuilt as a `tokenizers` BPE model with byte fallback whose merges come from the vocabulary:
-every split of a token into two tokens of the vocabulary is a merge, ranked by the token it
-makes. Spaces are written "▁" (U+2581) before the merges, no prefix space is added, and
-decoding turns "▁" back into spaces and byte tokens (<0x0A>) into bytes. This is the tokenizer HF
-transformers builds from the same file, which tests/data/gemma3_greedy.json checks.
-
-The rank: Gemma's scores do not follow its merge order, but the order of the tokens in the file
-does, so for Gemma a token's rank is its index; for other files, its score (higher first).
+Such a file carries the vocabulary but no merges, so the tokenizer is rebuilt as a `tokenizers`
+BPE model with byte fallback whose merges are every split of a token into two vocabulary
+tokens, ranked by the token (for Gemma by its index, which follows its merge order where its
+scores do not; otherwise by score). Spaces are written "▁" before the merges. This is the
+tokenizer HF transformers builds from the same file (tests/data/gemma3_greedy.json).
 """
 
 from __future__ import annotations
@@ -21,9 +17,8 @@ SPACE = "\u2581"
 
 
 def merges_from_vocab(tokens: list[str], priority: list[float]) -> list[tuple[str, str]]:
-    """Merges (left, right) for every token that splits into two vocabulary tokens, best
-    first: by the token's priority (higher first), then longer left piece, then longer right
-    piece, then the token's index (a token's splits differ in their left piece's length)."""
+    """Merges (left, right) for every split of a token into two vocabulary tokens, best first:
+    by the token's priority, then longer left piece, longer right piece, the token's index."""
     ids = {t: i for i, t in enumerate(tokens)}
     rank, left_len, right_len, which, pairs = [], [], [], [], []
     for index, token in enumerate(tokens):
@@ -68,9 +63,8 @@ def spm_backend(meta: dict) -> tuple[_HFTokenizer, list[str]]:
     return backend, tokens
 
 
-# Gemma's turn format, for Gemma files whose metadata carries no chat template (the base
-# models): a system message goes in front of the first user turn, the assistant is "model",
-# and a turn ends with <end_of_turn> (an end-of-generation token). No <bos>: encoding adds it.
+# Gemma's turn format for Gemma files without a chat template (the base models); no <bos>, as
+# encoding adds it.
 GEMMA_CHAT_TEMPLATE = (
     "{% if messages and messages[0]['role'] == 'system' %}"
     "{% set first = messages[0]['content'] | trim + '\n\n' %}{% set turns = messages[1:] %}"

@@ -1,9 +1,6 @@
-"""Text <-> token ids, chat templates and streaming detokenization.
-
-A GGUF file carries the whole tokenizer in its metadata (vocabulary, merges, token types and the
-name of the pre-tokenizer llama.cpp applies); it is rebuilt here with the `tokenizers` library so
-that encoding matches llama.cpp and the model's original HF tokenizer. A HF model directory is
-read from its tokenizer.json directly.
+"""Text <-> token ids, chat templates and streaming detokenization. A GGUF tokenizer is rebuilt
+from its metadata with the `tokenizers` library to encode as llama.cpp and the original HF
+tokenizer do; an HF directory's tokenizer.json is read directly.
 """
 
 from __future__ import annotations
@@ -60,11 +57,8 @@ def _byte_level_pre_tokenizer(pre: str):
 
 
 def _byte_level_respell(tokens: list[str], types: list[int]) -> list[str]:
-    """Normal tokens spelled in raw text rather than GPT-2's byte alphabet, re-spelled.
-
-    Some converters store a few normal tokens raw (or the GGUF reader replaced undecodable
-    bytes); their merges still use the byte-level spelling, so the vocabulary must too.
-    """
+    """Normal tokens stored in raw text re-spelled in GPT-2's byte alphabet, as their merges
+    spell them."""
     alphabet = set(pre_tokenizers.ByteLevel.alphabet())
     byte_to_char = None
     out = list(tokens)
@@ -217,9 +211,8 @@ class Tokenizer:
 
     @functools.cached_property
     def max_chars_per_token(self) -> int | None:
-        """The most characters of input text one token can stand for: its spelling's length
-        (a byte-level token spells each byte as one character, a text has no more characters
-        than bytes). None when a normalizer may shorten the text first (no bound claimed)."""
+        """The most characters of input text one token can stand for (its spelling's length),
+        or None where a normalizer may shorten the text first."""
         if self._tok.normalizer is not None:
             return None
         return max(len(t) for t in self._tok.get_vocab(with_added_tokens=True))
@@ -229,9 +222,6 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(int(token_id))
-
-    def token_to_id(self, token: str) -> int | None:
-        return self._tok.token_to_id(token)
 
     def _text_of(self, token_id: int | None) -> str:
         return "" if token_id is None else (self._tok.id_to_token(token_id) or "")
@@ -292,17 +282,9 @@ def _compile_template(source: str):
 
 
 class IncrementalDetokenizer:
-    """Turns a stream of token ids into text deltas without splitting a UTF-8 character:
-    `tokenizers.decoders.DecodeStream`, which holds tokens back while they end in part of a
-    multi-byte character and decodes each new token with the few before it (decoders that
-    look at neighbouring tokens stay consistent with decoding the whole sequence), plus what
-    it lacks: `flush` (what is still held back at the end, an incomplete character as U+FFFD)
-    and the ids fed. The concatenation of all deltas plus `flush()` equals
-    `tokenizer.decode(ids)` of the ids fed.
-
-    `prompt_ids`: the prompt's tokens, used only as leading context (not emitted), so that the
-    first generated token is rendered as it would be after the prompt.
-    """
+    """Token ids -> text deltas that never split a UTF-8 character (`DecodeStream`), plus
+    `flush`: all deltas and flush() equal `tokenizer.decode(ids)`. `prompt_ids`: leading
+    context only, so the first token renders as it would after the prompt."""
 
     _CONTEXT = 6  # prompt tokens kept as context
 
@@ -330,7 +312,7 @@ class IncrementalDetokenizer:
         return text
 
     def flush(self) -> str:
-        """Whatever is still held back (an incomplete character at the end comes out as U+FFFD)."""
+        """Whatever is still held back (an incomplete last character as U+FFFD)."""
         text = self._tokenizer.decode(self._ids, skip_special_tokens=self._skip)
         tail = text[self._emitted:]
         self._emitted = len(text)

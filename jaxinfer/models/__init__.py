@@ -1,9 +1,7 @@
 """Model families, by architecture name (GGUF general.architecture or HF model_type).
 
-Every family implements one protocol (jaxinfer.models.base.Family: config from GGUF metadata or
-an HF config, a parameter table with logical axes, embed, layer(..., linear_inputs=None), head, and the
-forwards built from them); everything outside this package reaches a family only through
-`get_model(cfg.architecture)`.
+Every family implements one protocol (jaxinfer.models.base.Family); everything outside this
+package reaches a family only through `get_model(cfg.architecture)`.
 
     llama       Llama 2/3, SmolLM, Mistral, Qwen2                   models/llama.py
     qwen3       Qwen3 (dense): Llama's layer with QK-norm           models/llama.py
@@ -17,8 +15,6 @@ from __future__ import annotations
 from jaxinfer.models import gemma3, llama, moe
 from jaxinfer.models.base import Family, ModelParams, sequence_logits
 
-ModelFamily = Family
-
 REGISTRY: dict[str, Family] = {
     "llama": llama.LLAMA, "mistral": llama.LLAMA, "qwen2": llama.LLAMA,
     "qwen3": llama.QWEN3,
@@ -29,8 +25,9 @@ REGISTRY: dict[str, Family] = {
 
 def get_model(architecture: str) -> Family:
     if architecture not in REGISTRY:
-        raise ValueError(f"unsupported architecture {architecture!r}; supported: {sorted(REGISTRY)}")
+        raise ValueError(f"unsupported architecture {architecture!r}; "
+                         f"supported: {sorted(REGISTRY)}")
     return REGISTRY[architecture]
 
 
-__all__ = ["Family", "ModelFamily", "ModelParams", "REGISTRY", "get_model", "sequence_logits"]
+__all__ = ["Family", "ModelParams", "REGISTRY", "get_model", "sequence_logits"]

@@ -3,25 +3,18 @@
 Shape legend: T tokens of a step, B cache rows, R rows of a dense block, L layers, N query
 heads, K kv heads, H head dim, D model dim, V vocab.
 
-A family (`Family` subclass, one module per family under jaxinfer/models/, reached through
-`jaxinfer.models.get_model(cfg.architecture)`) provides:
+A family (`Family` subclass, reached through `jaxinfer.models.get_model(cfg.architecture)`)
+provides (docs/models.md has the table):
   config       `hf_config(hf, path)` / `gguf_config(meta, get, path)`: its ModelConfig fields
-               beyond the common ones, from an HF config.json or GGUF metadata;
-  weights      `hf_layer(read, cfg, i)` / `gguf_layer(read, cfg, i)`: one layer's named host
-               weights from a file (linear weights [in, out]);
-  param_specs  every parameter once: name -> (shape, logical axes); random init, placement,
-               checkpoint restores and shardings all derive from it;
-  embed        tokens [T] -> h [T, D];
-  layer        `layer(lp, cfg, i, h, ctx, linear_inputs=None) -> (h, ctx)`: decoder layer i over the
-               step's tokens, its attention through `ctx` (the cache and the step's metadata,
-               `Context`); `linear_inputs`, a dict, receives the inputs of its linear groups (AWQ);
+  weights      `hf_layer(read, cfg, i)` / `gguf_layer(read, cfg, i)`: layer i's host weights
+  param_specs  every parameter once: name -> (shape, logical axes)
+  embed        tokens [T] -> h [T, D]
+  layer        `layer(lp, cfg, i, h, ctx, linear_inputs=None) -> (h, ctx)`: decoder layer i,
+               attending through `ctx` (Context); linear_inputs receives its linears' inputs
   final_norm, head   h [..., D] -> normed h; normed h -> logits [..., V] float32.
-`forward_tokens` (the step's forward over a TokenBatch), `forward` (a dense [R, T] block) and
-`sequence_logits` (the scoring forward) are built from those here, once for every family.
-
-Attention is per layer: layer i has its own sliding window `cfg.window(i)` (None: global) and
-RoPE base `cfg.layer_rope_theta(i)`. `Context` holds one RaggedMeta per distinct window and one
-(cos, sin) per distinct base, computed once per step and shared by the layers that use them.
+`forward_tokens`, `forward` and `sequence_logits` are built from those, once for every family.
+Layer i has its own window `cfg.window(i)` and RoPE base `cfg.layer_rope_theta(i)`; Context
+holds one RaggedMeta per window and one (cos, sin) per base, computed once per step.
 """
 
 from __future__ import annotations
@@ -63,16 +56,15 @@ class ModelParams:
                    meta_fields=["backend"])
 @dataclasses.dataclass(frozen=True)
 class Context:
-    """What a layer's attention needs of the step: the pools it writes and reads, where the
-    step's tokens go, the per-window / per-base metadata computed once per step, and which
-    layer runs. A pytree, so that a layer can be one jitted call (see forward_tokens)."""
+    """What a layer's attention needs of the step: the pools, where the step's tokens go, the
+    per-window and per-base metadata, and which layer runs. A pytree, so a layer can be one
+    jitted call."""
 
     cache: PagedKVCache             # the step's cache as it came in, without its pools
     k_all: Any                      # [L, P * Z, K, H] pools as written so far
     v_all: Any
     slots: jax.Array                # [T] pool slot of each token
-    # A hybrid cache's ring of sliding-window layers as written so far, and each token's slot
-    # in it (None without a ring: every layer is in k_all / v_all).
+    # A hybrid cache's ring of sliding-window layers, and each token's slot in it (None: no ring).
     local_k_all: Any
     local_v_all: Any
     local_slots: Optional[jax.Array]
@@ -93,14 +85,13 @@ class Context:
         return dataclasses.replace(self, **kw)
 
     def in_ring(self, cfg: ModelConfig, i: int) -> bool:
-        """Whether layer i keeps its keys in the ring (a sliding-window layer of a hybrid
-        cache) rather than in k_all / v_all."""
+        """Whether layer i keeps its keys in a hybrid cache's ring."""
         return self.local_k_all is not None and cfg.window(i) is not None
 
 
 def pool_index(cfg: ModelConfig, i: int, ring: bool) -> int:
-    """Layer i's index in the pool that holds its keys: with a ring (a hybrid cache), its rank
-    among the layers of its kind (sliding-window or global); without one, i."""
+    """Layer i's index in the pool holding its keys: with a ring, its rank among the layers of
+    its kind (sliding-window or global); else i."""
     if not ring:
         return i
     local = cfg.window(i) is not None
@@ -114,10 +105,8 @@ def rows(x: jax.Array) -> jax.Array:
 
 def attend(ctx: Context, cfg: ModelConfig, i: int, q: jax.Array, k: jax.Array,
            v: jax.Array) -> tuple[jax.Array, Context]:
-    """Writes the running layer's new keys and values k, v [T, K, H] into its part of the
-    pools (ctx.layer), then attends the queries q [T, N, H] over it with layer i's window and
-    score scale (i: a layer of the same kind, whose static properties these are). Returns
-    [T, N, H] and the context holding the written pools."""
+    """Writes the running layer's k, v [T, K, H] into its pool, then attends q [T, N, H] with
+    layer i's window and score scale. Returns ([T, N, H], the context with the written pools)."""
     window, cache = cfg.window(i), ctx.cache
     ring = ctx.in_ring(cfg, i)
     if ring:
@@ -135,8 +124,8 @@ def attend(ctx: Context, cfg: ModelConfig, i: int, q: jax.Array, k: jax.Array,
 
 
 class Family:
-    """The protocol, with the parts every decoder shares. Subclasses set `name` and
-    `layer_class` and provide param_specs, layer and the config / weight hooks."""
+    """The protocol and the parts every decoder shares. Subclasses set `name` and `layer_class`
+    and provide param_specs, layer and the file hooks."""
 
     name: str = ""
     layer_class: type = None
@@ -145,7 +134,7 @@ class Family:
     # -- configuration and weights from files (overridden per family) --------------------------
 
     def hf_config(self, hf: dict, path: str) -> dict:
-        """ModelConfig fields of this family beyond the common ones, from an HF config."""
+        """This family's ModelConfig fields beyond the common ones, from an HF config."""
         return {}
 
     def gguf_config(self, meta: dict, get: Callable, path: str) -> dict:
@@ -208,10 +197,8 @@ class Family:
     def params_from_weights(self, cfg: ModelConfig, weights: dict, dtype=jnp.float32,
                             place=None) -> ModelParams:
         """Params from named host weights ("layers.{i}.{name}", linear weights [in, out]).
-        place(array, logical_axes, dtype) -> jax.Array puts each weight where it belongs
-        (e.g. sharding.Partitioner.place); default: the default device. A QuantizedWeight's
-        codes, scales and offsets are placed with dtype None (each keeps its own) on the axes
-        quant.logical_axes derives from the float weight's."""
+        place(array, logical_axes, dtype) puts each (default: the default device); a
+        QuantizedWeight's parts keep their dtypes."""
         arrays = {}
         for name, (shape, axes) in self.expanded_specs(cfg):
             if name not in weights:
@@ -225,10 +212,8 @@ class Family:
                                              quant_logical_axes(arr, axes)))
                 continue
             if place is None and isinstance(arr, np.ndarray) and arr.dtype != dtype:
-                # Rounded on the host (numpy's casts round to nearest even, as XLA's): half the
-                # bytes to copy for a 16-bit dtype, no float32 copy on the device, and no
-                # conversion program per shape. SmolLM2's LLM() in bf16 took 0.65-0.89 s
-                # against 0.70-0.87 s converting on the device (three alternating runs).
+                # Rounded on the host (to nearest even, as XLA): fewer bytes to copy, no float32
+                # copy on the device, no conversion program per shape.
                 arr = arr.astype(dtype)
             arrays[name] = (jnp.asarray(arr, dtype=dtype) if place is None
                             else place(arr, axes, dtype))
@@ -241,9 +226,8 @@ class Family:
 
     @staticmethod
     def with_float32_activations(params: ModelParams) -> ModelParams:
-        """params with the vectors (norm weights, biases) in float32 and the matrices as they
-        are: activations and the KV cache then run in float32 while every matmul reads 16-bit
-        weights (Backend.dot)."""
+        """params with vectors (norms, biases) in float32 and matrices as they are: float32
+        activations and KV cache, 16-bit weights."""
         def vec(x):
             if isinstance(x, jax.Array) and x.ndim == 1:
                 return x.astype(jnp.float32)
@@ -274,8 +258,7 @@ class Family:
 
     def head(self, params: ModelParams, h: jax.Array,
              backend: Optional[Backend] = None) -> jax.Array:
-        """h [..., D] (already normalised) -> logits [..., V] in float32 (backend: default
-        backends.default())."""
+        """h [..., D] (normalised) -> logits [..., V] float32."""
         backend = backend if backend is not None else backends.default()
         if params.lm_head is None:
             return product(h, params.embed, "...D,VD->...V", backend)
@@ -289,10 +272,8 @@ class Family:
         """The step's attention context (see Context), once per forward."""
         T, B, Z = batch.num_tokens, cache.batch, cache.page_size
         positions = batch.positions(cache.lengths)                         # [T]
-        # The per-row metadata ([B] ints) is replicated on a mesh: every device builds the same
-        # tiles locally. Left sharded over `data`, the tiles' searches gathered across devices
-        # inside their loops, and XLA:CPU's simulated devices could deadlock on such nested
-        # collectives (each device waiting in a different one).
+        # The per-row metadata is replicated on a mesh: sharded, the tiles' searches gathered
+        # across devices inside loops, where XLA:CPU's simulated devices could deadlock.
         query_start, num_queries, lengths = (sharding.constrain(x, (None,)) for x in (
             batch.query_start, batch.num_queries, cache.lengths))
         kv_lengths = lengths + num_queries
@@ -319,31 +300,21 @@ class Family:
                        cache: PagedKVCache, *, backend: Optional[Backend] = None,
                        query_tile: int = 16, num_tiles: Optional[int] = None,
                        differentiable: bool = False) -> tuple[jax.Array, PagedKVCache]:
-        """Runs a flat step's tokens (jaxinfer.device.token_batch) through the model and appends their
-        K/V to the cache. Returns the final-normed hidden states [T, D] and the cache with each
-        row's length advanced by its num_queries. backend: the ops' implementations (default
-        backends.default()).
+        """A flat step's tokens through the model, their K/V appended to the cache: (final-normed
+        h [T, D], the cache with lengths advanced by num_queries).
 
-        Every matmul sees [T, D] at once. Each layer writes its new K/V into the donated cache
-        first (in place) and then attends over the cache alone: a ring is sized so that the
-        write never overwrites a key the step's queries still see. query_tile (static): queries
-        per attention tile (1 for decode); num_tiles (static) defaults to a bound that holds for
-        any split of the batch. differentiable (static): the jnp attention loops over every
-        page a row's table can hold (a fixed trip count, which jax.grad can go through).
-        The layers are unrolled: on XLA:CPU a scan copies each layer's weights out of the
-        stack before every matmul (docs/architecture.md, Model). Each layer is a call of one
-        jitted function per kind of layer (its window and RoPE base), its index in the pools
-        an argument: jax traces and lowers a kind once and reuses that for every layer of the
-        kind (SmolLM2's 30 layers: one trace), and XLA inlines the calls, so the compiled
-        program is the unrolled one."""
+        Each layer writes its K/V into the donated cache in place, then attends over it.
+        query_tile, num_tiles (static): the attention's tiles; differentiable (static): a fixed
+        trip count jax.grad can go through. The layers are unrolled (on XLA:CPU a scan copies
+        each layer's weights: docs/architecture.md, "Compiled shapes"), each a call of one jitted function
+        per kind (window, RoPE base), so a kind is traced once and XLA inlines the calls."""
         ctx = self.context(cfg, batch, cache, backend=backend, query_tile=query_tile,
                            num_tiles=num_tiles, differentiable=differentiable)
         h = rows(self.embed(params, cfg, batch.tokens))
         kinds = {}
         for i, lp in enumerate(params.layers):
             kind = (cfg.window(i), cfg.layer_rope_theta(i))
-            if kind not in kinds:  # jitted per forward: its trace cache lives as long as this
-                # layer i's static properties serve its whole kind; ctx.layer says which runs
+            if kind not in kinds:  # layer i's static properties serve its whole kind
                 kinds[kind] = jax.jit(lambda lp, h, ctx, i=i: self.layer(lp, cfg, i, h, ctx))
             index = pool_index(cfg, i, bool(cache.local_pages))
             with jax.named_scope(f"layer_{i}"):
@@ -356,9 +327,8 @@ class Family:
                 cache: PagedKVCache, num_new: jax.Array, *,
                 backend: Optional[Backend] = None, rows: jax.Array | None = None,
                 differentiable: bool = False) -> tuple[jax.Array, PagedKVCache]:
-        """forward_tokens for a block of tokens [R, T]: block row i feeds cache row rows[i]
-        (None: row i) its first num_new[i] tokens, at positions cache.lengths[row] + t (the rest
-        is padding). Returns the final-normed hidden states [R, T, D] and the cache."""
+        """forward_tokens for tokens [R, T]: row i feeds cache row rows[i] (None: i) its first
+        num_new[i] tokens. Returns (h [R, T, D], cache)."""
         R, T = tokens.shape
         batch = TokenBatch.dense(tokens, num_new, rows, cache.batch)
         tile = min(T, DENSE_QUERY_TILE)
@@ -368,18 +338,15 @@ class Family:
         return h.reshape(R, T, -1), cache
 
 
-# Queries per attention tile of a dense block: whole rows up to this, so decode (1) and
-# verification (k + 1) blocks make one tile a row, and long prefills many.
+# Queries per attention tile of a dense block: one tile a row for decode and verification.
 DENSE_QUERY_TILE = 16
 
 
 def sequence_logits(params: ModelParams, cfg: ModelConfig, tokens: jax.Array,
                     kv_cache_dtype: str | None = None,
                     backend: Optional[Backend] = None) -> jax.Array:
-    """Logits [B, T, V] (float32) of full sequences tokens [B, T] from an empty cache, for any
-    family (cfg.architecture picks it): the scoring forward (evaluation, perplexity, draft
-    training, tests), differentiable. kv_cache_dtype "int8" / "fp8": every layer attends to
-    its keys and values as a quantized cache stores them. backend: default backends.default()."""
+    """tokens [B, T] -> logits [B, T, V] float32 from an empty cache: the differentiable
+    scoring forward. kv_cache_dtype "int8" / "fp8": keys and values as such a cache stores them."""
     return _sequence_logits(params, cfg, tokens, kv_cache_dtype,
                             backend if backend is not None else backends.default())
 

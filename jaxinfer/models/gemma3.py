@@ -11,14 +11,10 @@ offsets from 1):
     x = norm(h, mlp_norm); h += norm(down(gelu_tanh(gate(x)) * up(x)), post_mlp_norm)
 The embedding is scaled by sqrt(D) (in the activations' dtype); the head is tied to it.
 
-Layer i is global when (i + 1) % pattern == 0 (pattern 6: five local layers, then one global),
-unless the HF config lists layer_types. Local layers have window `sliding_window` and RoPE base
-10,000 (HF's rope_local_base_freq; GGUF stores only the global base, rope.freq_base), global
-layers no window and the global base. `cfg.layer_windows` and `cfg.layer_rope_thetas` carry them
-per layer; the forward needs nothing else (jaxinfer.models.base.Context).
-
-GGUF files store each norm weight as 1 + w (llama.cpp adds the 1 on conversion); the loader
-subtracts it, as HF transformers does, so params hold w either way.
+Layer i is global when (i + 1) % 6 == 0 unless the HF config lists layer_types. Local layers
+have window `sliding_window` and RoPE base 10,000 (GGUF stores only the global base), global
+ones none and the global base (cfg.layer_windows, cfg.layer_rope_thetas). GGUF stores each norm
+weight as 1 + w; the loader subtracts the 1, so params hold w either way.
 """
 
 from __future__ import annotations
@@ -67,8 +63,7 @@ def norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
 
 def layer_kinds(num_layers: int, window: int, global_base: float,
                 types: Optional[list] = None) -> dict:
-    """ModelConfig's per-layer windows and RoPE bases: HF layer_types when given, else five
-    local layers per global one."""
+    """ModelConfig's per-layer windows and RoPE bases (HF layer_types, else the pattern)."""
     if types is None:
         types = ["full_attention" if (i + 1) % SLIDING_PATTERN == 0 else "sliding_attention"
                  for i in range(num_layers)]
@@ -150,15 +145,14 @@ class Gemma3(Family):
         for p in (full, local):
             if p.get("rope_type", "default") != "default":
                 raise ModelFileError(f"{path!r}: RoPE type {p['rope_type']!r} is not supported")
-        out = layer_kinds(int(hf["num_hidden_layers"]), int(hf["sliding_window"]),
-                          float(full.get("rope_theta", hf.get("rope_theta", 1e6))),
+        global_base = float(full.get("rope_theta", hf.get("rope_theta", 1e6)))
+        out = layer_kinds(int(hf["num_hidden_layers"]), int(hf["sliding_window"]), global_base,
                           hf.get("layer_types"))
         local_base = float(local.get("rope_theta", hf.get("rope_local_base_freq",
                                                               LOCAL_ROPE_BASE)))
         out["layer_rope_thetas"] = tuple(local_base if w else t for w, t in
                                          zip(out["layer_windows"], out["layer_rope_thetas"]))
-        out.update(qk_norm=True, tie_word_embeddings=True, rope_theta=float(
-                       full.get("rope_theta", hf.get("rope_theta", 1e6))),
+        out.update(qk_norm=True, tie_word_embeddings=True, rope_theta=global_base,
                    query_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5)
         return out
 

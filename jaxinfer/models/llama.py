@@ -3,13 +3,10 @@
 Shape legend: T tokens of a step, R rows of a dense block, N query heads, K kv heads, H head dim,
 D model dim, F ffn dim, V vocab.
 
-One layer: x = rms_norm(h); attention (q, k, v projections with optional biases (Qwen2) and
-optional RMSNorm over each query and key head (Qwen3, `cfg.qk_norm`), half-rotation RoPE); h +=
-wo(attention); h += down(silu(gate(x)) * up(x)) with x = rms_norm(h). The attention block is
-shared with the mixture-of-experts family (jaxinfer.models.moe).
-
-The module-level functions (`forward`, `forward_tokens`, `lm_head`, `init_params`, ...) are the
-family's methods, for callers that know they hold a Llama.
+One layer: x = rms_norm(h); q, k, v projections (biases: Qwen2; per-head RMSNorm of q and k:
+Qwen3, cfg.qk_norm), half-rotation RoPE; h += wo(attention); h += down(silu(gate(x)) * up(x))
+with x = rms_norm(h). models.moe shares the attention block. The module-level functions are
+the family's methods, for callers that know they hold a Llama.
 """
 
 from __future__ import annotations
@@ -103,8 +100,7 @@ class Llama(Family):
     layer_class = LayerParams
 
     def param_specs(self, cfg: ModelConfig):
-        """Every parameter once: name -> (shape, logical axes). "layers.*" entries describe one
-        layer (each of the L layers has them)."""
+        """Every parameter once: name -> (shape, logical axes); "layers.*": each layer's."""
         D, F = cfg.d_model, cfg.ffn_dim
         return {**vocab_specs(cfg), **attention_specs(cfg),
                 "layers.w_gate": ((D, F), ("embed", "ffn")),

@@ -3,29 +3,18 @@
 Shape legend: T tokens of a step, D model dim, F each expert's ffn dim, E experts (El on one
 device), k experts per token, M = T * k token-expert assignments, m rows of a tile.
 
-A layer is Llama's attention block (with QK-norm for Qwen3-MoE) and, in place of the MLP, a
-router and E SwiGLU experts. Routing (`route`):
-  "topk_softmax"  Mixtral: the k largest router logits, softmax over those k;
-  "softmax_topk"  Qwen3-MoE: softmax over all E, the k largest probabilities, divided by their
-                  sum when cfg.norm_topk_prob.
-The experts run as grouped matmuls over the assignments sorted by expert (`expert_ffn`), never
-as a dense all-experts product: each expert multiplies only the rows routed to it. Routing,
-sorting and dispatch are inside the jitted step. Two grouped matmuls, per backend
-(the backend's `tuning.grouped_matmul`):
-  "ragged_dot"  jax.lax.ragged_dot (GPU and TPU lower it to a grouped kernel);
-  "tiles"       XLA:CPU, whose ragged_dot is a masked product with every expert. With few
-                experts (most of them busy in a step), rounds of one batched product over
-                all experts, m rows of each group a round (`_rounds_ffn`); with many, tiles
-                of m rows within one expert's group and a while loop over the occupied tiles
-                only, each multiplying its rows by its expert (`_tiled_ffn`). Measured in
-                docs/models.md (benchmarks/moe_step.py).
+A layer is Llama's attention block (QK-norm for Qwen3-MoE) and, in place of the MLP, a router
+(`route`: Mixtral's "topk_softmax", Qwen3-MoE's "softmax_topk") and E SwiGLU experts, run as
+grouped matmuls over the assignments sorted by expert (`expert_ffn`): each expert multiplies
+only its rows. The grouped matmul is per backend (`tuning.grouped_matmul`): "ragged_dot", or
+"tiles" on XLA:CPU, whose ragged_dot multiplies every row by every expert: rounds of one batched
+product over all experts (`_rounds_ffn`, few experts) or a loop over the occupied tiles of one
+expert's rows (`_tiled_ffn`, many). docs/models.md has the measurements.
 
-Expert parallelism: the experts' axis has the logical axis "experts", which the sharding rules
-split over data x tensor (jaxinfer.sharding). On a mesh the expert FFN runs under shard_map: each
-device routes every token, keeps the assignments to its own El experts, runs them, and a psum
-over the expert axes adds the devices' partial outputs (each token's k experts may sit on k
-devices). The step's tokens are already on every device of the data x tensor group, so this one
-all-reduce of [T, D] is the only exchange (docs/models.md compares it with all-to-all).
+Expert parallelism: the "experts" axis splits over data x tensor. On a mesh each device routes
+every token, runs its own El experts under shard_map, and a psum of [T, D] adds the partial
+outputs, the only exchange since the tokens are on every device already (docs/models.md
+compares it with all-to-all).
 """
 
 from __future__ import annotations
@@ -79,8 +68,8 @@ def route(logits: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
 
 
 def _ragged_ffn(xs, sizes, w_gate, w_up, w_down, rows=None, dot=None):
-    """SwiGLU of the sorted rows xs [M, D] by lax.ragged_dot: rows past sum(sizes) give 0.
-    rows, dot: as _cpu_ffn's, unused (ragged_dot has no tiles to size)."""
+    """SwiGLU of the sorted rows xs [M, D] by lax.ragged_dot (rows past sum(sizes): 0); rows
+    and dot are _cpu_ffn's, unused here."""
     def rd(x, w):
         if jnp.finfo(x.dtype).bits > jnp.finfo(w.dtype).bits:
             x = x.astype(w.dtype)
@@ -90,16 +79,15 @@ def _ragged_ffn(xs, sizes, w_gate, w_up, w_down, rows=None, dot=None):
 
 
 def tile_rows(num_rows: int, num_experts: int) -> int:
-    """Rows per tile of the CPU grouped matmul: about an expert's mean share, a power of two
-    in [4, 64] (small tiles waste fewer rows, large ones fewer loop steps)."""
+    """Rows per tile of the CPU grouped matmul: an expert's mean share as a power of two in
+    [4, 64]."""
     share = -(-num_rows // num_experts)
     return int(min(64, max(4, 1 << (share - 1).bit_length())))
 
 
 def _tiled_ffn(xs, sizes, w_gate, w_up, w_down, rows=None, dot=None):
-    """SwiGLU of the sorted rows xs [M, D] (group e: sizes[e] rows from sum(sizes[:e])), one
-    tile of m rows of one expert per loop step, over the occupied tiles only, m sized for
-    `rows` rows (default M) over the E experts. Rows past sum(sizes) give 0."""
+    """SwiGLU of the sorted rows xs [M, D] (group e: sizes[e] rows), one tile of m rows of one
+    expert per loop step over the occupied tiles, m sized for `rows` rows (default M)."""
     M, D = xs.shape
     E = sizes.shape[0]
     m = tile_rows(M if rows is None else rows, E)
@@ -125,11 +113,8 @@ def _tiled_ffn(xs, sizes, w_gate, w_up, w_down, rows=None, dot=None):
 
 
 def _rounds_ffn(xs, sizes, w_gate, w_up, w_down, rows=None, dot=None):
-    """SwiGLU of the sorted rows xs [M, D] in rounds: round r takes rows r*m .. r*m + m - 1
-    of every expert's group at once, one batched product over all E experts (each expert's
-    weights read once a round), as many rounds as the largest group needs. m is twice the
-    mean share of `rows` rows (default M), so a balanced step takes one round. Rows past sum(sizes)
-    give 0."""
+    """SwiGLU of the sorted rows xs [M, D] in rounds, each one batched product over all experts
+    of m rows of every group, m twice the mean share of `rows` (a balanced step: one round)."""
     M, D = xs.shape
     E = sizes.shape[0]
     m = 2 * tile_rows(M if rows is None else rows, E)
@@ -151,11 +136,9 @@ def _rounds_ffn(xs, sizes, w_gate, w_up, w_down, rows=None, dot=None):
 
 
 def _cpu_ffn(xs, sizes, w_gate, w_up, w_down, rows=None, dot=None):
-    """XLA:CPU's grouped matmul: rounds over all experts where E * m rows stay within 4 rows
-    (few experts: a decode step routes to most of them), else tiles over the occupied ones.
-    rows: how many of xs's M rows the E experts get in a balanced step (default M; with
-    experts split over devices, this device's share). dot(x, w, spec): the backend's float
-    product."""
+    """XLA:CPU's grouped matmul: _rounds_ffn where its E * m rows are at most 4 * rows (few
+    experts), else _tiled_ffn. rows: this device's share of the M rows (default M); dot(x, w,
+    spec): the backend's product."""
     M, E = xs.shape[0], sizes.shape[0]
     rows = M if rows is None else max(1, rows)
     rounds = E * 2 * tile_rows(rows, E) <= 4 * rows
@@ -164,15 +147,9 @@ def _cpu_ffn(xs, sizes, w_gate, w_up, w_down, rows=None, dot=None):
 
 def _local_experts(x, weights, experts, w_gate, w_up, w_down, *, axes: tuple, k: int,
                    num_experts: int, backend):
-    """The contribution of this device's El experts to every token: x [T, D], weights and
-    experts [T, k]; the expert weights hold experts e0 .. e0 + El - 1 (e0 from the device's
-    position along the expert mesh axes) of num_experts. Returns [T, D] in x's dtype, psummed
-    over the axes.
-
-    The grouped matmul sizes its tiles for this device's share of the T k assignments,
-    T k El / num_experts rows, not all of them: on 8 devices of one expert each, a 16-row
-    decode step gives each device about 4 rows, and tiles sized for 32 made every device
-    multiply 64 (benchmarks/moe_dispatch.py)."""
+    """This device's El experts' contribution to every token: x [T, D], weights and experts
+    [T, k] -> [T, D] in x's dtype, psummed over the expert axes. Tiles are sized for the
+    device's share of the assignments, T k El / num_experts (docs/models.md)."""
     T, D = x.shape
     El = w_gate.shape[0]
     e0 = jax.lax.axis_index(axes) * El if axes else 0
@@ -283,11 +260,10 @@ class MoE(Family):
         if self.name == "mixtral":
             p = f"model.layers.{i}.block_sparse_moe."
             names = {"w_gate": "w1", "w_up": "w3", "w_down": "w2"}
-            out["router"] = read(p + "gate.weight", (E, D), True)
         else:
             p = f"model.layers.{i}.mlp."
             names = {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}
-            out["router"] = read(p + "gate.weight", (E, D), True)
+        out["router"] = read(p + "gate.weight", (E, D), True)
         for ours, theirs in names.items():
             shape = (D, F) if ours == "w_down" else (F, D)
             out[ours] = stack_experts([read(f"{p}experts.{e}.{theirs}.weight", shape, True)

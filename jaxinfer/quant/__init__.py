@@ -1,14 +1,5 @@
 """Quantization: weight formats, GGUF's blocks, products with quantized weights, the quantized
-KV cache, and activation-aware int4 (AWQ).
-
-    formats      QuantizedWeight (codes, per-group scales and offsets), int4 packing, the
-                 int8 / int4 / fp8 quantizers, dequantization on device and on the host
-    gguf_blocks  GGUF's Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K blocks as QuantizedWeights (the
-                 loader's one block decoder)
-    compute      matmul and take_rows: where a step multiplies quantized weights
-    kv           QuantizedKV and quantize_kv: int8 / fp8 KV cache entries
-    modes        the LLM's quantization modes and quantize_model, their one entry point
-    awq          activation-aware int4 (imported on use: it builds on the model)
+KV cache, the modes and activation-aware int4 (awq, imported on use: it builds on the model).
 """
 
 from jaxinfer.quant.compute import matmul, take_rows

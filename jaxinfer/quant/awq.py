@@ -1,96 +1,21 @@
-"""Activation-aware int4 weight quantization (AWQ, Lin et al. 2023) for the Llama family.
+"""Activation-aware int4 weight quantization (AWQ, Lin et al. 2023) for the Llama and Qwen3
+families.
 
-Shape legend: B batch, T tokens, R calibration rows (B * T), N query heads, K kv heads,
-G = N // K, H head dim, D model dim, F ffn dim, C a linear's input channels, O its outputs.
+Shape legend: B batch, T tokens, N query heads, K kv heads, G = N // K, H head dim, D model dim,
+F ffn dim, C a linear's input channels, O its outputs.
 
-Input channels that see large activations matter more to a linear's output than the others. AWQ
-scales each input channel c of a weight W [C, O] up by s[c] before quantizing, which shrinks
-that channel's relative rounding error, and scales the input down by s[c], folded into the op
-that produces it, so the float model is unchanged:
-
-    x @ W = (x / s) @ (diag(s) @ W)       quantized: (x / s) @ Q(diag(s) @ W)
-
-s = a ** alpha for a = mean |x| per channel over calibration data, alpha chosen per linear group
-from a grid on [0, 1) by the output error ||X W - X W_hat||^2 on that data. alpha = 0 is round to
-nearest (RTN), so the chosen error is never worse than RTN's on the calibration data.
-
-Groups and where 1 / s goes, per layer, searched in this order (a consumer before the producer
-its scale folds into, so every reported error is that of the final weights):
-  "o"        wo; its input is attention output, linear in v per head, so 1 / s goes into wv's
-             output columns (and bv). With GQA one v channel (k, h) feeds the wo inputs (n, h) of
-             every query head n of kv head k: the scale is tied per kv channel, searched with a
-             averaged over the G query heads.
-  "qkv"      wq, wk, wv (with "o" folded in) together: 1 / s into attn_norm.
-  "down"     w_down; its input is silu(x @ w_gate) * (x @ w_up), so 1 / s goes into w_up's output
-             columns.
-  "gate_up"  w_gate, w_up (with "down" folded in) together: 1 / s into mlp_norm.
-Scaling a weight's output columns commutes with quantizing along its input axis (each column's
-groups scale as a whole; only the float16 rounding of their scales differs), so folding one
-group's scale into the columns of the next searched group costs it nothing.
-
-s is normalised by sqrt(max(s) * min(s)) so that it straddles 1. A common factor of s changes
-no group's relative rounding; the normalisation only keeps the scaled weight's magnitude, so
-that float16 scales and offsets neither overflow nor go subnormal whatever alpha.
-
-Then AWQ's second step, clipping (`search_clip`, once a group's scale is chosen and folded; no
-later fold touches a searched group's weights), on each of its linears' final weights W' =
-diag(s) W with the Gram matrix of its final inputs X / s, gram / (s s^T): each int4 group's
-[min, max] is shrunk about its centre to r times its width before round to nearest (weights
-beyond it take the end codes), trading a larger error on a group's few extreme weights for a
-finer grid for the rest. r is chosen per output channel o from CLIP_RATIOS by the channel's
-output error d^T G d, d = W'[:, o] - W_hat[:, o]. 1.0 is in the grid and ties keep it, so no
-channel's calibration error exceeds that of round to nearest of the same scaled weights.
-  The grid, 1.0, 0.98, ..., 0.7: on SmolLM2 at group 64 a grid down to 0.5 chose nothing below
-  0.76, and most channels choose 0.9 to 1.0, where a step of 0.05 is coarse (it leaves 0.83 of
-  the unclipped calibration error, 0.02 leaves 0.78; perplexity the same within noise).
-  Centre shrinking measured against the alternatives (same scales, group 64, step 0.05,
-  GPL-3 4096 tokens): clamping to +-r * max|w| as the AWQ reference does, 28.01; scaling min
-  and max by r, 27.74; about the centre, 27.28. One ratio per channel, not per channel and group
-  by each group's own error block as the AWQ reference does: that lowered the calibration error
-  (0.71 of unclipped against 0.83) but not perplexity (27.20 against 27.28; 27.40 at step 0.02)
-  -- fitting the calibration tokens more than the model.
-
-The vocabulary matrices (the tied embedding, or "embed" and "lm_head") get no AWQ scale: the
-embedding is also the lookup table, whose rows a scale would change. They are int8 per channel
-(embed_bits=8, the default): at int4 (embed_bits=4, round to nearest in groups) SmolLM2's
-embedding alone costs 6% perplexity at group 32 (26.45 against 24.97; int8: 24.99).
-
-Measured on SmolLM2-135M-Instruct (its Q4_1 GGUF, dequantized to float32; the linears are Q4_1,
-int4 groups of 32 that round to nearest at group 32 reproduces exactly, so at group 32 AWQ finds
-alpha 0 and ratio 1 everywhere: nothing to gain), calibration 8 x 256 tokens of Apache-2.0,
-perplexity of the first 4096 (1024) tokens of GPL-3, windows of 512; int8 embedding unless said:
-
-                        group 32        group 64
-    float               24.97 (21.06)
-    RTN                 24.99 (21.02)   33.67 (30.13)
-    AWQ, clip=False     24.99 (21.02)   28.49 (24.93)
-    AWQ                 24.99 (21.02)   27.18 (23.19)
-    RTN, embed_bits=4   26.45 (-)       38.07 (33.35)
-    AWQ, embed_bits=4   26.45 (-)       30.06 (25.73)   (clip=False: 31.44)
-
-So int4-awq is within 5% of float at group 32 only (+0.1%); at group 64 it is +9%, clipping
-taking it from +14%. awq_int4 took 45-95 s (clip=False) and 65-140 s (clip) there, on two CPU
-cores shared with other work. The script (jaxinfer's venv, from the repository root):
-
-    import os
-    from jaxinfer.quant import awq
-    from jaxinfer.loading.gguf import load_gguf
-    from jaxinfer.loading.tokenizer import Tokenizer
-    from jaxinfer.models import get_model
-    cfg, weights, meta = load_gguf(os.path.expanduser(
-        "~/.cache/jaxinfer/models/SmolLM2-135M-Instruct.Q4_1.gguf"))
-    tok = Tokenizer.from_gguf_metadata(meta)
-    enc = lambda name: tok.encode(open(f"/usr/share/common-licenses/{name}").read())
-    calib, evaluation = enc("Apache-2.0"), enc("GPL-3")[:4096]  # [:1024]
-    calibration = [calib[i * 256:(i + 1) * 256] for i in range(8)]
-    w = awq.awq_int4(cfg, weights, calibration, group_size=64)[0]  # or clip=False, embed_bits=4;
-    # awq.rtn_int4(cfg, weights, group_size=64); the float model: w = weights
-    params = get_model(cfg.architecture).params_from_weights(cfg, awq.dequantized(w))
-    print(awq.perplexity(params, cfg, evaluation, window=512))
-
-Calibration inputs come from one float forward of the original model (full causal sequences,
-no cache): the family's own layer (the model protocol's `layer(..., linear_inputs=...)`, which hands
-back the inputs of its linear groups), one layer at a time.
+Input channels that see large activations matter more, so each linear group's weight rows are
+scaled by s = mean|x| ** alpha before int4 round to nearest (RTN), and 1 / s is folded into the
+op that produces the input, leaving the float model unchanged: x @ W = (x / s) @ (diag(s) @ W).
+alpha is searched per group on calibration data by the output error ||X W - X W_hat||^2, and
+alpha 0 is RTN, so the result is never worse than RTN there. Groups, in search order (a
+consumer before the producer its scale folds into), and where 1 / s goes: "o" (wo; into wv's
+output columns, the scale tied per kv channel under GQA), "qkv" (attn_norm), "down" (w_up's
+output columns), "gate_up" (mlp_norm). Scaling output columns commutes with quantizing along
+the input axis, so a fold costs the group folded into nothing. Then each linear's int4 groups
+are shrunk about their centre by a ratio searched per output channel (`search_clip`). The
+vocabulary matrices get no scale (the embedding is also the lookup table) and stay int8.
+docs/quantization.md has the measurements behind these choices.
 """
 
 from __future__ import annotations
@@ -105,7 +30,7 @@ import numpy as np
 from jaxinfer import backends, quant
 from jaxinfer.backends.tuning import program_jit
 from jaxinfer.quant import formats
-from jaxinfer.evaluation import perplexity  # noqa: F401  (awq.perplexity, as before)
+from jaxinfer.evaluation import perplexity  # noqa: F401  (tests call awq.perplexity)
 from jaxinfer.config import ModelConfig
 from jaxinfer.device.kv_cache import PagedKVCache
 from jaxinfer.models import get_model
@@ -150,10 +75,8 @@ def _one_layer(cfg: ModelConfig, i: int) -> ModelConfig:
 @functools.partial(program_jit, static_argnums=(1, 3))
 def layer_forward(lp, layer_cfg: ModelConfig, h: jax.Array,
                   backend: backends.Backend) -> tuple[jax.Array, LinearInputs]:
-    """One decoder layer of the model's family (its protocol `layer`, with linear_inputs) over full
-    sequences h [B, T, D] from an empty one-layer cache, causal; layer_cfg is the layer's own
-    config (`_one_layer`), so layers alike share a program. Returns the layer's output
-    [B, T, D] and its linear inputs."""
+    """One decoder layer over full causal sequences h [B, T, D] from an empty cache: (output
+    [B, T, D], its linear inputs). layer_cfg (`_one_layer`) lets alike layers share a program."""
     B, T, D = h.shape
     model = get_model(layer_cfg.architecture)
     cache = PagedKVCache.ring(1, B, T, layer_cfg.num_kv_heads, layer_cfg.head_dim, h.dtype)
@@ -179,8 +102,7 @@ def run_layers(params, cfg: ModelConfig,
 
 
 def calibration_logits(params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
-    """Logits [B, T, V] (float32) of the calibration forward: checks it against
-    `models.sequence_logits`."""
+    """Logits [B, T, V] (float32) of the calibration forward, to check it against the model's."""
     model = get_model(cfg.architecture)
     *_, (h, _) = run_layers(params, cfg, tokens)
     return model.head(params, model.final_norm(params, cfg, h), backends.default())
@@ -208,18 +130,17 @@ def output_error(gram: np.ndarray, w: np.ndarray, w_hat: np.ndarray) -> float:
 
 def search_scale(mean_abs: np.ndarray, gram: np.ndarray, w: np.ndarray, group_size: int,
                  grid: int) -> tuple[np.ndarray, float, float, float]:
-    """The AWQ scale of one linear group.
-
-    mean_abs [C]: mean |x| per input channel; gram [C, C]: X^T X of the calibration inputs;
-    w [C, O]: the group's weights side by side. Returns (s [C] float32, alpha, error of the
-    chosen s, error of RTN), errors as in `output_error`.
-    """
+    """The AWQ scale of one linear group: mean_abs [C] mean |x| per input channel, gram [C, C]
+    X^T X, w [C, O] the group's weights side by side -> (s [C] float32, alpha, its error, RTN's
+    error), errors as in `output_error`."""
     a = np.asarray(mean_abs, np.float64)
     # A channel that is (almost) never active would get s -> 0 and an infinite 1 / s.
     a = np.maximum(a, max(a.max(), 1e-30) * 1e-5)
     best = None
     for alpha in np.linspace(0.0, 1.0, grid, endpoint=False):
         s = a ** alpha
+        # Centred on 1, so the float16 scales of the scaled weights neither overflow nor
+        # underflow; a common factor changes no group's relative rounding.
         s = (s / np.sqrt(s.max() * s.min())).astype(np.float32)
         w_hat = _rtn(w * s[:, None], group_size) / s[:, None]
         err = output_error(gram, w, w_hat)
@@ -238,9 +159,8 @@ def _expand_kv(s_kv: np.ndarray, cfg: ModelConfig) -> np.ndarray:
 
 def fold_group(cfg: ModelConfig, weights: dict[str, np.ndarray], layer: int, group: str,
                s: np.ndarray) -> None:
-    """Scales the inputs of one group's linears by s (in place, float): rows of the group's
-    weights times s, the producer of their input divided by s. For "o", s is per kv channel
-    [K*H]; otherwise per input channel."""
+    """Folds s into one group in place: its weights' rows times s, their input's producer
+    divided by s. For "o" s is per kv channel [K*H], otherwise per input channel."""
     p = f"layers.{layer}."
     if group == "o":
         weights[p + "wo"] = weights[p + "wo"] * _expand_kv(s, cfg)[:, None]
@@ -260,8 +180,7 @@ def fold_group(cfg: ModelConfig, weights: dict[str, np.ndarray], layer: int, gro
 
 def fold_scales(cfg: ModelConfig, weights: dict[str, np.ndarray],
                 scales: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """A copy of weights with scales {"layers.{i}.{group}": s} folded in, in the order
-    `awq_int4` folds them: the same float model, up to float32 rounding."""
+    """A copy of weights with scales {"layers.{i}.{group}": s} folded in as `awq_int4` does."""
     out = dict(weights)
     for i in range(cfg.num_layers):
         for group in GROUPS:
@@ -272,8 +191,8 @@ def fold_scales(cfg: ModelConfig, weights: dict[str, np.ndarray],
 
 def _stats_by_layer(cfg: ModelConfig, weights: dict[str, np.ndarray],
                     calibration: list[list[int]]):
-    """Yields, per layer, {input name: (mean |x| [C], X^T X [C, C])} as numpy float32,
-    over every calibration token. Sequences of equal length run as one batch."""
+    """Per layer, {input name: (mean |x| [C], X^T X [C, C])} over every calibration token
+    (numpy float32); sequences of one length run as one batch."""
     if not calibration or not all(calibration):
         raise ValueError("calibration needs at least one non-empty token sequence")
     _check_family(cfg)
@@ -300,19 +219,15 @@ CLIP_RATIOS = tuple(round(1.0 - 0.02 * i, 2) for i in range(16))  # 1.0, 0.98, .
 
 
 def _clipped_int4(w: np.ndarray, group_size: int, ratio) -> tuple[np.ndarray, ...]:
-    """Asymmetric int4 of w [C, O] along C (groups of group_size), each group's [min, max]
-    shrunk about its centre to ratio times its width; ratio: a scalar or per output channel [O].
-    Scales and offsets are rounded to float16 and the codes computed against them as
-    `quant.quantize_int4` does, so ratio 1 gives its codes, scales and offsets bit for bit;
-    elements outside the shrunk range get the nearest end code. Returns (codes uint8 [C, O],
-    scale float16 [C / group_size, O], offset likewise, dequantized value float32 [C, O]
-    computed as `quant.dequantize` does)."""
+    """Asymmetric int4 of w [C, O] along C with each group's [min, max] shrunk about its centre
+    to `ratio` (scalar or [O]) times its width; ratio 1 is `quant.quantize_int4` bit for bit.
+    Returns (codes uint8 [C, O], scale float16 [C / group_size, O], offset likewise, value
+    float32 [C, O] as `quant.dequantize` computes it)."""
     C, O = w.shape
     g = np.asarray(w, np.float32).reshape(C // group_size, group_size, O)
     lo = g.min(axis=1, keepdims=True).astype(np.float64)
     hi = g.max(axis=1, keepdims=True).astype(np.float64)
-    # (1 - ratio) * half-width off each end: exactly 0 at ratio 1, so the range is then [lo, hi]
-    # exactly (a centre +- half-width would round).
+    # Exactly 0 at ratio 1, where centre +- half-width would round.
     shrink = (1.0 - np.asarray(ratio, np.float64)) * (hi - lo) / 2
     offset = formats.round_down(lo + shrink, np.float16)
     formats.check_finite(offset, "int4 offsets", np.float16)
@@ -339,11 +254,9 @@ def column_errors(gram: np.ndarray, w: np.ndarray, w_hat: np.ndarray) -> np.ndar
 
 def search_clip(gram: np.ndarray, w: np.ndarray, group_size: int,
                 ratios=CLIP_RATIOS) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """AWQ's second step for one linear w [C, O] (its final, scaled weights) with gram = X^T X
-    [C, C] of its final inputs: per output channel, the ratio of `ratios` (which must start
-    with 1.0) whose `_clipped_int4` has the least `column_errors`. Returns (ratio [O] float32,
-    its error [O], the error at ratio 1 [O]). Ties keep the earlier ratio, so a column whose
-    clipping gains nothing keeps round to nearest, and no column's error exceeds ratio 1's."""
+    """Per output channel of w [C, O] (final, scaled weights; gram [C, C] of its final inputs),
+    the ratio of `ratios` (starting with 1.0; ties keep the earlier, so never worse than RTN)
+    with the least `column_errors`: (ratio [O] float32, its error [O], ratio 1's error [O])."""
     if not ratios or ratios[0] != 1.0:
         raise ValueError(f"clip ratios must start with 1.0, got {tuple(ratios)}")
     best_r = best_err = unclipped = None
@@ -368,8 +281,8 @@ def _check_embed_bits(embed_bits: int) -> None:
 
 def _vocab_matrices(weights: dict[str, np.ndarray], group_size: int,
                     embed_bits: int) -> dict:
-    """"embed" [V, D] (and an untied "lm_head" [D, V]) quantized along their contraction axis:
-    int8 per channel (embed_bits 8) or int4 round to nearest in groups (4)."""
+    """"embed" [V, D] (and an untied "lm_head" [D, V]) along their contraction axis: int8 per
+    channel, the default, since at int4 they cost more than all the linears; or int4 RTN."""
     def q(w, axis):
         if embed_bits == 8:
             return quant.quantize_int8(w, axis=axis)
@@ -385,25 +298,16 @@ def awq_int4(cfg: ModelConfig, weights: dict[str, np.ndarray], calibration: list
              embed_bits: int = 8) -> tuple[dict, dict]:
     """AWQ int4 of a Llama- or Qwen3-family model.
 
-    weights: float32 host weights as the family's `params_from_weights` takes them (linear
-    [in, out]);
-    calibration: token sequences (sequences of one length are batched together); group_size:
-    int4 group along the input axis (a multiple of 32); grid: alphas searched,
-    linspace(0, 1, grid) without 1; clip: after the scales, search each linear's clipping
-    ratios (`search_clip`, over CLIP_RATIOS); embed_bits: 8 or 4, see below.
+    weights: float32 host weights named as `params_from_weights` takes them (linear [in, out]);
+    calibration: token sequences; group_size: int4 group along the input axis (a multiple of
+    32); grid: alphas searched, linspace(0, 1, grid) without 1; clip: search clipping ratios
+    too; embed_bits: the vocabulary matrices int8 per channel (8) or int4 RTN in groups (4).
 
-    Returns (new_weights, report). new_weights has the same keys: every layer's linear weights
-    are int4 QuantizedWeights (axis 0, `quant.quantize_int4`'s layout) of the scaled weights,
-    clipped per output channel if `clip`; the norms (and bv) float32 with the scales folded in;
-    "embed" (and "lm_head") along their contraction axis, int8 per channel (embed_bits 8) or
-    int4 round to nearest in groups (embed_bits 4).
-
-    report, errors ||X W - X W_hat||^2 over the calibration rows:
-      "layers.{i}.{group}" (the groups of the module docstring): "alpha", "scale", "rtn_error"
-        (alpha 0, no clip), "scale_error" (the chosen alpha, no clip), "awq_error" (the final
-        weights: the chosen alpha, then the chosen clip ratios);
-      "layers.{i}.{linear}" (with clip): "clip_ratio" [O] float32, "error" and
-        "unclipped_error", that linear's share of "awq_error" and the same without clip.
+    Returns (new_weights, report). new_weights: the same keys, linears as int4 QuantizedWeights
+    (axis 0) of the scaled weights, norms (and bv) float32 with the scales folded in. report,
+    errors ||X W - X W_hat||^2 on the calibration rows: "layers.{i}.{group}": "alpha", "scale",
+    "rtn_error", "scale_error" (no clip), "awq_error" (final weights); with clip,
+    "layers.{i}.{linear}": "clip_ratio" [O] float32, "error", "unclipped_error".
     """
     for what, n in (("d_model", cfg.d_model), ("q_dim", cfg.q_dim), ("ffn_dim", cfg.ffn_dim)):
         if group_size <= 0 or n % group_size or group_size % quant.INT4_BLOCK:
@@ -434,8 +338,7 @@ def awq_int4(cfg: ModelConfig, weights: dict[str, np.ndarray], calibration: list
                     linears[p + name] = quant.quantize_int4(w[p + name], axis=0,
                                                             group_size=group_size)
                 continue
-            # No later fold changes this group's linears: their weights are final, and their
-            # inputs X / s, whose Gram matrix is gram / (s s^T).
+            # No later fold changes these weights; their inputs X / s have Gram gram / (s s^T).
             final_gram = gram / s_in[:, None] / s_in[None, :]
             entry["awq_error"] = 0.0
             for name in GROUP_LINEARS[group]:
@@ -452,17 +355,13 @@ def awq_int4(cfg: ModelConfig, weights: dict[str, np.ndarray], calibration: list
 
 def rtn_int4(cfg: ModelConfig, weights: dict[str, np.ndarray], group_size: int = 32,
              embed_bits: int = 8) -> dict:
-    """Every layer's linear weights int4 round to nearest, and the vocabulary matrices as
-    `awq_int4` has them (embed_bits), in `awq_int4`'s layout: the baseline."""
+    """The baseline: every linear int4 round to nearest, in `awq_int4`'s layout."""
     _check_embed_bits(embed_bits)
     out = dict(weights)
     for i in range(cfg.num_layers):
         for name in LINEARS:
             key = f"layers.{i}.{name}"
             out[key] = quant.quantize_int4(weights[key], axis=0, group_size=group_size)
-    # The tied embedding is also the lookup table: a scale folded into its columns would change
-    # the embeddings themselves, so the vocabulary matrices get no AWQ scales; int8 per channel
-    # by default, since at int4 they cost more than all the linears (see the module docstring).
     out.update(_vocab_matrices(weights, group_size, embed_bits))
     return out
 

@@ -1,12 +1,10 @@
 """Products with quantized weights: `matmul` (every linear, the head) and `take_rows` (the
 embedding lookup), the one place that dispatches on a QuantizedWeight's kind.
 
-Where the backend asks for tiles (Backend.quantized_tiles: one CPU device) the weight is
-dequantized inside the step in tiles along its output axis (a scan over blocks) where the
-matrix is larger than Backend.tile_elements(), each tile's dot reading it while it is still in
-cache (XLA:CPU fuses no convert into a dot). Elsewhere, and on a mesh, the weight is
-dequantized whole inside the step and XLA fuses or partitions that as it does any elementwise
-op; fp8 weights multiply fp8 activations where the backend has fp8 matmuls.
+Where the backend asks for tiles (one CPU device), a weight larger than
+Backend.tile_elements() is dequantized in tiles along its output axis, each tile's dot reading
+it while it is still in cache (XLA:CPU fuses no convert into a dot). Elsewhere, and on a mesh,
+it is dequantized whole inside the step for XLA to fuse or partition.
 """
 
 from __future__ import annotations
@@ -19,15 +17,11 @@ import jax.numpy as jnp
 from jaxinfer import sharding
 from jaxinfer.quant.formats import FP8_MAX, INT4_BLOCK, QuantizedWeight, dequantize
 
-def matmul(x: jax.Array, w: QuantizedWeight, spec: str, backend) -> jax.Array:
-    """einsum(spec, x, w) with w [2-D] quantized, accumulated in float32; the codes are what
-    stays in memory, dequantized inside the jitted step (see the module docstring).
 
-    With backend.quantized_tiles(): tiles of at most backend.tile_elements() along the output
-    axis. Elsewhere a
-    per-channel weight without offsets (int8, fp8) multiplies its codes converted to x's dtype
-    and scales the result; a grouped one is dequantized first. fp8 weights on a GPU multiply
-    fp8 activations where the backend has fp8 matmuls (_fp8_product)."""
+def matmul(x: jax.Array, w: QuantizedWeight, spec: str, backend) -> jax.Array:
+    """einsum(spec, x, w) with a 2-D quantized w, accumulated in float32. Without tiles a
+    per-channel symmetric weight multiplies its codes and scales the result, a grouped one is
+    dequantized first; fp8 weights multiply fp8 activations where backend.fp8_activations."""
     if w.kind == "fp8" and backend.fp8_activations:
         return _fp8_product(x, w, spec)
     if not backend.quantized_tiles() or sharding.context_mesh_shape() is not None:
@@ -54,12 +48,9 @@ def matmul(x: jax.Array, w: QuantizedWeight, spec: str, backend) -> jax.Array:
     return jnp.moveaxis(ys, 0, -2).reshape(x.shape[:-1] + (n * tile,))
 
 
-
-
 def _fp8_product(x: jax.Array, w: QuantizedWeight, spec: str) -> jax.Array:
-    """einsum(spec, x, w) as an fp8 x fp8 dot accumulated in float32: x quantized to e4m3
-    per token (its rows, the contraction being x's last axis) with a dynamic scale
-    max|x| / 448, w per output channel; both scales applied to the float32 result."""
+    """einsum(spec, x, w) as an fp8 x fp8 dot accumulated in float32: x quantized to e4m3 per
+    token with scale max|x| / 448, w per output channel, both scales applied to the result."""
     if w.group_size != 0 or w.offset is not None:
         raise ValueError(f"fp8 activations need a per-channel symmetric fp8 weight, got group "
                          f"size {w.group_size} with{'out' if w.offset is None else ''} offsets")
@@ -85,10 +76,8 @@ def _tile(shape: tuple[int, int], out_axis: int, limit: int) -> Optional[int]:
 
 def _cpu_product(x: jax.Array, w: QuantizedWeight, spec: str) -> jax.Array:
     """einsum(spec, x, w) with w (fp8 codes as raw bytes) dequantized in forms XLA:CPU
-    vectorizes: int4 nibbles are not interleaved back into order (a concatenate in the
-    dequantizing loop made it ten times slower); instead x is split into the elements the low
-    and the high nibbles hold, and two dots are summed. fp8 is decoded with integer ops (its
-    converts are not vectorized)."""
+    vectorizes: x split into the elements int4's low and high nibbles hold and two dots summed
+    (re-interleaving the nibbles is slow in the loop), fp8 decoded with integer ops."""
     a = w.axis
     if w.kind != "int4":
         codes = _fp8_from_bits(w.q) if w.kind == "fp8" else jnp.asarray(w.q).astype(jnp.float32)
@@ -109,10 +98,8 @@ def _cpu_product(x: jax.Array, w: QuantizedWeight, spec: str) -> jax.Array:
 
 
 def _grouped_affine(codes: jax.Array, scale, offset, a: int) -> jax.Array:
-    """codes * scale (+ offset), the scales [.., groups, ..] on axis a applied to consecutive
-    runs of codes.shape[a] // groups codes: the codes viewed as [.., groups, run, ..] times
-    the scales broadcast over the run, then viewed back (the same products and speed as
-    repeating each scale along the codes, in a simpler form)."""
+    """codes * scale (+ offset) with scales [.., groups, ..] on axis a, each over a run of
+    consecutive codes: the codes viewed as [.., groups, run, ..] times the broadcast scales."""
     groups = scale.shape[a]
     shape = codes.shape
     split = shape[:a] + (groups, shape[a] // groups) + shape[a + 1:]
@@ -124,9 +111,8 @@ def _grouped_affine(codes: jax.Array, scale, offset, a: int) -> jax.Array:
 
 
 def _fp8_from_bits(b: jax.Array) -> jax.Array:
-    """float8_e4m3fn raw bytes -> float32, exactly (no NaN codes expected: the quantizer
-    never writes them). Normal values get their float32 bits directly (exponent rebiased by
-    120), subnormals (exponent field 0) are m * 2^-9."""
+    """float8_e4m3fn raw bytes -> float32 exactly (the quantizer writes no NaN): normals by
+    their float32 bits (exponent rebiased by 120), subnormals as m * 2^-9."""
     b = b.astype(jnp.uint32)
     mag = b & 0x7F
     normal = jax.lax.bitcast_convert_type((mag << 20) + (120 << 23), jnp.float32)

@@ -1,23 +1,13 @@
-"""Quantized weight formats: the QuantizedWeight pytree, int4 packing, the quantizers and
-dequantization (on device and on the host).
+"""Quantized weight formats: the QuantizedWeight pytree, int4 packing, the quantizers (numpy,
+on the host) and dequantization (jnp, and `dequantize_host`, its numpy twin bit for bit).
 
-A QuantizedWeight holds the codes q of a float weight, grouped along its contraction axis
-`axis` (0 for linear weights [in, out], 1 for the embedding [V, D]), and per group a scale and
-optionally an offset:
+A QuantizedWeight holds codes q grouped along the contraction axis `axis` (0 for linear weights
+[in, out], 1 for the embedding [V, D]) and per group a scale and optionally an offset:
+value = q * scale[g] + offset[g] in float32. For every scheme here and GGUF's blocks q * scale
+is exact in float32, so the one rounding is the sum's, as in ggml's `d * q + m`.
 
-    value = q * scale[g] + offset[g]      in float32: the product rounded, then the sum
-
-For every scheme here (our quantizers with float16 scales, and GGUF's Q8_0, Q4_0, Q4_1, Q4_K,
-Q6_K) q * scale is exact in float32 (at most 8 + 11 significant bits, or 6 + 19 for Q6_K's
-float32 d * sc, whose products ggml rounds the same way), so the one rounding is that of the
-sum, as in ggml's `d * q + m`, and a fused multiply-add gives the same bits.
-
-int4 codes are unsigned nibbles packed two to a byte along `axis`, GGUF's way: in each block of
-32 consecutive elements, byte j (j < 16) holds element j in its low nibble and element j + 16
-in its high nibble, so the packed axis has half the elements.
-
-Quantizers run on the host in numpy (loading does no device work); `unpack_int4` and
-`dequantize` are jnp and jit-traceable; `dequantize_host` is their numpy twin, bit for bit.
+int4 codes are nibbles packed two to a byte along `axis`, GGUF's way: in each block of 32
+elements, byte j holds element j in its low nibble and element j + 16 in its high nibble.
 """
 
 from __future__ import annotations
@@ -37,14 +27,10 @@ FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448; beyond it 
 
 @flax.struct.dataclass
 class QuantizedWeight:
-    """A quantized 2-D weight. With the float shape [.., n, ..] (n on `axis`) and
-    n_groups = n // group_size (group_size 0: one group over the whole axis):
-
-    q:      int8 [float shape] ("int8"), uint8 [.., n / 2, ..] ("int4", packed nibbles),
-            float8_e4m3fn [float shape] ("fp8")
-    scale:  [.., n_groups, ..], float16 (float32 for GGUF's K-quants, whose d * sc needs it)
-    offset: like scale, or None (symmetric: offset 0)
-    """
+    """A quantized 2-D weight of float shape [.., n, ..] (n on `axis`), n_groups = n //
+    group_size (0: one group). q: int8 [float shape] ("int8"), uint8 [.., n / 2, ..] ("int4"),
+    float8_e4m3fn ("fp8"); scale: [.., n_groups, ..] float16 (float32 for GGUF's K-quants);
+    offset: like scale, or None (symmetric)."""
     q: Array
     scale: Array
     offset: Optional[Array]
@@ -93,8 +79,8 @@ def pack_int4(q: Array, axis: int) -> np.ndarray:
 
 
 def unpack_int4(packed: Array, axis: int, xp=jnp):
-    """uint8 packed nibbles -> uint8 values 0..15 with `axis` doubled (with xp=jnp
-    jit-traceable: masks, shifts, a concatenate and reshapes, no gathers)."""
+    """uint8 packed nibbles -> uint8 values 0..15 with `axis` doubled (jit-traceable, no
+    gathers)."""
     packed = xp.asarray(packed)
     n2 = packed.shape[axis]
     if n2 % (INT4_BLOCK // 2):
@@ -125,15 +111,12 @@ def dequantize(w: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
     return _dequantize(w, jnp).astype(dtype)
 
 
-# float32 outputs per host step (1 MiB): a step's product is still in cache when its offset is
-# added.
-_HOST_CHUNK = 1 << 18
+_HOST_CHUNK = 1 << 18  # float32 outputs per host step
 
 
 def dequantize_host(w: QuantizedWeight) -> np.ndarray:
-    """`dequantize` in numpy on the host: float32, bit for bit the same values. Works through
-    the leading axis in chunks of about _HOST_CHUNK elements (whole groups when that axis is
-    the grouped one), so each chunk's product is still in cache when its offset is added."""
+    """`dequantize` in numpy, bit for bit, in chunks of about _HOST_CHUNK elements along the
+    leading axis, so each chunk's product is still in cache when its offset is added."""
     q, scale = np.asarray(w.q), np.asarray(w.scale)
     offset = None if w.offset is None else np.asarray(w.offset)
     out = np.empty(w.shape, np.float32)
@@ -167,11 +150,9 @@ def take_out(w: QuantizedWeight, index: Array) -> QuantizedWeight:
 
 
 def logical_axes(w: QuantizedWeight, weight_axes: Sequence[Optional[str]]) -> QuantizedWeight:
-    """The QuantizedWeight-shaped tree of logical axes (tuples in place of q, scale, offset)
-    for a weight whose float form has `weight_axes`: codes and scales split along the same
-    mesh axes (jaxinfer.sharding), so a device holds the scales of its own codes. A single
-    group (per-channel scales) leaves the scales' grouped axis unnamed. int4's packed axis
-    keeps its name: splitting it at block boundaries splits the float axis likewise."""
+    """The QuantizedWeight-shaped tree of logical axes for a weight whose float form has
+    `weight_axes`: codes and scales split alike, so a device holds its codes' scales (a single
+    group's axis unnamed; int4's packed axis keeps its name)."""
     axes = tuple(weight_axes)
     if len(axes) != len(w.q.shape):
         raise ValueError(f"logical axes {axes} do not match the weight's shape {w.shape}")
@@ -183,10 +164,9 @@ def logical_axes(w: QuantizedWeight, weight_axes: Sequence[Optional[str]]) -> Qu
 
 
 # -- quantizers (numpy, on the host) --------------------------------------------------------------
-# Scales (and offsets) are rounded to their stored dtype in the direction that keeps every value
-# of the group inside the code range, and the codes are computed against the stored values: each
-# element then dequantizes within scale / 2 of its original (int8, int4), or within fp8's own
-# rounding (fp8), whatever the scale dtype, float16 subnormals included.
+# Scales and offsets are rounded to their stored dtype towards keeping the group in the code
+# range, and the codes computed against the stored values: each element then dequantizes within
+# scale / 2 of its original (fp8: within its own rounding), whatever the scale dtype.
 
 def _grouped(w: Array, axis: int, group_size: int) -> tuple[np.ndarray, int]:
     """w as float32 [.., n_groups, group, ..] (axis split in two) and the group length."""
@@ -250,10 +230,8 @@ def quantize_int8(w: Array, axis: int = 0, group_size: int = 0,
 def quantize_int4(w: Array, axis: int = 0, group_size: int = 32, symmetric: bool = False,
                   scale_dtype=np.float16) -> QuantizedWeight:
     """int4 per group of `group_size` (a multiple of 32) along `axis`, round to nearest.
-
-    Asymmetric: offset = min, scale = (max - min) / 15, q = round((w - offset) / scale) in
-    0..15. Symmetric: scale = max|w| / 7, offset = -8 * scale, q - 8 = round(w / scale) in
-    [-7, 7] (code 0 unused, so the grid is symmetric and 0 is exact)."""
+    Asymmetric: offset = min, scale = (max - min) / 15, q in 0..15. Symmetric: scale =
+    max|w| / 7, offset = -8 * scale, q - 8 in [-7, 7] (0 exact)."""
     g, group = _grouped(w, axis, group_size)
     if group % INT4_BLOCK:
         raise ValueError(f"int4 groups must be a multiple of {INT4_BLOCK} elements, got "
@@ -279,8 +257,7 @@ def quantize_int4(w: Array, axis: int = 0, group_size: int = 32, symmetric: bool
 
 def quantize_fp8(w: Array, axis: int = 0, scale_dtype=np.float16) -> QuantizedWeight:
     """float8_e4m3fn per output channel: scale = max|w| / 448 over `axis`, q = w / scale
-    rounded to nearest e4m3 (3 mantissa bits: relative error <= 2^-4 for normal values,
-    |q| >= 2^-6; absolute error <= 2^-10 * scale below that)."""
+    rounded to nearest e4m3."""
     g, _ = _grouped(w, axis, 0)
     amax = np.abs(g).max(axis=axis + 1, keepdims=True)
     scale = round_up(amax / np.float32(FP8_MAX), scale_dtype)

@@ -1,17 +1,11 @@
 """GGUF's quantized blocks: the one decoder of Q8_0, Q4_0, Q4_1, Q4_K and Q6_K data.
 
 `from_gguf` regroups a tensor's blocks into a QuantizedWeight (codes kept, no float copy);
-`to_float` is the float path of the loader, the same QuantizedWeight dequantized on the host
-(`formats.dequantize_host`), which gives gguf-py's `gguf.quants.dequantize` values bit for bit.
-Other types go to gguf-py itself.
-
-Block layouts (ggml's block_* structs, little-endian; type ids and block sizes are gguf-py's
-GGMLQuantizationType and GGML_QUANT_SIZES). Q8_0, Q4_0, Q4_1: 32 values per block, f16 d (and
-m); Q4_0/Q4_1 pack nibbles exactly our int4 way. Q4_K: 256 values in 8 sub-blocks of 32, f16 d
-and dmin, 12 bytes of 6-bit sub-scales sc and sub-mins m, value = d*sc*q - dmin*m; its 128
-nibble bytes are 4 runs of 32, run r holding sub-block 2r in the low nibbles and 2r+1 in the
-high ones. Q6_K: 256 values in 16 sub-blocks of 16, value = d * sc * (q - 32) with 6-bit q
-split into 4 low bits (ql) and 2 high bits (qh), int8 sub-scales sc and a trailing f16 d.
+`to_float` dequantizes that on the host, bit for bit as gguf-py's `gguf.quants.dequantize`.
+Other types go to gguf-py itself. Block layouts are ggml's block_* structs (little-endian):
+Q8_0, Q4_0, Q4_1 hold 32 values and an f16 d (and m); Q4_K 256 values in 8 sub-blocks with f16
+d, dmin and 6-bit sub-scales and mins; Q6_K 256 values in 16 sub-blocks, 6-bit q split into
+ql and qh, int8 sub-scales and an f16 d.
 """
 
 from __future__ import annotations
@@ -67,11 +61,9 @@ def from_gguf(raw: np.ndarray, type_id: int, shape_out_in: tuple[int, int],
     [in, out] with axis 0 if transposed (linear weights), else [out, in] with axis 1.
 
     raw: the tensor's bytes. Q8_0 -> int8 / 32, Q4_0 and Q4_1 -> int4 / 32 with float16 scale
-    and offset, Q4_K -> int4 / 32 and Q6_K -> int8 / 16 with float32 scale (and offset), each
-    dequantizing bit for bit as ggml. Other types raise ValueError. signed_q4_0: Q4_0 as int8
-    codes q - 8 without offset instead, ggml's own (q - 8) * d: the float path's form, which
-    any scale fits (an offset -8 * d overflows float16 past d = 8188) and which keeps ggml's
-    signed zeros (8 * d - 8 * d is +0, (8 - 8) * d is -0 for negative d)."""
+    and offset, Q4_K -> int4 / 32 and Q6_K -> int8 / 16 with float32 scales, each dequantizing
+    bit for bit as ggml; other types raise ValueError. signed_q4_0: Q4_0 as int8 codes q - 8
+    without offset, ggml's (q - 8) * d, which fits any scale and keeps ggml's signed zeros."""
     if type_id not in BLOCKS:
         raise ValueError(f"ggml type {type_name(type_id)} has no quantized form here; "
                          f"supported: {', '.join(t.name for t in BLOCKS)}")
@@ -137,11 +129,9 @@ def from_gguf(raw: np.ndarray, type_id: int, shape_out_in: tuple[int, int],
 
 def to_float(raw: np.ndarray, type_id: int, shape: tuple[int, ...],
              transposed: bool = False) -> np.ndarray:
-    """float32 values of a tensor's little-endian data of ggml type `type_id` and logical
-    shape `shape` (outermost first); with transposed=True a matrix [out, in] comes as its
-    transpose [in, out], C-contiguous. F32 and F16 are read directly, the BLOCKS types through
-    `from_gguf` (the codes are transposed, 1 or 1/2 byte per value, not the floats), anything
-    else through gguf-py, which raises NotImplementedError for types it cannot decode."""
+    """float32 values of little-endian data of ggml type `type_id` and logical `shape`; with
+    transposed=True a matrix [out, in] comes as [in, out], C-contiguous (BLOCKS types transpose
+    their codes, not the floats). Other types go through gguf-py (NotImplementedError)."""
     raw = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1)
     if type_id in BLOCKS:
         if len(shape) == 2:

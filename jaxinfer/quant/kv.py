@@ -1,10 +1,7 @@
 """Quantized KV cache entries: int8 or float8 e4m3 codes with one float32 scale per slot and
-kv head, written as each token's keys and values are quantized (jaxinfer.device.kv_cache) and read as
-codes plus scales, so whatever attends (the reference or the Pallas kernels) dequantizes what it
-reads and the cache never holds a float copy. Where XLA scatters into a float8 array by
-converting the whole array (XLA:CPU: about 0.2 s per layer's write into SmolLM2's pool), the
-float8 codes are kept as their uint8 bits (code_dtype names what they are) and read back as
-float8 after each gather (backends.tuning: kv_fp8_as_bits).
+kv head, quantized as they are written and dequantized by whatever reads them, so the cache
+never holds a float copy. Where XLA scatters into a float8 array by converting it whole
+(XLA:CPU), float8 codes are kept as their uint8 bits (code_dtype names what they are).
 """
 
 from __future__ import annotations
@@ -61,9 +58,8 @@ class QuantizedKV:
 
     @staticmethod
     def logical_axes(axes: tuple, code_dtype: Optional[str] = None) -> "QuantizedKV":
-        """The logical axes of codes with `axes` [..., kv_heads, head_dim]: the scales drop the
-        head dim and split like the codes (jaxinfer.sharding), so a device holds the scales of
-        its own slots and heads. code_dtype: the buffer's (the trees' structures match)."""
+        """The logical axes of codes with `axes` [..., kv_heads, head_dim]; the scales drop the
+        head dim and split like the codes. code_dtype: the buffer's, so the trees match."""
         return QuantizedKV(codes=tuple(axes), scale=tuple(axes)[:-1], code_dtype=code_dtype)
 
 

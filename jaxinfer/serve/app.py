@@ -1,12 +1,8 @@
 """The FastAPI app: OpenAI-compatible endpoints over one EngineLoop.
 
-Request bodies are checked and responses built by jaxinfer.openai_api (the contract in
-docs/openai_api.md); this module adds HTTP: the Content-Type rule and the API key (gate.py),
-body size (413) and read time (408), the model name, backpressure (429), readiness, draining
-and a stopped engine (503), and the metrics endpoint. docs/serving.md is the user-facing
-contract. Whatever a request sends, it gets an answer that names the problem, and no other
-request notices: prompts are tokenized on a small thread pool (never on the event loop or the
-engine thread), and a fault in a handler is a 500 whose traceback stays in the server's log.
+jaxinfer.openai_api checks bodies and builds responses; this module adds HTTP (body size and
+read time, model name, backpressure, readiness, draining, metrics). Prompts are tokenized on a
+small thread pool, never on the event loop or the engine thread. Contract: docs/serving.md.
 """
 
 from __future__ import annotations
@@ -32,11 +28,9 @@ from jaxinfer.user_input import InputError, loads_json, show
 
 log = logging.getLogger(__name__)
 MODELS = "/v1/models"
-# Connections beyond twice the admissible requests (those admitted, and as many again being
-# told 429 or idle in clients' pools): room for health probes and metrics scrapers.
-CONNECTION_HEADROOM = 64
-# Threads that tokenize prompts and render chat templates: enough to keep the engine fed
-# (tokenizing takes far less time than generating) while bounding the CPU requests can take.
+CONNECTION_HEADROOM = 64  # connections past twice the admissible requests: probes, scrapers
+# Tokenizing takes far less time than generating: a small pool keeps the engine fed while
+# bounding the CPU requests can take.
 ENCODE_WORKERS = 2
 
 
@@ -47,17 +41,12 @@ class ServeConfig:
     max_waiting: int = 256           # requests beyond the batch slots; more -> 429
     max_body_bytes: int = 1 << 20    # larger request bodies -> 413
     retry_after_s: int = 1           # the Retry-After of a 429
-    # Seconds an idle keep-alive connection stays open. Longer than clients keep idle pooled
-    # connections (httpx, and so the openai client: 5 s; aiohttp: 15 s; nginx upstream pools:
-    # 60 s), so that a client never reuses a socket the server is closing at that moment
-    # (uvicorn's own default, 5 s, equals httpx's and races it under load).
+    # Idle keep-alive seconds: longer than clients keep pooled connections (docs/serving.md),
+    # so a client never reuses a socket the server is closing.
     keep_alive_s: float = 75.0
-    # Seconds a client gets to send a request's headers (from its first byte, or from the
-    # connection's start) and again its body: a stalled or trickling sender is cut off (headers:
-    # the connection closes; body: 408) instead of holding a connection for ever.
-    read_timeout_s: float = 30.0
-    # Open connections (idle keep-alive ones count); a request arriving past them gets
-    # uvicorn's plain-text 503. None: 2 * (max_num_seqs + max_waiting) + CONNECTION_HEADROOM.
+    read_timeout_s: float = 30.0     # to send the headers (else closed) and the body (else 408)
+    # Open connections, idle ones included; past them uvicorn answers 503.
+    # None: 2 * (max_num_seqs + max_waiting) + CONNECTION_HEADROOM.
     max_connections: Optional[int] = None
 
     def __post_init__(self):
@@ -90,8 +79,7 @@ class ServeState:
             ENCODE_WORKERS, thread_name_prefix="jaxinfer-encode")
 
     def attach(self, llm) -> None:
-        """Serves `llm` (loaded, and warmed if it is to be): starts the engine loop and marks
-        the server ready."""
+        """Serves `llm` (loaded, warmed if wanted): starts the engine loop, marks ready."""
         self.llm = llm
         self.engine = EngineLoop(llm, self.metrics).start()
         self.ready = True
@@ -302,13 +290,11 @@ def create_app(state: ServeState) -> FastAPI:
     app = FastAPI(title="jaxinfer", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serve = state
 
-    @app.exception_handler(oa.RequestError)
-    async def _request_error(request, e):
+    async def _error(request, e):
         return error_response(e)
 
-    @app.exception_handler(ApiError)
-    async def _api_error(request, e):
-        return error_response(e)
+    app.add_exception_handler(oa.RequestError, _error)
+    app.add_exception_handler(ApiError, _error)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, e):

@@ -1,17 +1,8 @@
-"""The engine loop: one thread that owns the LLM and steps its request-level API.
+"""The engine loop: one thread that owns the LLM (which is not thread-safe) and steps it.
 
-The engine is not thread-safe, so nothing but this thread calls add_request / step / abort.
-HTTP handlers hand it commands through a thread-safe queue (submit, abort, call) and hear back
-through their Submission: loop.call_soon_threadsafe delivers each event to the handler's event
-loop, where it lands in one slot (outputs are cumulative, so only the newest is kept: a client
-that stops reading holds one output, not every one since) and sets an asyncio.Event. Per-request
-timings for the metrics are taken here, as outputs come out of step().
-
-Nothing a request does may stop the others: a request whose admission raises gets its own error
-(ValueError: the client's fault; anything else: InternalError, logged with its traceback), a
-failed step fails the requests then in the engine, and if the thread dies anyway (an exception
-escaping the loop, SystemExit, KeyboardInterrupt) it records why in `failure`, fails every
-waiting and running request with EngineStopped and refuses new ones.
+Handlers send commands through a queue and hear back through their Submission, which keeps
+only the newest output (outputs are cumulative). A request's failure stays that request's; if
+the thread itself dies, every request fails with EngineStopped. Contract: docs/serving.md.
 """
 
 from __future__ import annotations
@@ -38,8 +29,7 @@ class EngineStopped(RuntimeError):
 
 
 class InternalError(RuntimeError):
-    """A request failed on a server-side fault; its traceback is in the server's log, and the
-    client is told no more than that."""
+    """A request failed on a server-side fault; the traceback is in the log, not the answer."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -177,9 +167,8 @@ class EngineLoop:
         self._commands.put(("wake", None))
 
     def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
-        """Runs fn(llm) on the engine thread once the engine has no unfinished request (the
-        requests before it are stepped to their end; commands after it wait). For tests and
-        tools that need the engine to themselves, e.g. llm.generate for a reference."""
+        """Runs fn(llm) on the engine thread once the requests before it have finished (for
+        tests and tools that need the engine to themselves)."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         if not self._enqueue(("call", (fn, fut))):
             fut.set_exception(self.stopped_error())
@@ -215,20 +204,13 @@ class EngineLoop:
                 self._snapshot()
 
     def _close(self) -> None:
-        """Answers every request the loop still holds: at a shutdown those in the engine end
-        "abort" (with their partial answer); after a failure they fail with EngineStopped.
-        Commands still queued fail with EngineStopped."""
+        """Answers every request still held: "abort" at a shutdown, EngineStopped after a
+        failure; queued commands fail with EngineStopped."""
         error = self.stopped_error()
-        for rid in list(self._subs):
-            if self.failure is None:
+        if self.failure is None:
+            for rid in list(self._subs):
                 self._abort(rid)
-                continue
-            sub = self._subs.pop(rid)
-            try:  # leaves the LLM clean where it still can be
-                self.llm.abort(rid)
-            except Exception:  # noqa: BLE001 - the engine is already broken
-                pass
-            sub.put(ERROR, error)
+        self._fail_all(lambda rid: error)
         self._fail_pending(error)
         try:
             self._snapshot()
@@ -308,13 +290,7 @@ class EngineLoop:
             outs = self.llm.step()
         except Exception:  # an engine failure: fail every request rather than hang them
             log.exception("engine step failed; failing its %d requests", len(self._subs))
-            for rid, sub in list(self._subs.items()):
-                self._subs.pop(rid)
-                try:
-                    self.llm.abort(rid)
-                except Exception:  # noqa: BLE001 - the engine is already broken
-                    pass
-                sub.put(ERROR, InternalError(rid))
+            self._fail_all(InternalError)
             return
         now = time.perf_counter()
         for out in outs:
@@ -339,6 +315,16 @@ class EngineLoop:
                     self.metrics.on_finish(out.finish_reason, now - sub.arrival)
             sub.put(OUTPUT, out)
 
+    def _fail_all(self, error: Callable[[str], BaseException]) -> None:
+        """Fails every request in the engine with error(request_id)."""
+        for rid, sub in list(self._subs.items()):
+            del self._subs[rid]
+            try:  # leaves the LLM clean where it still can be
+                self.llm.abort(rid)
+            except Exception:  # noqa: BLE001 - the engine is already broken
+                pass
+            sub.put(ERROR, error(rid))
+
     def _fail_pending(self, error: Exception) -> None:
         while True:
             try:
@@ -355,7 +341,3 @@ class EngineLoop:
         self.stats = self.llm.stats()
         if self.metrics is not None:
             self.metrics.on_stats(self.stats, self.pending_adds)
-
-    def num_active(self) -> int:
-        """Requests handed to the engine and not finished (read from any thread)."""
-        return len(self._subs)

@@ -1,15 +1,8 @@
-"""What every HTTP request passes on its way in and out of the app: the API key or, without
-one, the Content-Type rule on /v1/*; the metrics' count by endpoint and status; and a
-catch-all that turns any exception a handler lets out into a 500 `internal_error` (the
-traceback goes to the server's log, never to the client). Also the error objects and responses
-the app sends.
+"""The ASGI middleware every HTTP request passes (API key or Content-Type rule, metrics count,
+a 500 for any exception a handler lets out), and the error responses the app sends.
 
-The Content-Type rule: a web page can make a browser POST to a loopback server without asking
-it first (no CORS preflight) only with text/plain, form-encoded or multipart bodies, or with no
-type at all; a JSON content type needs the server's consent, which this server never gives. So
-without an API key, POST /v1/* must say application/json (or application/<x>+json): no page
-the user visits can then drive the model. With an API key any type is taken, as vLLM does: a
-cross-site page cannot add the Authorization header without a preflight either.
+Without an API key POST /v1/* must be JSON, a type no web page can make a browser send unasked
+(no CORS preflight); docs/serving.md says why.
 """
 
 from __future__ import annotations
@@ -27,12 +20,10 @@ from jaxinfer.user_input import show
 log = logging.getLogger(__name__)
 COUNTED = (oa.COMPLETIONS, oa.CHAT, "/v1/models")
 INTERNAL_MESSAGE = "internal error; the server logged it"
-# For a client that stopped sending: the connection closes with the answer. (Answers sent
-# before a body was read keep the connection: closing it with the body unread would reset it,
-# and the client could lose the answer; the protocol's read deadline bounds such a body.)
+# For a client that stopped sending. Answers sent before a body was read keep the connection:
+# closing it with the body unread would reset it, and the client could lose the answer.
 CLOSE = {"Connection": "close"}
-# The longest error message sent (ours are far shorter; this bounds one quoting an exception).
-_MAX_MESSAGE_CHARS = 2000
+_MAX_MESSAGE_CHARS = 2000  # bounds a message that quotes an exception
 # application/json or application/<x>+json, as the type's essence (before any parameters).
 _JSON_TYPE = re.compile(r"application/([!#$%&'*.^_`|~0-9a-z-]+\+)?json")
 
@@ -53,8 +44,7 @@ def internal_error() -> ApiError:
 
 
 def _encodable(body: dict) -> dict:
-    """The error object with a message that encodes as UTF-8 and has a bounded length, whatever
-    an exception put in it."""
+    """The error object with its message made UTF-8-encodable and of bounded length."""
     err = dict(body["error"])
     msg = str(err["message"]).encode("utf-8", "backslashreplace").decode("utf-8")
     if len(msg) > _MAX_MESSAGE_CHARS:
@@ -81,8 +71,7 @@ def _authorized(scope, key: str) -> bool:
 
 
 def content_type_refusal(scope) -> Optional[ApiError]:
-    """415 unless the request has exactly one Content-Type and it is JSON (the module's
-    docstring says why)."""
+    """415 unless the request has exactly one Content-Type and it is JSON."""
     types = _header(scope, b"content-type")
     essence = types[0].split(b";")[0].strip().lower().decode("latin-1") if types else ""
     if len(types) == 1 and _JSON_TYPE.fullmatch(essence):
@@ -96,8 +85,7 @@ def content_type_refusal(scope) -> Optional[ApiError]:
 
 
 class Gate:
-    """ASGI middleware around the app (inside Starlette's own error middleware, outside its
-    routes)."""
+    """ASGI middleware inside Starlette's error middleware, outside the routes."""
 
     def __init__(self, app, state):
         self.app, self.state = app, state

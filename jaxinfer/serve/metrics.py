@@ -1,10 +1,6 @@
-"""The server's Prometheus metrics (prometheus-client), in a registry of its own.
-
-Per-request figures (TTFT, inter-token latency, end-to-end latency, tokens, finish reasons) are
-observed by the engine loop as outputs come out of the engine; HTTP requests by endpoint and
-status code by the app's middleware; engine-wide figures (running and waiting requests, KV page
-use, prefix-cache hit rate, preemptions, speculative acceptance) are read from the engine loop's
-latest llm.stats() snapshot at scrape time. docs/serving.md lists every name.
+"""The server's Prometheus metrics, in a registry of its own: per-request figures from the
+engine loop, HTTP counts from the middleware, engine-wide ones from the latest llm.stats()
+snapshot. docs/serving.md lists every name.
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
-"""Running the app under uvicorn: in the foreground with graceful SIGTERM handling
-(launch.serve), or on a background thread (tests, benchmarks, notebooks).
-
-Shutdown (SIGTERM or SIGINT, or `stop()`): /health turns 503 and new requests are refused
-(503), uvicorn stops accepting connections, requests already admitted run to their end until
-`drain_timeout_s`; then every request still in the engine is aborted (streams end with
-finish_reason "abort" and `data: [DONE]`), the engine loop stops and the process exits 0.
-
-Connections are bounded in number (uvicorn's limit_concurrency, from ServeConfig.max_connections;
-past it a request gets uvicorn's plain-text 503) and in the time a request may take to arrive
-(ReadDeadlineH11 for headers, the app for bodies), so idle or trickling clients cannot pile up.
+"""The app under uvicorn: in the foreground with a graceful SIGTERM drain (launch.serve), or on
+a background thread (ServerThread). Connections are bounded in number and in the time a request
+may take to arrive. docs/serving.md describes shutdown and the limits.
 """
 
 from __future__ import annotations
@@ -27,8 +19,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from jaxinfer.serve.app import ServeConfig, ServeState, create_app
 
 log = logging.getLogger(__name__)
-# Past the drain deadline uvicorn waits this much longer for connections to close (the
-# aborted requests' last chunks) before it cancels what is left.
+# Past the drain deadline, time for the aborted requests' last chunks before uvicorn cancels.
 _CLOSE_GRACE_S = 5.0
 
 
@@ -58,14 +49,9 @@ class Server(uvicorn.Server):
 
 
 class ReadDeadlineH11(H11Protocol):
-    """uvicorn's h11 protocol with a deadline on reading each request. uvicorn bounds the
-    headers' size (16 KiB, then 400) and an idle keep-alive connection's time, but not the time
-    a request takes to arrive: a connection that sends nothing, or its headers a byte a minute,
-    would stay open for ever. Here a request's headers must arrive within
-    `state.cfg.read_timeout_s` of its first byte (or of the connection's start), else the
-    connection is closed (nothing can be answered before the headers end). The body's deadline
-    is the app's (a 408); a body the app did not want (it answered before reading it) and
-    that is still arriving at the deadline closes the connection too."""
+    """uvicorn's h11 protocol with a deadline on each request's arrival, which uvicorn lacks:
+    headers not in within read_timeout_s close the connection (the body's deadline is the
+    app's 408), and so does an unwanted body still arriving then."""
 
     serve_state: ServeState  # set on the per-server subclass (make_server)
 
@@ -130,13 +116,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class ServerThread:
-    """The server on a daemon thread, for in-process use:
-
-        with ServerThread(llm, ServeConfig("smollm2-135m")) as srv:
-            client = openai.OpenAI(base_url=srv.url + "/v1", api_key="-")
-
-    `llm` is taken over by the engine loop while the server runs: call it only through
-    `srv.state.engine.call(fn)`."""
+    """The server on a daemon thread, for in-process use (`with ServerThread(llm, cfg) as srv`,
+    then srv.url). The engine loop owns `llm` meanwhile: call it through srv.state.engine.call."""
 
     def __init__(self, llm, cfg: ServeConfig, host: str = "127.0.0.1",
                  port: Optional[int] = None, drain_timeout_s: float = 30.0):
@@ -177,9 +158,8 @@ class ServerThread:
 
 def serve_forever(load: Callable[[], object], cfg: ServeConfig, host: str, port: int,
                   drain_timeout_s: float, max_num_seqs: int = 16) -> int:
-    """Listens at once (/health 503), loads the model with `load()` on a thread (ready when it
-    returns), serves until a signal, drains, returns the exit code (0, or 1 when the model
-    failed to load). `max_num_seqs` is the LLM's (for the default connection limit)."""
+    """Listens at once (/health 503 until `load()` returns on a thread), serves until a signal,
+    drains; returns the exit code (1 when the model failed to load)."""
     state = ServeState(cfg)
     server = make_server(state, host, port, drain_timeout_s, log_level="info",
                          max_num_seqs=max_num_seqs)

@@ -1,13 +1,8 @@
-"""Server-sent events: RequestOutputs of one request turned into OpenAI stream chunks.
+"""Server-sent events: a request's RequestOutputs as OpenAI stream chunks.
 
-RequestOutput.text is the request's whole text so far, which may end in the beginning of a stop
-string that the engine cuts once it completes; `Deltas` holds such a tail back until it is
-resolved, so the concatenated deltas always equal the final text. It finds that tail with a
-StopMatcher fed only the text each output adds (an unfinished request's text only grows), so a
-stream costs time linear in its text whatever the stop strings are: this runs on the event
-loop. `SSEResponse` is a bare ASGI response that writes the chunks and, whether the stream
-ends, the client goes away (http.disconnect or a failed write) or the task is cancelled at
-shutdown, calls `on_close` (the handler's abort and bookkeeping) exactly once.
+Deltas holds back a tail of text that may still begin a stop string, so the deltas add up to
+the final text; its StopMatcher sees only new text, so a stream costs time linear in its length.
+SSEResponse calls on_close exactly once however the stream ends.
 """
 
 from __future__ import annotations

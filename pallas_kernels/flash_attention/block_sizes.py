@@ -1,8 +1,5 @@
-"""Per-backend tile sizes for the flash-attention kernel.
-
-The kernel pads T up to a multiple of block_q and S up to a multiple of block_k, so the sizes here
-are upper bounds: a short sequence gets a smaller power-of-two block (never below MIN_BLOCK, the
-smallest tile Triton's dot accepts) to avoid computing mostly padding.
+"""Per-backend tile sizes for the flash-attention kernel: upper bounds, a short sequence gets a
+smaller power-of-two block (never below MIN_BLOCK, Triton's smallest dot) to spare padding.
 """
 
 from __future__ import annotations
@@ -20,9 +17,7 @@ class BlockSizes:
 
 MIN_BLOCK = 16
 
-# backend -> {head_dim: BlockSizes}; "default" covers any head dim not listed.
-# CPU runs the kernel in interpret mode (tests, debugging), where small tiles keep the padded work
-# and the per-step copies small.
+# backend -> {head_dim: BlockSizes} ("default": any other); small tiles keep interpret mode cheap.
 BLOCK_SIZES: dict[str, dict[int | str, BlockSizes]] = {
     "cpu": {"default": BlockSizes(32, 32)},
     "gpu": {
@@ -37,8 +32,8 @@ def _next_pow2(x: int) -> int:
 
 
 def default_block_sizes(backend: str, head_dim: int, q_len: int, kv_len: int) -> BlockSizes:
-    """Tile sizes for a problem on `backend` ("cpu", "gpu", ...; unknown backends use the CPU row),
-    shrunk to the smallest power of two >= the sequence length when that is smaller."""
+    """Tile sizes on `backend` (unknown: the CPU's), shrunk to the sequence length's power of
+    two where smaller."""
     table = BLOCK_SIZES.get(backend, BLOCK_SIZES["cpu"])
     bs = table.get(head_dim, table["default"])
     block_q = min(bs.block_q, max(MIN_BLOCK, _next_pow2(q_len)))

@@ -2,29 +2,12 @@
 
 Shape legend: B batch, T queries, S keys, N query heads, K kv heads, G = N // K, H head dim.
 
-Design
-------
-grid = (B, N, cdiv(T, block_q)); program (b, n, i) owns the query tile q[b, i*bq:(i+1)*bq, n, :]
-and the whole key sequence of kv head n // G (the index_map picks the kv head, so GQA/MQA never
-repeats K/V in memory). Inside, a blocked online softmax (running max m, running sum l, float32
-accumulator acc) walks the key blocks [lo_blk, hi_blk), where the bounds come from the row's
-q_offset and kv_length (read from two [B] int32 inputs) and the static causal/window flags:
-
-    hi = kv_length, and with causal min(hi, last query position + 1)
-    lo = 0, and with a window max(0, first query position - window + 1)
-
-so key blocks wholly in the causal future, past kv_length or before the window are never loaded.
-That range is split into three loops: masked edge blocks, then interior blocks that every query of
-the tile sees in full (no mask is computed there), then masked edge blocks again.
-
-Quantized K/V (int8 or float8_e4m3fn codes with k_scale, v_scale [B, S, K] float32): the codes
-stay in their storage dtype in memory and each key block is dequantized in the kernel right after
-its load. The scales reach program (b, n, i) through a BlockSpec (None, S_pad, None) with the
-same index map as K/V, (b, 0, n // G): a [S_pad] view of kv head n // G's scales (the squeezed
-last axis is the kv head, so no transposed copy is made). Each step slices [block_k] of it with
-the same pl.ds as the K/V block and computes k.astype(float32) * scale[:, None], cast to q's dtype
-for the dots (and v likewise, before the mask that zeroes slots past kv_length). Without scales
-the body is the float one, unchanged (a static branch).
+Grid (B, N, cdiv(T, block_q)): program (b, n, i) owns a query tile and the keys of kv head
+n // G (picked by the index map, so GQA never repeats K/V). A blocked online softmax in float32
+walks only the key blocks the tile can see (bounded by kv_length, causality and the window), in
+three loops: masked edge blocks, interior blocks every query sees in full (no mask), masked
+edge blocks. Quantized K/V (int8 / float8_e4m3fn codes with k_scale, v_scale [B, S, K]) stay
+in their dtype; each block is dequantized after its load.
 """
 
 from __future__ import annotations
@@ -140,9 +123,8 @@ def _flash_kernel(q_offset_ref, kv_lengths_ref, q_ref, k_ref, v_ref, *refs, bloc
 @functools.partial(jax.jit, static_argnames=("causal", "sliding_window", "softcap", "sm_scale",
                                              "interpret", "blocks"))
 def _flash_attention(q, k, v, q_offset, kv_lengths, k_scale, v_scale, *, causal: bool,
-                     sliding_window: int | None,
-                     softcap: float | None, sm_scale: float, interpret: bool,
-                     blocks: BlockSizes):
+                     sliding_window: int | None, softcap: float | None, sm_scale: float,
+                     interpret: bool, blocks: BlockSizes):
     B, T, N, H = q.shape
     _, S, K, _ = k.shape
     G = N // K
@@ -194,21 +176,12 @@ def _flash_attention(q, k, v, q_offset, kv_lengths, k_scale, v_scale, *, causal:
 def flash_attention(q, k, v, *, causal=True, q_offset=None, kv_lengths=None, sliding_window=None,
                     softcap=None, sm_scale=None, interpret=False, block_q=None, block_k=None,
                     k_scale=None, v_scale=None):
-    """Attention of q over k, v with a Pallas flash-attention kernel.
+    """Attention of q [B, T, N, H] over k, v [B, S, K, H] -> [B, T, N, H] in q.dtype.
 
-    q [B, T, N, H]; k, v [B, S, K, H] with N % K == 0; H in {32, 64, 128, 256}; any T and S.
-    q_offset [B] int32: absolute position of q[:, 0] in the key sequence (None = 0).
-    kv_lengths [B] int32: keys at index >= length are ignored (None = S).
-    Key j is visible to query t iff j < kv_lengths, and with causal j <= q_offset + t, and with a
-    sliding window w j > q_offset + t - w. softcap s maps logits to s * tanh(logits / s) before
-    masking; sm_scale defaults to 1 / sqrt(H). A query that sees no key gives a zero row.
-    interpret=True runs the kernel in the Pallas interpreter (CPU). block_q / block_k override the
-    per-backend tile sizes (block_sizes.BLOCK_SIZES); on GPU they must be powers of two >= 16.
-    Quantized K/V: k, v may hold int8 (value = code * scale) or float8_e4m3fn (value =
-    float(code) * scale) codes when k_scale, v_scale [B, S, K] (floating, one scale per token and
-    kv head) are given; each key block is dequantized inside the kernel after its load.
-    Returns [B, T, N, H] in q.dtype. Raises ValueError for bad ranks, dtypes, head counts or head
-    dims before any device work.
+    q_offset [B] int32: q[:, 0]'s position among the keys (None: 0); kv_lengths [B] int32
+    (None: S); reference.py has the visibility rule. block_q / block_k override the tile sizes
+    (powers of two >= 16 on GPU). Quantized K/V: int8 / float8_e4m3fn codes with k_scale,
+    v_scale [B, S, K]. Raises ValueError for bad ranks, dtypes, head counts or head dims.
     """
     B, T, N, H, S, K = check_inputs(q, k, v, q_offset, kv_lengths, sliding_window, softcap,
                                     sm_scale, k_scale, v_scale)

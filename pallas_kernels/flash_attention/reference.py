@@ -2,17 +2,11 @@
 
 Shape legend: B batch, T queries, S keys, N query heads, K kv heads, G = N // K, H head dim.
 
-Key j is visible to query t of row b iff
-    j < kv_lengths[b]
-    and (not causal or j <= q_offset[b] + t)
-    and (sliding_window is None or j > q_offset[b] + t - sliding_window).
-The window bound applies whether or not the attention is causal. Logits are
-softcap * tanh(sm_scale * q.k / softcap) (softcap before masking). A query that sees no key gets a
-zero output row.
-
-Quantized K/V (an int8 or fp8 KV cache): k, v may hold int8 codes (symmetric, value = code * scale)
-or float8_e4m3fn codes (value = float(code) * scale) when k_scale, v_scale [B, S, K] (one float
-scale per token and kv head) are given; the value is k.astype(float32) * k_scale[..., None].
+Key j is visible to query t of row b iff j < kv_lengths[b], and (causal) j <= q_offset[b] + t,
+and (with a window, causal or not) j > q_offset[b] + t - sliding_window. Logits are
+softcap * tanh(sm_scale * q.k / softcap), softcap before masking; a query that sees no key gets
+zeros. Quantized K/V: int8 or float8_e4m3fn codes with k_scale, v_scale [B, S, K] (value =
+code * scale).
 """
 
 from __future__ import annotations
@@ -33,9 +27,8 @@ def _as_array(x):
 
 
 def check_scales(k, v, k_scale, v_scale, *, k_name="k", v_name="v"):
-    """Validates the quantized-KV arguments: k_scale and v_scale are given together, exactly when
-    k and v hold int8 / float8_e4m3fn codes (of one dtype), with k's shape less its last axis and a
-    floating dtype. Returns True for quantized k, v. Only .shape and .dtype are read."""
+    """k_scale and v_scale are given together, exactly when k and v hold codes of one dtype,
+    shaped as k less its last axis, floating. Returns True for quantized k, v."""
     k_dtype, v_dtype = jnp.dtype(k.dtype), jnp.dtype(v.dtype)
     quantized = k_dtype in QUANTIZED_DTYPES or v_dtype in QUANTIZED_DTYPES
     if (k_scale is None) != (v_scale is None):
@@ -65,9 +58,8 @@ def check_scales(k, v, k_scale, v_scale, *, k_name="k", v_name="v"):
 
 def check_inputs(q, k, v, q_offset, kv_lengths, sliding_window, softcap, sm_scale,
                  k_scale=None, v_scale=None):
-    """Validates shapes, dtypes and static options; raises ValueError. Works on arrays and tracers
-    alike (only .shape and .dtype are read), so it costs no device work. k, v may hold int8 or
-    float8_e4m3fn codes when k_scale, v_scale [B, S, K] are given (see check_scales)."""
+    """Validates shapes, dtypes and static options (raises ValueError). Reads only shapes and
+    dtypes, so it costs no device work."""
     q, k, v = _as_array(q), _as_array(k), _as_array(v)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 4:
@@ -123,12 +115,8 @@ def dequantize(x, scale):
 def flash_attention_reference(q, k, v, *, causal=True, q_offset=None, kv_lengths=None,
                               sliding_window=None, softcap=None, sm_scale=None, k_scale=None,
                               v_scale=None):
-    """Dense attention with the same contract as `flash_attention`, computed in float32.
-
-    q [B, T, N, H]; k, v [B, S, K, H]; q_offset, kv_lengths [B] int32 or None. Quantized k, v
-    (int8 / float8_e4m3fn codes with k_scale, v_scale [B, S, K]) are dequantized first.
-    Returns [B, T, N, H] in q.dtype.
-    """
+    """Dense attention with flash_attention's contract, in float32: q [B, T, N, H]; k, v
+    [B, S, K, H] (codes with scales dequantized first) -> [B, T, N, H] in q.dtype."""
     B, T, N, H, S, K = check_inputs(q, k, v, q_offset, kv_lengths, sliding_window, softcap,
                                     sm_scale, k_scale, v_scale)
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)

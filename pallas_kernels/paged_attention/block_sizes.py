@@ -1,8 +1,5 @@
-"""Block sizes of the paged-attention kernel, one small table per backend.
-
-A kernel step reads `pages_per_block` pages of one kv head at once: [pages_per_block * page_size, H]
-keys. The table gives a target number of key tokens per step rather than a page count, so one entry
-serves every page size.
+"""Block sizes of the paged-attention kernel, one small table per backend: target keys per loop
+step ([pages_per_block * page_size, H]), so one entry serves every page size.
 """
 
 from __future__ import annotations
@@ -19,9 +16,8 @@ class BlockSizes:
     num_stages: int | None = None
 
 
-# The GPU body lowers through Triton: its dots need every dimension >= 16 (query rows, keys per
-# step) and every loaded block must have a power-of-two size. Interpret mode on CPU has neither
-# constraint; small steps there keep the masked tail of the last block cheap.
+# Triton's dots need every dimension >= 16 and power-of-two blocks; interpret mode on CPU needs
+# neither, and small steps keep its masked tail cheap.
 BLOCK_SIZES = {
     "gpu": BlockSizes(kv_tokens_per_block=128, min_kv_tokens_per_block=16, min_q_rows=16,
                       num_warps=4, num_stages=2),
@@ -40,7 +36,7 @@ def block_sizes_for(backend: str) -> BlockSizes:
 def pages_per_block_for(backend: str, page_size: int, max_pages: int,
                         requested: int | None = None) -> int:
     """Pages per loop step: `requested`, or the table's target as a power of two at most the
-    (rounded-up) block-table width; either raised to the backend's floor of keys per step."""
+    table width; raised to the backend's floor of keys per step."""
     sizes = block_sizes_for(backend)
     page_size = max(page_size, 1)
     if requested is None:

@@ -3,30 +3,13 @@
 Shape legend: B batch, N query heads, K kv heads, G = N // K (query heads per kv head), Gp the
 query block rows (G padded), H head dim, P pages in the pool, page_size keys per page.
 
-Grid (B, K): one program per (sequence, kv head) holds the G query heads of that kv head as one
-[Gp, H] block, so each K/V page is read once per kv head whatever the GQA ratio. The page pool of
-the program's kv head stays in place (a [P, page_size, H] view); a `fori_loop` with a dynamic trip
-count walks the sequence's pages `pages_per_block` at a time, gathering them through the block
-table, with an online softmax in float32.
-
-Only block-table slots first_page .. end_page - 1 are dereferenced, where end_page =
-ceil(length / page_size) and first_page is the first page touching the sliding window (0 without
-one). The last block may run past end_page; its slots are clamped to end_page - 1 (a page of the
-sequence, read again) and their keys masked, so a garbage block-table entry is never used.
-
-The body is a portable `pallas_call` (grid, BlockSpecs, refs, ref gathers, fori_loop): it runs
-with interpret=True on CPU and lowers through Triton on GPU. Block tables and lengths are ordinary
-inputs read inside the kernel (scalar prefetch is TPU-only).
-
-Quantized pages (int8 or float8_e4m3fn codes with k_scale, v_scale [P, page_size, K] float32): the
-pool stays in its storage dtype and each step dequantizes the pages it gathered. The scales reach
-program (b, h) as a [P, page_size] view of kv head h's scales, a BlockSpec (P, page_size, None)
-with index map (0, 0, h) -- the pool's [P, page_size, H] view with the head axis squeezed (the
-scales' last axis is the kv head, so no transposed copy is made). A step gathers the scales
-through the same page ids as its K/V pages, [pages_per_block, page_size] -> [block_k], and computes
-k.astype(float32) * scale[:, None] (cast to the query dtype for the dots), v likewise before the
-visibility mask zeroes stale slots. Without scales the body is the float one, unchanged (a static
-branch on the number of refs).
+Grid (B, K): program (b, h) holds kv head h's G query heads as one [Gp, H] block (each page
+read once per kv head) and walks the row's pages, pages_per_block at a time through the block
+table, with an online softmax in float32. Only table slots of visible pages are dereferenced
+(the last step's are clamped to the last page and masked). Quantized pages (int8 /
+float8_e4m3fn codes with k_scale, v_scale [P, page_size, K]) stay in their dtype; each step
+dequantizes what it gathered, the scales reaching the program as a [P, page_size] view of kv
+head h's. A portable pallas_call: interpret=True on CPU, Triton on GPU.
 """
 
 from __future__ import annotations
@@ -45,10 +28,9 @@ from pallas_kernels.paged_attention.reference import check_inputs
 
 def paged_attention_kernel(lengths_ref, block_tables_ref, q_ref, k_pages_ref, v_pages_ref, *refs,
                            page_size, pages_per_block, sm_scale, softcap, sliding_window):
-    # lengths_ref [1] int32 (this sequence); block_tables_ref [max_pages] int32 (this sequence)
-    # q_ref [Gp, H]; k_pages_ref, v_pages_ref [P, page_size, H] (this kv head); o_ref [Gp, H]
-    # refs: (o_ref,), or for quantized pages (k_scale_ref, v_scale_ref, o_ref) with the scales
-    # [P, page_size] of this kv head.
+    # lengths_ref [1], block_tables_ref [max_pages] int32 (this sequence); q_ref, o_ref [Gp, H];
+    # k_pages_ref, v_pages_ref [P, page_size, H] (this kv head);
+    # refs: (o_ref,), or (k_scale_ref, v_scale_ref [P, page_size], o_ref) for quantized pages.
     if len(refs) == 3:
         k_scale_ref, v_scale_ref, o_ref = refs
     else:
@@ -116,16 +98,11 @@ def paged_attention(q, k_pages, v_pages, lengths, block_tables, *, sliding_windo
                     q_rows=None, k_scale=None, v_scale=None):
     """Decode attention of one token per row over paged K/V. q [B, N, H] -> [B, N, H] in q.dtype.
 
-    k_pages, v_pages [P, page_size, K, H]; lengths [B] int32 (tokens in the cache, the new token
-    included); block_tables [B, max_pages] int32. sm_scale defaults to 1/sqrt(H); softcap s maps
-    logits to s * tanh(logits / s). pages_per_block and q_rows override the block-size table
-    (raised to the backend's floor; on GPU page_size, pages_per_block and q_rows must be powers
-    of two).
-    Quantized pages: k_pages, v_pages may hold int8 (value = code * scale) or float8_e4m3fn
-    (value = float(code) * scale) codes when k_scale, v_scale [P, page_size, K] (floating, one
-    scale per slot and kv head) are given; the kernel dequantizes each gathered block after its
-    load.
-    Raises ValueError for wrong ranks, dtypes, N % K != 0 or an unsupported H.
+    k_pages, v_pages [P, page_size, K, H] (or int8 / float8_e4m3fn codes with k_scale, v_scale
+    [P, page_size, K]); lengths [B] int32 (the new token included); block_tables
+    [B, max_pages] int32; reference.py has the contract. pages_per_block and q_rows override the
+    block-size table (raised to its floors; powers of two on GPU). Raises ValueError for wrong
+    ranks, dtypes, N % K != 0 or an unsupported H.
     """
     if check_inputs(q, k_pages, v_pages, lengths, block_tables, sliding_window, softcap, k_scale,
                     v_scale):
@@ -149,8 +126,8 @@ def paged_attention(q, k_pages, v_pages, lengths, block_tables, *, sliding_windo
 @functools.partial(jax.jit, static_argnames=("sliding_window", "softcap", "sm_scale", "interpret",
                                              "pages_per_block", "q_rows", "backend"))
 def _paged_attention(q, k_pages, v_pages, lengths, block_tables, k_scale, v_scale, *,
-                     sliding_window, softcap,
-                     sm_scale, interpret, pages_per_block, q_rows, backend):
+                     sliding_window, softcap, sm_scale, interpret, pages_per_block, q_rows,
+                     backend):
     B, N, H = q.shape
     P, page_size, K, _ = k_pages.shape
     max_pages = block_tables.shape[1]

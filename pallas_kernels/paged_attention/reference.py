@@ -4,14 +4,10 @@ Shape legend: B batch, N query heads, K kv heads, G = N // K, H head dim, P page
 S key slots of a sequence (max_pages * page_size).
 
 The query of row b sits at position lengths[b] - 1 and sees keys 0 .. lengths[b] - 1 (with a
-sliding window w only keys > lengths[b] - 1 - w). Key slot j of row b lives in page
-block_tables[b, j // page_size] at offset j % page_size. Entries of block_tables at or beyond
-ceil(lengths[b] / page_size) may hold anything and are never dereferenced.
-
-Quantized pages (an int8 or fp8 KV cache): k_pages, v_pages may hold int8 codes (symmetric, value =
-code * scale) or float8_e4m3fn codes (value = float(code) * scale) when k_scale, v_scale
-[P, page_size, K] (one float scale per token slot and kv head) are given; the reference dequantizes
-the pool first, k_pages.astype(float32) * k_scale[..., None].
+sliding window w only keys > lengths[b] - 1 - w); key j is in page block_tables[b, j //
+page_size] at offset j % page_size. Table entries at or beyond ceil(lengths[b] / page_size) are
+never dereferenced. Quantized pages: int8 or float8_e4m3fn codes with k_scale, v_scale
+[P, page_size, K] (value = code * scale), dequantized first.
 """
 
 from __future__ import annotations
@@ -29,12 +25,10 @@ HEAD_DIMS = (32, 64, 128, 256)
 
 def check_pool_inputs(q, k_pages, v_pages, index_inputs, sliding_window=None, softcap=None,
                       k_scale=None, v_scale=None):
-    """The checks of every kernel over a page pool: q [., N, H] and k_pages, v_pages
-    [P, page_size, K, H] of float dtypes (or int8 / float8_e4m3fn codes with k_scale, v_scale
-    [P, page_size, K]: flash_attention.reference.check_scales), index_inputs ((name, array,
-    rank), ...) int32 of those ranks, a supported head dim, N % K == 0, a window >= 1 and a
-    softcap > 0. Raises ValueError naming the value; returns True for quantized pages. Only
-    .shape and .dtype are read."""
+    """The checks of every kernel over a page pool: q [., N, H], float k_pages, v_pages
+    [P, page_size, K, H] (or codes with scales: check_scales), int32 index_inputs ((name,
+    array, rank), ...), a supported head dim, N % K == 0, window >= 1, softcap > 0. Raises
+    ValueError naming the value; returns True for quantized pages. Reads shapes and dtypes."""
     for name, x, rank in (("q", q, 3), ("k_pages", k_pages, 4),
                           ("v_pages", v_pages, 4)) + tuple(index_inputs):
         if jnp.ndim(x) != rank:
@@ -83,12 +77,8 @@ def check_inputs(q, k_pages, v_pages, lengths, block_tables, sliding_window=None
 
 def paged_attention_reference(q, k_pages, v_pages, lengths, block_tables, *, sliding_window=None,
                               softcap=None, sm_scale=None, k_scale=None, v_scale=None):
-    """Decode attention of one token per row over paged K/V. q [B, N, H] -> [B, N, H] in q.dtype.
-
-    k_pages, v_pages [P, page_size, K, H]; lengths [B] int32; block_tables [B, max_pages] int32.
-    Quantized pages (int8 / float8_e4m3fn codes with k_scale, v_scale [P, page_size, K]) are
-    dequantized to float32 first.
-    """
+    """Decode attention of one token per row over paged K/V (the module docstring's contract).
+    q [B, N, H] -> [B, N, H] in q.dtype."""
     if check_inputs(q, k_pages, v_pages, lengths, block_tables, sliding_window, softcap,
                     k_scale, v_scale):
         k_pages, v_pages = dequantize(k_pages, k_scale), dequantize(v_pages, v_scale)
@@ -107,8 +97,7 @@ def _reference(q, k_pages, v_pages, lengths, block_tables, *, sliding_window, so
         return jnp.zeros_like(q)
     lengths = jnp.maximum(lengths, 0)
 
-    # Pages at or beyond ceil(length / page_size) are replaced by page 0 before the gather, so a
-    # garbage id is never used; their keys are masked and their values zeroed below.
+    # Entries past the row's last page read page 0 (a garbage id is never used), masked.
     used_pages = (lengths + page_size - 1) // page_size                          # [B]
     page_used = jnp.arange(max_pages)[None, :] < used_pages[:, None]            # [B, max_pages]
     pages = jnp.where(page_used, block_tables, 0)

@@ -1,10 +1,8 @@
 """Block sizes of the ragged paged-attention kernel, one small table per backend.
 
-A program holds a query block of `block_q` tokens of one row times the query heads of one kv head
-(the GQA group padded to a power of two, `group_rows`): [block_q * group_rows, H] rows. A loop step
-reads `pages_per_block` pages of that kv head: [pages_per_block * page_size, H] keys. The table
-gives target numbers of query rows and key tokens rather than token or page counts, so one entry
-serves every GQA ratio and page size.
+A program holds [block_q * group_rows, H] query rows (group_rows: the GQA group padded to a
+power of two); a loop step reads [pages_per_block * page_size, H] keys. The table gives target
+rows and keys, so one entry serves every GQA ratio and page size.
 """
 
 from __future__ import annotations
@@ -23,16 +21,10 @@ class BlockSizes:
     max_kv_block_bytes: int | None = None  # caps the target: keys per step * H * itemsize
 
 
-# The GPU body lowers through Triton: its dots need every dimension >= 16 (query rows, keys per
-# step) and every loaded block must have a power-of-two size. Interpret mode on CPU has neither
-# constraint; small blocks there keep the masked tails (a decode row's single query, the last
-# keys of a step) cheap.
-# GPU figures, H200, bf16, N=32 K=8 H=128, page 16 (benchmarks/kernels.py --only ragged,
-# docs/gpu.md):
-# 128 keys per step beat 64 on every mix (decode rows at context 4096: 0.43 against 0.58 ms) and
-# 256 lost (0.51 ms); 512 overflows shared memory. A step's key block is capped at 64 KiB
-# (128 keys of H=128 in float32; float32 H=256 gets 64 keys) so that the two pipelined K and V
-# blocks fit the 227 KiB of shared memory. 16-token query blocks beat 8 and 32.
+# Triton's dots need every dimension >= 16 and power-of-two blocks; interpret mode on CPU needs
+# neither, and small blocks keep its masked tails cheap. GPU entries measured on an H200
+# (docs/gpu.md): 128 keys a step beat 64 and 256, a key block capped at 64 KiB so that the
+# pipelined K and V blocks fit shared memory, and 16-token query blocks beat 8 and 32.
 BLOCK_SIZES = {
     "gpu": BlockSizes(kv_tokens_per_block=128, min_kv_tokens_per_block=16, q_rows_per_block=64,
                       min_q_rows=16, num_warps=4, num_stages=2, max_kv_block_bytes=64 * 1024),
@@ -51,10 +43,8 @@ def block_sizes_for(backend: str) -> BlockSizes:
 
 def pages_per_block_for(backend: str, page_size: int, max_pages: int,
                         requested: int | None = None, key_bytes: int | None = None) -> int:
-    """Pages per loop step: `requested`, or the table's target as a power of two at most the
-    (rounded-up) block-table width; either raised to the backend's floor of keys per step.
-    key_bytes (H * the compute dtype's itemsize) lowers the target to the table's cap on a key
-    block's bytes."""
+    """Pages per loop step: `requested`, or the table's target (capped by max_kv_block_bytes /
+    key_bytes) as a power of two at most the table width; raised to the backend's floor."""
     sizes = block_sizes_for(backend)
     page_size = max(page_size, 1)
     if requested is None:
@@ -67,17 +57,14 @@ def pages_per_block_for(backend: str, page_size: int, max_pages: int,
 
 
 def group_rows_for(group: int) -> int:
-    """Rows one query token takes in a query block: the GQA group padded to a power of two (the
-    padded rows are computed and discarded)."""
+    """Rows one query token takes in a block: the GQA group padded to a power of two."""
     return next_power_of_2(group)
 
 
 def block_q_for(backend: str, group_rows: int, tokens_per_row: int,
                 requested: int | None = None) -> int:
-    """Query tokens per program: `requested`, or the table's target rows over `group_rows` as a
-    power of two at most the (rounded-up) mean tokens per row, ceil(T / R) (a static figure of
-    the shapes: a decode-only batch, T = R, gets the smallest block); either raised so that the
-    block has the backend's floor of rows."""
+    """Query tokens per program: `requested`, or the table's target rows / group_rows as a
+    power of two at most the mean tokens per row; raised to the backend's floor of rows."""
     sizes = block_sizes_for(backend)
     if requested is None:
         target = max(1, sizes.q_rows_per_block // group_rows)

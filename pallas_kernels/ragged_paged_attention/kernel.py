@@ -2,76 +2,19 @@
 
 Shape legend: T query tokens (flat), N query heads, K kv heads, G = N // K (query heads per kv
 head), Gp = G padded to a power of two, H head dim, P pages in the pool, Z page size, R rows,
-M block-table width, bq query tokens per block, W work items.
+M block-table width, bq query tokens per block, T_pad = T + bq, W work items.
 
-Contract (the same as reference.py's):
-- q [T, N, H] is a flat batch of query tokens, prefill chunks and single decode tokens side by
-  side; k_pages, v_pages [P, Z, K, H] a page pool; N % K == 0; H in (32, 64, 128, 256).
-- kv_lengths, query_start, num_queries [R] int32 and block_tables [R, M] int32: row r owns
-  q[query_start[r] : query_start[r] + num_queries[r]]; its keys are positions 0 ..
-  kv_lengths[r] - 1, position p in page block_tables[r, p // Z] at offset p % Z.
-- Query i of row r sits at position t = kv_lengths[r] - num_queries[r] + i (the last at
-  kv_lengths[r] - 1) and sees key j iff j <= t, and with a sliding window w also j > t - w.
-  Logits are softcap * tanh(sm_scale * q.k / softcap) (softcap before masking); sm_scale
-  defaults to 1/sqrt(H).
-- Rows with num_queries 0 contribute nothing; rows' query ranges do not overlap but need not be
-  sorted or contiguous, and tokens no row owns get zeros. Any page order and lengths
-  (kv_lengths >= num_queries); block-table entries past a row's last page may hold anything
-  (never dereferenced) and unused pages may hold NaN (never leaks into the output).
-- Returns [T, N, H] in q.dtype. ValueError only for wrong ranks, dtypes, shapes, N % K != 0, an
-  unsupported H, a sliding window < 1 or a softcap <= 0 (static arguments).
-- wraps=True (a ring buffer, beyond reference.py's contract): position p is in page
-  block_tables[r, (p // Z) % M], so a row's positions past M * Z reuse its oldest pages. The
-  caller keeps every key a query sees in place: with a sliding window w and n = num_queries[r],
-  M * Z >= w + n - 1 suffices (the step writes positions kv_lengths[r] - n .. kv_lengths[r] - 1
-  over slots whose keys are at least M * Z positions older, outside every query's window).
-  Logical pages that alias a visible one hold only keys no query sees.
+Contract: reference.py's (prefill chunks and decode tokens side by side in q [T, N, H], row r
+owning q[query_start[r] : + num_queries[r]] over its keys 0 .. kv_lengths[r] - 1 through
+block_tables [R, M]), plus wraps=True for a ring: position p is in page
+block_tables[r, (p // Z) % M], and the caller keeps every visible key in place (M * Z >=
+window + num_queries[r] - 1 suffices).
 
-Work list. A grid over (row, query block) would need a static bound on each row's blocks
-(cdiv(T, bq) for a row that might own every token) and so R * cdiv(T, bq) programs, nearly all
-empty. Instead the jitted wrapper lists the query blocks rows actually have: row r has
-cdiv(num_queries[r], bq) blocks, their cumulative sum numbers them, and work item w finds its row
-by a search over that sum. Ranges that do not overlap inside [0, T) hold at most T tokens over at
-most min(R, T) non-empty rows, so W = (T + min(R, T) * (bq - 1)) // bq items always suffice (a
-decode-only batch, T = R, gets exactly R at any bq); items past the last block are idle. Each item's
-scalars (kv length, first token, first query position, valid queries) are a [4] int32 row of a
-[W, 4] table and its row's block table a [M] row of a [W, M] gather, both ordinary inputs read in
-the kernel (scalar prefetch is TPU-only).
-
-Grid (W, K): program (w, h) holds the bq tokens of its block times the G query heads of kv head h
-as one [bq * Gp, H] block (token-major), so each K/V page is read once per kv head and query
-block whatever the GQA ratio. The queries are laid out [K, T_pad * Gp, H] (T_pad = T + bq, so a
-block starting at any token fits) and the program loads its rows with a dynamic slice of kv head
-h's [T_pad * Gp, H] view. The page pool of kv head h stays in place ([P, Z, H]); a fori_loop with
-a dynamic trip count walks the row's pages `pages_per_block` at a time, gathering them through the
-block table, with an online softmax in float32. Query row k (token k // Gp of the block) sits at
-position pos0 + k // Gp and sees key j iff j <= its position (and j > position - window).
-
-Only block-table slots first_page .. end_page - 1 are dereferenced: end_page = ceil(end_key / Z)
-with end_key = position of the block's last query + 1 (<= kv_length), and first_page the page
-holding the first key the block's first query sees in the window (0 without one). The last step
-may run past end_page; its slots are clamped to end_page - 1 (a page of the row, read again) and
-their keys masked, so a garbage block-table entry is never used. A query row that has seen no key
-yet (causal or window masking within a step) keeps a running max of -inf and the exponentials are
-taken against 0 instead, so it stays exactly zero until its first key.
-
-Output. The programs write into [K, T_pad * Gp, H], kv head h's view again, with a masked store
-of the block's valid query rows only (rows past the row's last query belong to another row or to
-no row, and are not written), so programs never write the same element and no [R, max queries]
-padded buffer is needed. The wrapper undoes the layout ([T, N, H]) and zeroes the tokens no row
-owns (an ownership mask from a difference array over the query ranges), so elements no program
-wrote are never returned.
-
-The body is a portable `pallas_call` (grid, BlockSpecs, refs, ref gathers, pl.when, fori_loop, a
-masked store): it runs with interpret=True on CPU and lowers through Triton on GPU.
-
-Quantized pages (int8 or float8_e4m3fn codes with k_scale, v_scale [P, Z, K] float32) are handled
-as in paged_attention: the pool stays in its storage dtype, the scales reach program (w, h) as a
-[P, Z] view of kv head h's scales (BlockSpec (P, Z, None), index map (0, 0, h)), and each step
-gathers the scales through the same page ids as its K/V pages and computes
-k.astype(float32) * scale[:, None] (cast to the query dtype for the dots), v likewise before the
-key mask zeroes stale slots (a NaN scale there never leaks). Without scales the body is the float
-one (a static branch on the number of refs).
+Design (docs/ragged_paged_attention.md): a work list of the query blocks the rows have makes
+the grid (W, K); program (w, h) holds [bq * Gp, H] query rows of kv head h and walks its row's
+visible pages through the block table with an online softmax in float32, storing only its
+valid rows; quantized pages are dequantized per gathered block. A portable pallas_call:
+interpret=True on CPU, Triton on GPU.
 """
 
 from __future__ import annotations
@@ -98,11 +41,8 @@ def num_work_items(num_tokens: int, num_rows: int, block_q: int) -> int:
 
 def work_items(kv_lengths, query_start, num_queries, *, num_tokens, block_q):
     """The grid's work list: (rows [W] int32, table [W, 4] int32), W = num_work_items(...).
-
-    Item w is query block b of row rows[w]: queries b * block_q .. of that row. Its table row
-    holds the row's kv length, the flat index of the block's first token, the position of its
-    first query and the number of valid queries in it (0 for an idle item past the last block,
-    whose row is clamped to R - 1)."""
+    Item w is a query block of row rows[w]; its table row holds the row's kv length, the block's
+    first token and first query position, and its valid queries (0: an idle item)."""
     R = kv_lengths.shape[0]
     W = num_work_items(num_tokens, R, block_q)
     counts = jnp.clip(num_queries, 0, num_tokens)
@@ -129,11 +69,9 @@ def _store_rows(o_ref, start, value, mask):
 def ragged_paged_attention_kernel(work_ref, block_table_ref, q_ref, k_pages_ref, v_pages_ref,
                                   *refs, page_size, pages_per_block, block_q, group_rows,
                                   sm_scale, softcap, sliding_window, wraps=False):
-    # work_ref [4] int32 (this work item: kv length, first token, first position, valid queries)
-    # block_table_ref [M] int32 (this item's row); q_ref [T_pad * Gp, H] (this kv head)
-    # k_pages_ref, v_pages_ref [P, Z, H] (this kv head); o_ref [T_pad * Gp, H] (this kv head)
-    # refs: (o_ref,), or for quantized pages (k_scale_ref, v_scale_ref, o_ref) with the scales
-    # [P, Z] of this kv head.
+    # work_ref [4] int32 (this item's row of the work table); block_table_ref [M] int32;
+    # q_ref, o_ref [T_pad * Gp, H], k_pages_ref, v_pages_ref [P, Z, H] (this kv head);
+    # refs: (o_ref,), or (k_scale_ref, v_scale_ref [P, Z], o_ref) for quantized pages.
     if len(refs) == 3:
         k_scale_ref, v_scale_ref, o_ref = refs
     else:
@@ -216,8 +154,7 @@ def ragged_paged_attention_kernel(work_ref, block_table_ref, q_ref, k_pages_ref,
 
 
 def _compute_dtype(q, k_pages, k_scale):
-    """The dtype the kernel computes in: q's for quantized pages (dequantized to it), else the
-    promotion of q's and the pages'."""
+    """q's dtype for quantized pages (dequantized to it), else the promotion with the pages'."""
     return q.dtype if k_scale is not None else jnp.promote_types(q.dtype, k_pages.dtype)
 
 
@@ -225,26 +162,14 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lengths, block_tables, query_
                            num_queries, *, sliding_window=None, softcap=None, sm_scale=None,
                            k_scale=None, v_scale=None, interpret=False, pages_per_block=None,
                            block_q=None, wraps=False):
-    """Causal attention of a flat, ragged batch of query tokens (prefill chunks and decode tokens
-    side by side) over paged K/V. q [T, N, H] -> [T, N, H] in q.dtype.
+    """Causal attention of a flat, ragged batch of query tokens over paged K/V.
+    q [T, N, H] -> [T, N, H] in q.dtype.
 
-    k_pages, v_pages [P, Z, K, H]; kv_lengths, query_start, num_queries [R] int32; block_tables
-    [R, M] int32. Row r owns q[query_start[r] : query_start[r] + num_queries[r]], query i at
-    position kv_lengths[r] - num_queries[r] + i over keys 0 .. kv_lengths[r] - 1 (position p in
-    page block_tables[r, p // Z] at offset p % Z); tokens no row owns get zeros (reference.py
-    states the contract in full). sm_scale defaults to 1/sqrt(H); softcap s maps logits to
-    s * tanh(logits / s); a sliding window w hides keys at or before position - w.
-    pages_per_block (pages per loop step) and block_q (query tokens per program) override the
-    block-size table (raised to the backend's floor; on GPU Z, pages_per_block and block_q must be
-    powers of two); by default block_q follows the table's target rows per program, at most the
-    mean tokens per row ceil(T / R) rounded up to a power of two.
-    Quantized pages: k_pages, v_pages may hold int8 (value = code * scale) or float8_e4m3fn
-    (value = float(code) * scale) codes when k_scale, v_scale [P, Z, K] (floating, one scale per
-    slot and kv head) are given; the kernel dequantizes each gathered block after its load.
-    wraps (a ring buffer): position p is in page block_tables[r, (p // Z) % M], so positions
-    past M * Z reuse a row's oldest pages; every key a query sees must still be in place
-    (M * Z >= sliding window + the row's num_queries - 1; the module docstring has the rule).
-    Raises ValueError for wrong ranks, dtypes, N % K != 0 or an unsupported H.
+    k_pages, v_pages [P, Z, K, H] (or int8 / float8_e4m3fn codes with k_scale, v_scale
+    [P, Z, K]); kv_lengths, query_start, num_queries [R] int32; block_tables [R, M] int32;
+    reference.py states the contract, the module docstring wraps. pages_per_block and block_q
+    override the block-size table (raised to its floors; powers of two on GPU). Raises
+    ValueError for wrong ranks, dtypes, N % K != 0 or an unsupported H.
     """
     if check_inputs(q, k_pages, v_pages, kv_lengths, block_tables, query_start, num_queries,
                     sliding_window, softcap, k_scale, v_scale):
@@ -326,8 +251,7 @@ def _ragged_paged_attention(q, k_pages, v_pages, kv_lengths, block_tables, query
     )(*operands)
     out = out.reshape(K, T_pad, Gp, H)[:, :T, :G].transpose(1, 0, 2, 3).reshape(T, N, H)
 
-    # Tokens no row owns were never written: a difference array over the query ranges marks the
-    # owned ones (+1 at each range's start, -1 past its end, a running sum).
+    # Tokens no row owns were never written: a difference array over the ranges marks the owned.
     counts = jnp.clip(num_queries, 0, T)
     starts = jnp.clip(query_start, 0, T)
     ends = jnp.clip(query_start + counts, 0, T)

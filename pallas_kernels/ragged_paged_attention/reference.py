@@ -12,18 +12,13 @@ written to the pages). Key j is visible to a query at position t iff j <= t, and
 window w also j > t - w. Logits are softcap * tanh(sm_scale * q.k / softcap) (softcap before
 masking); sm_scale defaults to 1/sqrt(H).
 
-Rows with num_queries 0 contribute nothing. Rows' query ranges do not overlap but need not be
-sorted or contiguous; tokens no row owns get zeros. Block-table entries at or beyond
-ceil(kv_lengths[r] / Z) may hold anything and are never dereferenced; pages no row owns and the
-slots of a row's last page past its length may hold anything (NaN included).
+Rows with num_queries 0 contribute nothing; query ranges do not overlap but need not be sorted
+or contiguous; tokens no row owns get zeros. Block-table entries at or beyond
+ceil(kv_lengths[r] / Z) are never dereferenced; unowned pages and slots past a row's length may
+hold anything (NaN included).
 
-Quantized pages (an int8 or fp8 KV cache): k_pages, v_pages may hold int8 codes (symmetric, value =
-code * scale) or float8_e4m3fn codes (value = float(code) * scale) when k_scale, v_scale
-[P, Z, K] (one float scale per token slot and kv head) are given; the reference dequantizes the
-pool first, k_pages.astype(float32) * k_scale[..., None].
-
-The reference is an oracle, not a fast path: every query token gathers its row's whole
-[S, K, H] key and value slots ([T, S, K, H] in all).
+Quantized pages: int8 or float8_e4m3fn codes with k_scale, v_scale [P, Z, K] (value = code *
+scale), dequantized first. An oracle, not a fast path: each query gathers its row's [S, K, H].
 """
 
 from __future__ import annotations
@@ -39,9 +34,8 @@ from pallas_kernels.paged_attention.reference import check_pool_inputs
 
 def check_inputs(q, k_pages, v_pages, kv_lengths, block_tables, query_start, num_queries,
                  sliding_window=None, softcap=None, k_scale=None, v_scale=None):
-    """paged_attention.reference.check_pool_inputs for a flat batch q [T, N, H], plus one
-    kv length, query start and query count per block-table row. Raises ValueError; returns True
-    for quantized pages. Only .shape and .dtype are read."""
+    """check_pool_inputs for a flat batch q [T, N, H] plus one kv length, query start and count
+    per block-table row. Raises ValueError; returns True for quantized pages."""
     quantized = check_pool_inputs(
         q, k_pages, v_pages, (("kv_lengths", kv_lengths, 1), ("block_tables", block_tables, 2),
                               ("query_start", query_start, 1), ("num_queries", num_queries, 1)),
@@ -57,13 +51,8 @@ def check_inputs(q, k_pages, v_pages, kv_lengths, block_tables, query_start, num
 def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lengths, block_tables, query_start,
                                      num_queries, *, sliding_window=None, softcap=None,
                                      sm_scale=None, k_scale=None, v_scale=None):
-    """Causal attention of a flat, ragged batch of query tokens over paged K/V.
-    q [T, N, H] -> [T, N, H] in q.dtype.
-
-    k_pages, v_pages [P, Z, K, H]; kv_lengths, query_start, num_queries [R] int32; block_tables
-    [R, M] int32 (the module docstring states the contract). Quantized pages (int8 /
-    float8_e4m3fn codes with k_scale, v_scale [P, Z, K]) are dequantized to float32 first.
-    """
+    """Causal attention of a flat, ragged batch of query tokens over paged K/V (the module
+    docstring's contract). q [T, N, H] -> [T, N, H] in q.dtype."""
     if check_inputs(q, k_pages, v_pages, kv_lengths, block_tables, query_start, num_queries,
                     sliding_window, softcap, k_scale, v_scale):
         k_pages, v_pages = dequantize(k_pages, k_scale), dequantize(v_pages, v_scale)
@@ -92,8 +81,7 @@ def _reference(q, k_pages, v_pages, kv_lengths, block_tables, query_start, num_q
     row = jnp.argmax(in_range, axis=1)                                           # [T]
     qpos = lengths[row] - counts[row] + (t[:, 0] - query_start[row])             # [T]
 
-    # Each row's key slots through its block table; entries at or beyond the row's last page are
-    # replaced by page 0 before the gather (a garbage id is never used) and their keys masked.
+    # Entries past the row's last page read page 0 (a garbage id is never used), masked.
     used_pages = (lengths + page_size - 1) // page_size                          # [R]
     page_used = jnp.arange(max_pages)[None, :] < used_pages[:, None]            # [R, M]
     pages = jnp.where(page_used, block_tables, 0)

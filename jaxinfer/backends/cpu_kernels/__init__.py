@@ -1,27 +1,16 @@
-"""Native CPU kernels: XLA FFI handlers that XLA:CPU calls inside jitted programs (the products
-in products.cc, the decode attention in attention.cc, the logits' argmax and descending sort
-in sampling.cc, their shared parts in headers).
+"""Native CPU kernels: XLA FFI handlers called inside jitted programs (products.cc, the decode
+attention in attention.cc, argmax and sort in sampling.cc). Contracts: docs/cpu_kernels.md.
 
-The sources ship with the package and are compiled on first use, on the machine that runs them
-(`c++ -O3 -march=native`, or `$CXX`), into one `<cache dir>/cpu_kernels/<digest>.so`, the
-digest covering the sources and headers, the compiler, its flags, jaxlib's version and the CPU's instruction set
-flags; later processes load the built file (about 3 s to build, once). The library is loaded
-only from a directory owned by this user and writable by no one else (created 0700;
-hub.ensure_private_dir), and only as a file of that kind: a library others could swap is code
-they would run in this process. Where `cpu_kernels/` fails that check (one warning), each
-process builds its own library in a fresh private temporary directory, loads it and removes
-it: the kernels stay on at the cost of the build, and nothing is loaded from the shared
-directory; should even that fail, the kernels are off. The handlers are
-registered with jax under names that carry the digest, so a program compiled against one build
-(and kept in JAX's or jaxinfer's caches) never runs another.
+The sources are compiled on first use (`c++ -O3 -march=native`, or `$CXX`) into
+`<cache dir>/cpu_kernels/<digest>.so`, the digest covering the sources, compiler, flags, jaxlib
+and the CPU's instruction set. A library is code run in this process, so it is loaded only from
+a directory private to this user; where that check fails (one warning), each process builds
+its own in a private temporary directory. Handlers are registered under names carrying the
+digest, so a cached program never runs another build.
 
-They are used where the platform's tuning asks for them (`tuning.StepTuning.cpu_kernels`:
-the CPU), by programs over one CPU device (a custom call has no sharding rule): the Backend
-(jaxinfer.backends) decides once, when it is resolved. Nothing
-else changes when they are missing: without a C++ compiler, on a CPU without AVX-512 (F, BW,
-VL), when the build fails (logged once) or with `JAXINFER_CPU_KERNELS=0`, the same products
-run as XLA dots and decode attention as the jnp work list. The contract of each kernel is in
-docs/cpu_kernels.md.
+The Backend (jaxinfer.backends) decides once whether they serve (the CPU's tuning, one device:
+a custom call has no sharding rule). Without them (no compiler or AVX-512, a failed build,
+`JAXINFER_CPU_KERNELS=0`) the same ops run as XLA dots and the jnp work list.
 """
 
 from __future__ import annotations
@@ -61,8 +50,8 @@ HANDLERS = (("row_times_matrix", "jaxinfer_row_times_matrix"),
             ("sort_descending", "jaxinfer_sort_descending"),
             ("gated_rows_times_matrices", "jaxinfer_gated_rows_times_matrices"),
             ("top_k", "jaxinfer_top_descending"))
-# The few-row products need AVX512-BF16 (vdpbf16ps), and serve up to MAX_ROWS rows: beyond
-# that XLA's dot, whose repacking of the weights is then shared by enough rows, is as fast.
+# The few-row products need AVX512-BF16 and serve up to MAX_ROWS rows: beyond that XLA's
+# repacking of the weights is shared by enough rows.
 ROWS_CPU_FLAG = "avx512_bf16"
 MAX_ROWS = 64
 # decode_attention: the head_dims it reads, and at most this many query heads.
@@ -102,8 +91,7 @@ def _digest(cxx: str, cpu_flags: set[str]) -> str:
 
 
 def _build(cxx: str, target: str) -> None:
-    """Compiles SOURCES into one library, target (atomically: a concurrent process's build is
-    never half read)."""
+    """Compiles SOURCES into `target`, atomically (a concurrent process never reads half)."""
     os.makedirs(os.path.dirname(target), exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(target))
     os.close(fd)
@@ -119,9 +107,8 @@ def _build(cxx: str, target: str) -> None:
 
 
 def _library(cxx: str, digest: str, directory: str) -> ctypes.CDLL:
-    """The library of `digest`, loaded from `directory` (built there first where missing or
-    not private to this user) where the directory is private; else built into a fresh private
-    temporary directory, loaded and removed (the mapping outlives the file)."""
+    """The library of `digest` from `directory` where it is private (built there if missing
+    or not private), else built, loaded and removed in a private temporary directory."""
     from jaxinfer.loading.hub import ensure_private_dir, not_private
 
     problem = ensure_private_dir(directory)
@@ -145,8 +132,7 @@ def _library(cxx: str, digest: str, directory: str) -> ctypes.CDLL:
 
 
 def _load() -> str | None:
-    """Builds (once per digest) and registers the kernels; their digest, or None where they
-    are unavailable (the reason logged once)."""
+    """Builds and registers the kernels: their digest, or None (the reason logged once)."""
     from jaxinfer.loading.hub import cache_dir
 
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
@@ -183,26 +169,18 @@ def digest() -> str | None:
         return _state["digest"]
 
 
-def available() -> bool:
-    """Whether the kernels built and registered in this process (building them on first
-    call). Whether a program uses them is its Backend's decision (jaxinfer.backends)."""
-    return digest() is not None
-
-
 def _target(name: str) -> str:
     return f"{dict(HANDLERS)[name]}_{digest()}"
 
 
 def few_rows_supported() -> bool:
-    """Whether the CPU runs the few-row products (product of [M, K] rows and the
-    gated products): AVX512-BF16."""
+    """Whether the CPU has AVX512-BF16, which the few-row and gated products need."""
     return ROWS_CPU_FLAG in _cpu_flags()
 
 
 def _product(name: str, out_axis: int, spec: str):
-    """The product kernel `name` (w's output axis out_axis; spec its einsum), with XLA's dot as
-    its JVP, so gradients never enter the kernel. x's leading axes (none, or the rows) lead the
-    result."""
+    """The product kernel `name` (w's output axis out_axis), with XLA's einsum `spec` as its
+    JVP, so gradients never enter the kernel."""
     @jax.custom_jvp
     def product(x: jax.Array, w: jax.Array) -> jax.Array:
         out = jax.ShapeDtypeStruct(x.shape[:-1] + (w.shape[out_axis],), jnp.float32)
@@ -217,8 +195,7 @@ def _product(name: str, out_axis: int, spec: str):
     return product
 
 
-# The four handlers, by (several rows, w transposed): one row x [K] or rows x [M, K]
-# (2 <= M <= MAX_ROWS: vdpbf16ps pairs), times w [K, N] or w [N, K]; float32 products and sums.
+# The four handlers, by (rows x [M, K] rather than x [K], w [N, K] rather than [K, N]).
 _PRODUCTS = {(False, False): _product("row_times_matrix", 1, "k,kn->n"),
              (False, True): _product("matrix_times_row", 0, "k,nk->n"),
              (True, False): _product("rows_times_matrix", 1, "mk,kn->mn"),
@@ -226,9 +203,8 @@ _PRODUCTS = {(False, False): _product("row_times_matrix", 1, "k,kn->n"),
 
 
 def product(x: jax.Array, w: jax.Array, w_transposed: bool = False) -> jax.Array:
-    """x @ w for bf16 x [K] or [M, K] (2 <= M <= MAX_ROWS, the few-row kernels: AVX512-BF16)
-    and bf16 w [K, N] (or w [N, K] with w_transposed): float32 [N] or [M, N]. Gradients go
-    through XLA's dot (the kernels are forward only)."""
+    """x @ w for bf16 x [K] or [M, K] (2 <= M <= MAX_ROWS) and bf16 w [K, N] (w [N, K] with
+    w_transposed) -> float32 [N] or [M, N]. Gradients go through XLA's dot."""
     return _PRODUCTS[(x.ndim == 2, w_transposed)](x, w)
 
 
@@ -238,11 +214,9 @@ GATED_ACTIVATIONS = ("silu", "gelu_tanh")
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
 def gated_rows_times_matrices(x: jax.Array, w_gate: jax.Array, w_up: jax.Array,
                               activation: str = "silu") -> jax.Array:
-    """act(x @ w_gate) * (x @ w_up) for bf16 x [M, K] (2 <= M <= MAX_ROWS) and w_gate, w_up
-    [K, F], rounded to bf16 [M, F]: a gated MLP's hidden activations, the products as
-    product computes them and the gate applied before they leave the kernel. act:
-    "silu" (SwiGLU) or "gelu_tanh" (GeGLU, jax.nn.gelu(approximate=True)). Its JVP is XLA's
-    (gradients never enter the kernel)."""
+    """act(x @ w_gate) * (x @ w_up) for bf16 x [M, K] (2 <= M <= MAX_ROWS), w_gate, w_up
+    [K, F] -> bf16 [M, F]: a gated MLP's hidden activations. act: "silu" or "gelu_tanh"
+    (jax.nn.gelu(approximate=True)). Its JVP is XLA's."""
     if activation not in GATED_ACTIVATIONS:
         raise ValueError(f"gated_rows_times_matrices: activation {activation!r} is not one of "
                          f"{GATED_ACTIVATIONS}")
@@ -253,7 +227,7 @@ def gated_rows_times_matrices(x: jax.Array, w_gate: jax.Array, w_up: jax.Array,
 
 
 def _gate(name: str, g: jax.Array) -> jax.Array:
-    """The gate as XLA computes it: silu, or GELU's tanh form (the kernel's JVP)."""
+    """The gate as XLA computes it (the kernel's JVP)."""
     return jax.nn.silu(g) if name == "silu" else jax.nn.gelu(g, approximate=True)
 
 
@@ -269,28 +243,22 @@ def _gated_jvp(activation, primals, tangents):
 
 
 def argmax(x: jax.Array) -> jax.Array:
-    """jnp.argmax(x, axis=-1) for float32 x [..., V] (V >= 1), as int32 [...]: the first index
-    of each row's largest value, the first NaN where a row has one, 0 for a row of -inf. One
-    pass over each row, the rows shared among the threads."""
+    """jnp.argmax(x, axis=-1) for float32 x [..., V] (V >= 1) -> int32 [...], in one pass."""
     out = jax.ShapeDtypeStruct(x.shape[:-1], jnp.int32)
     return jax.ffi.ffi_call(_target("argmax"), out, vmap_method="broadcast_all")(x)
 
 
 def sort_descending(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Each row of float32 x [..., V] (V >= 1) sorted by descending value: (sorted [..., V]
-    float32, order [..., V] int32) with sorted = take_along_axis(x, order) and order equal to
-    jnp.argsort(-x, axis=-1) (stable): equal values in index order, -0.0 equal to 0.0, NaN
-    last. A radix sort of each row, the rows shared among the threads."""
+    """float32 x [..., V] (V >= 1) -> (sorted [..., V] float32, order [..., V] int32), order
+    equal to jnp.argsort(-x, axis=-1) (stable; -0.0 equal to 0.0, NaN last). A radix sort."""
     out = (jax.ShapeDtypeStruct(x.shape, jnp.float32), jax.ShapeDtypeStruct(x.shape, jnp.int32))
     return tuple(jax.ffi.ffi_call(_target("sort_descending"), out,
                                   vmap_method="broadcast_all")(x))
 
 
 def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """The first k (1 <= k <= V) of sort_descending(x)'s outputs, [..., k] each: each row's k
-    largest values in descending order and their indices, equal values in index order (NaN
-    after every number). One pass over each row, then a sort of only the values that can be
-    among the k."""
+    """The first k (1 <= k <= V) of sort_descending(x)'s outputs, [..., k] each; only the
+    values that can be among the k are sorted."""
     V = x.shape[-1]
     if not 1 <= k <= V:
         raise ValueError(f"top_k: k={k} must be in [1, {V}] (the rows' length)")
@@ -301,8 +269,8 @@ def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 
 
 def _pool_kind(pool) -> str | None:
-    """"bf16" (Bits16KV of bf16), "float32", "int8" or "fp8" (QuantizedKV of int8 or float8
-    e4m3fn codes): the pools the decode kernels read; None for any other."""
+    """"bf16" (Bits16KV), "float32", "int8" or "fp8" (QuantizedKV): the pools the decode
+    kernels read; None for others."""
     from jaxinfer.device.kv_cache import Bits16KV
     from jaxinfer.quant.kv import QuantizedKV
 
@@ -315,8 +283,7 @@ def _pool_kind(pool) -> str | None:
 
 
 def attention_supports(pool, num_heads: int) -> bool:
-    """Whether decode_attention reads this pool (float32, bf16 kept as bits, or int8 or float8
-    e4m3fn codes with their scales) with these heads."""
+    """Whether decode_attention reads this pool with these heads."""
     K, H = pool.shape[-2], pool.shape[-1]
     return (_pool_kind(pool) is not None and H in ATTENTION_HEAD_DIMS and num_heads % K == 0
             and num_heads <= ATTENTION_MAX_HEADS)
@@ -325,17 +292,12 @@ def attention_supports(pool, num_heads: int) -> bool:
 def decode_attention(q: jax.Array, k_pool, v_pool, layer, tables: jax.Array, token: jax.Array,
                      row: jax.Array, pos: jax.Array, *, page_size: int, scale: float,
                      sliding_window: int | None = None, softcap: float | None = None) -> jax.Array:
-    """Single-query tiles over their rows' paged keys, read and written in the step's token
-    order (docs/cpu_kernels.md): q [T, K, G, H], the step's queries (unscaled: the kernel
-    multiplies each by `scale` in float32); k_pool, v_pool [L, P * page_size, K, H] (float32,
-    Bits16KV of bf16, or QuantizedKV of int8 or float8 e4m3fn codes); layer an int32 scalar;
-    tables [B, M] int32, logical page j of row b being tables[b, j % M]; token, row, pos [Nt]
-    int32: tile t is the query of token token[t] (T or more: no tile), of row row[t] (B or
-    more: no tile), at position pos[t] (its keys are positions 0..pos, or the last
-    sliding_window of them; -1: no tile). Returns [T, K, G, H] float32: each tile's output at
-    its token, zeros at tokens no tile names, NaN at a tile whose keys lie on a page id
-    outside [0, P) (read nowhere: the tables are traced, so the kernel checks them). Not
-    differentiable."""
+    """Single-query tiles over their rows' paged keys, in the step's token order
+    (docs/cpu_kernels.md). q [T, K, G, H] unscaled; k_pool, v_pool [L, P * page_size, K, H];
+    layer int32 []; tables [B, M] int32 (logical page j at tables[b, j % M]); token, row, pos
+    [Nt] int32: tile t is token token[t]'s query, of row row[t], at position pos[t] (out of
+    range or -1: no tile). Returns [T, K, G, H] float32, zeros at tokens of no tile, NaN for a
+    tile whose pages lie outside the pool. Not differentiable."""
     (k, k_scale), (v, v_scale) = _stored(k_pool), _stored(v_pool)
     call = jax.ffi.ffi_call(_target("decode_attention"),
                             jax.ShapeDtypeStruct(q.shape, jnp.float32))
@@ -349,11 +311,9 @@ def decode_attention_writing(q: jax.Array, k_new: jax.Array, v_new: jax.Array,
                              token: jax.Array, row: jax.Array, pos: jax.Array, *,
                              page_size: int, scale: float, sliding_window: int | None = None,
                              softcap: float | None = None):
-    """decode_attention after writing the step's new keys and values (docs/cpu_kernels.md):
-    k_new, v_new [T, K, H] go into layer `layer`'s slots [T] of the pools (a slot outside
-    the pool is dropped), in place: the pools are float32 or Bits16KV of bf16 (rounded to
-    nearest even, as astype does), passed in and returned as the same buffers. Returns
-    (out [T, K, G, H] float32, k_pool, v_pool as written)."""
+    """decode_attention after writing k_new, v_new [T, K, H] in place at layer `layer`'s slots
+    [T] of float32 or bf16 pools (slots outside the pool dropped). Returns (out, k_pool,
+    v_pool)."""
     from jaxinfer.device.kv_cache import Bits16KV
 
     (k, k_scale), (v, v_scale) = _stored(k_pool), _stored(v_pool)
@@ -371,7 +331,7 @@ def decode_attention_writing(q: jax.Array, k_new: jax.Array, v_new: jax.Array,
 
 
 def writing_supports(pool) -> bool:
-    """Whether decode_attention_writing writes this pool (float32, or bf16 kept as bits)."""
+    """Whether decode_attention_writing writes this pool (float32, or Bits16KV of bf16)."""
     return _pool_kind(pool) in ("bf16", "float32")
 
 

@@ -1,24 +1,18 @@
-// jaxinfer's CPU kernels: decode attention over the paged KV pool (see common.h and
-// docs/cpu_kernels.md).
+// jaxinfer's CPU kernels: decode attention over the paged KV pool (docs/cpu_kernels.md). One
+// query per tile (a decoding row), every kv head's G queries against the row's keys up to its
+// position (within a sliding window), in float32 with an online softmax over groups of up to
+// 16 keys of one page.
 
 #include "common.h"
 #include "attention_blocks.h"
 
 namespace {
 
-// ---------------------------------------------------------------------------------------------
-// Decode attention over a paged KV pool: one query per tile (a decoding row), every kv head's G
-// queries against the row's keys up to the query's position (and within a sliding window), in
-// float32 with an online softmax over groups of up to 16 keys of one page.
-
-// Groups whose scores are taken together before their values are summed: one online-softmax
-// step (one maximum, one correction) per chunk instead of per group. With the walk below,
-// 30 layers of SmolLM2's 16-row decode attention took 3.2-3.5 ms against 4.6 ms (groups one
-// at a time, each group's keys then values, the next group asked for), alternating in one
-// process; 8 and 16 groups a chunk, and 1 to 3 items ahead, were alike.
+// Groups whose scores are taken together before their values: one online-softmax step per
+// chunk instead of per group, which was faster (docs/cpu_kernels.md).
 constexpr int64_t kChunkGroups = 8;
 // Whether the pool holds codes with scales (int8 or float8), and the groups whose value scales
-// are kept: the chunk's for codes, none otherwise.
+// are kept.
 template <typename T>
 constexpr bool kScaled = std::is_same_v<T, int8_t> || std::is_same_v<T, E4M3>;
 template <typename T>
@@ -74,12 +68,10 @@ inline void ask(const Walk& w, const T* k_layer, const T* v_layer, const float* 
 // Items a walk asks for ahead of the one being read.
 constexpr int64_t kAheadItems = 2;
 
-// One row's query heads, NH = K * G of them (q [K, G, 16 * HB]), over the keys at positions
-// [start, end] of a row whose logical page j is table[j % M]; out [K, G, 16 * HB]. The keys
-// go in chunks of up to kChunkGroups groups of up to 16 keys of one page: the chunk's scores
-// group by group, one online-softmax step for the whole chunk, then its values group by group.
-// A group is read slot by slot, every kv head of a slot together (a slot's keys are contiguous
-// in the pool), so the reads run in memory order within a page; a second walk asks for the
+// One row's NH = K * G query heads (q [K, G, 16 * HB]) over the keys at positions [start, end]
+// of a row whose logical page j is table[j % M]; out [K, G, 16 * HB]. Chunk by chunk: the
+// scores group by group, one online-softmax step, then the values group by group. A group is
+// read slot by slot, every kv head together, in memory order; a second walk asks for the
 // groups kAheadItems on.
 template <typename T, int HB>
 void attend_row(const float* q, float scale, int64_t K, int64_t G, const T* k_layer,
@@ -96,8 +88,7 @@ void attend_row(const float* q, float scale, int64_t K, int64_t G, const T* k_la
     m[n] = -INFINITY;
     l[n] = 0.0f;
   }
-  // The queries times scale (one float32 multiply each), in load_row's order where it splits
-  // the keys.
+  // The queries times scale, in load_row's order where it splits the keys.
   alignas(64) float q_scaled[kMaxHeads][H];
   const __m512 by = _mm512_set1_ps(scale);
   const __m512i evens = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
@@ -119,15 +110,13 @@ void attend_row(const float* q, float scale, int64_t K, int64_t G, const T* k_la
   // A chunk's scores, then its probabilities: [group][head][key], NH heads a group.
   alignas(64) float probs_all[kChunkGroups * kMaxHeads][16];
   auto probs = [&](int64_t g) { return probs_all + g * NH; };
-  // A quantized pool's scales of a group's keys, and of the chunk's values, kv head by kv head
-  // (0 past a group's keys): a score is q . codes times its key's scale, and a value's scale
-  // goes into its probability.
+  // A quantized pool's key scales of a group and value scales of the chunk (0 past the keys):
+  // a score is q . codes times its key's scale; a value's scale goes into its probability.
   alignas(64) float k_scales[kMaxHeads][16];
   alignas(64) float v_scales_all[kScaledChunkGroups<T> * kMaxHeads][16];
   auto v_scales = [&](int64_t g) { return v_scales_all + g * K; };
   constexpr bool scaled = kScaled<T>;  // ks_layer and vs_layer are set for codes
-  // The second walk, kAheadItems groups on, asks for what the first reads next into L2, a kv
-  // head's share with each kv head's products.
+  // The second walk, kAheadItems groups on, asks for what the first reads next into L2.
   Walk walk(table, M, Z, end, start), ahead = walk;
   // For each kv head: its share of what comes next asked for, then block(kh, g0, gb) for its
   // queries, kGroupStep<HB> at a time.
@@ -249,8 +238,7 @@ void attend_all(ffi::ThreadPool& pool, const float* q, int64_t T_, float scale, 
   auto first_key = [=](int64_t end) {
     return window > 0 ? std::max<int64_t>(0, end - window + 1) : int64_t(0);
   };
-  // Tiles longest first, so that the last ones the threads claim are the shortest and they
-  // finish close together.
+  // Tiles longest first, so that the threads finish close together.
   std::vector<int32_t> order(Nt);
   for (int64_t t = 0; t < Nt; ++t) order[t] = int32_t(t);
   auto keys = [=](int64_t t) { return pos[t] < 0 ? int64_t(0) : pos[t] + 1 - first_key(pos[t]); };
@@ -262,8 +250,7 @@ void attend_all(ffi::ThreadPool& pool, const float* q, int64_t T_, float scale, 
     const int64_t end = pos[t], tok = token[t], r = row[t];
     if (end < 0 || tok < 0 || tok >= T_ || r < 0 || r >= B) return;
     const int64_t start = first_key(end);
-    // A page id outside the pool (a corrupt block table) would read outside it: the tile's
-    // output is NaN, so the fault shows instead of another row's keys or stray memory.
+    // A page id outside the pool (a corrupt table): the tile's output is NaN, so the fault shows.
     if (!pages_in_pool(tables + r * M, M, Z, start, end, slots / Z)) {
       std::fill_n(out + tok * per_token, per_token, NAN);
       return;
@@ -273,8 +260,7 @@ void attend_all(ffi::ThreadPool& pool, const float* q, int64_t T_, float scale, 
   });
 }
 
-// The pools as the attention reads them: k and v's elements (in place) and their common
-// element type and dimensions.
+// The pools as the attention reads them (in place), with their element type and dimensions.
 struct Pools {
   const void* k;
   const void* v;
@@ -339,14 +325,11 @@ ffi::Error attend_pools(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, const P
   return ffi::Error::InvalidArgument("decode_attention: head_dim must be 32, 64, 128 or 256");
 }
 
-// q [T, K, G, H] float32, the step's queries (unscaled: each is multiplied by `scale` first);
-// k, v [L, slots, K, H] (bf16 bits as u16, float32, int8 codes, or float8 e4m3fn codes as
-// f8e4m3fn or as their bits in u8); k_scale, v_scale [L, slots, K] float32 for codes (value =
-// code * scale), empty otherwise; layer [] s32;
-// tables [B, M] s32, each row's pages; token, row, pos [Nt] s32: tile t is the query of token
-// token[t] (T or more: none), of row row[t] (B or more: none), at position pos[t] (-1: none).
-// out [T, K, G, H] float32: each tile's attention at its token, zeros for tokens no tile names,
-// NaN for a tile whose keys lie on a page id outside [0, slots / page_size).
+// q [T, K, G, H] float32 unscaled; k, v [L, slots, K, H] (bf16 bits as u16, float32, int8 or
+// float8 e4m3fn codes, the latter possibly as u8 bits); k_scale, v_scale [L, slots, K] float32
+// for codes, empty otherwise; layer [] s32; tables [B, M] s32; token, row, pos [Nt] s32 (tile t:
+// token[t]'s query, of row row[t], at position pos[t]; out of range or -1: none).
+// out [T, K, G, H] float32: zeros at tokens of no tile, NaN for a tile on a page outside the pool.
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
                            ffi::AnyBuffer v, ffi::Buffer<ffi::F32> k_scale,
                            ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::S32> layer,
@@ -370,10 +353,9 @@ inline uint16_t f32_to_bf16_bits(float f) {
   return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-// decode_attention after writing the step's new keys and values: k_new, v_new [T, K, H]
-// float32 go into layer `layer`'s slots[t] of the pools (bf16 bits, rounded to nearest even,
-// or float32; a slot outside the pool is dropped), which are the outputs k_out, v_out, the
-// same buffers as k, v (aliased); then the attention reads them as decode_attention does.
+// decode_attention after writing k_new, v_new [T, K, H] float32 at layer `layer`'s slots of the
+// pools (bf16 bits rounded to nearest even, or float32; slots outside dropped); k_out, v_out
+// alias k, v.
 ffi::Error DecodeAttentionWriting(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                                   ffi::AnyBuffer k, ffi::AnyBuffer v,
                                   ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,

@@ -1,6 +1,5 @@
-// jaxinfer's CPU kernels: the decode attention's building blocks (attention.cc): the
-// exponential and softcap, keys and values of every pool type as float32, the key and
-// value products of a group of keys. See docs/cpu_kernels.md.
+// jaxinfer's CPU kernels: the decode attention's building blocks (attention.cc): exp and
+// softcap, keys and values of every pool type as float32, a group's key and value products.
 
 #pragma once
 
@@ -44,9 +43,8 @@ struct E4M3 {
   uint8_t bits;
 };
 
-// 16 e4m3fn codes known to be normal (no subnormal, zero or NaN among them) as float32: the
-// code's sign moved to bit 31 and its exponent and mantissa into float32's fields (one shift of
-// the sign-extended byte and a mask), then 120 added to the exponent.
+// 16 e4m3fn codes known to be normal as float32: sign, exponent and mantissa moved into
+// float32's fields (a shift of the sign-extended byte and a mask), the exponent rebiased by 120.
 inline __m512 load_normal_e4m3(const E4M3* p) {
   const __m512i b = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm512_castsi512_ps(_mm512_add_epi32(
@@ -54,10 +52,9 @@ inline __m512 load_normal_e4m3(const E4M3* p) {
       _mm512_set1_epi32(120 << 23)));
 }
 
-// 16 e4m3fn codes as float32, exactly (their scale applied later). load_normal_e4m3 gives a
-// normal code's value. A subnormal code (exponent 0) is m * 2^-9 = (1 + m/8) * 2^-6 - 2^-6 (its
-// sign on both), computed by rebiasing by 121 and subtracting the value with its mantissa
-// cleared (exact); NaN codes give NaN. Neither is in most groups of 16, which then skip both.
+// 16 e4m3fn codes as float32, exactly (their scale applied later). A subnormal code is m * 2^-9
+// = (1 + m/8) * 2^-6 - 2^-6 (rebiased by 121, minus the value with its mantissa cleared); NaN
+// codes give NaN. Most groups of 16 have neither and skip both fixups.
 template <>
 inline __m512 load_key16<E4M3>(const E4M3* p) {
   const __m512i b = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -75,35 +72,30 @@ inline __m512 load_key16<E4M3>(const E4M3* p) {
   return v;
 }
 
-
-// r[j] = the sum of the 16 lanes of v[j] for j < n (r[j] = 0 beyond): a transposing tree of
-// shuffles and adds, 45 instructions for 16 vectors where one horizontal sum each takes 128.
+// r[j] = the sum of the 16 lanes of v[j] for j < n (0 beyond), by lane_sums16's tree (fewer
+// instructions than a horizontal sum each).
 inline __m512 sum_each16(const float (*v)[16], int64_t n) {
   __m512 x[16];
   for (int j = 0; j < 16; ++j) x[j] = j < n ? _mm512_load_ps(v[j]) : _mm512_setzero_ps();
   return lane_sums16(x);
 }
 
-
 // Keys from position pos on that one group takes: up to 16, within pos's page, up to end.
 inline int64_t group_size(int64_t pos, int64_t end, int64_t Z) {
   return std::min<int64_t>({16, Z - pos % Z, end - pos + 1});
 }
 
-
-// A key or value row of H = 16 * HB elements as HB vectors of float32. bf16 rows are read 32
-// elements at a time and split into their even and odd elements, a shift and a mask where
-// widening them in order takes four conversions: vector 2c holds elements 32c + 2i and vector
-// 2c + 1 elements 32c + 2i + 1 (i < 16). attend_row lays the queries out alike (kSplit) and
-// puts the sums back in order at the end.
+// A key or value row of H = 16 * HB elements as HB float32 vectors. bf16 rows are split into
+// even and odd elements (a shift and a mask, where widening in order takes four conversions):
+// vector 2c holds elements 32c + 2i, vector 2c + 1 elements 32c + 2i + 1. attend_row lays the
+// queries out alike (kSplit) and puts the sums back in order at the end.
 template <typename T>
 constexpr bool kSplit = std::is_same_v<T, uint16_t>;
 
 template <typename T, int HB>
 inline void load_row(const T* p, __m512* out) {
   if constexpr (std::is_same_v<T, E4M3>) {
-    // e4m3fn codes 64 at a time: whether any is subnormal, zero or NaN is asked of all 64
-    // bytes at once, and a chunk with none converts each 16 without load_key16's own checks.
+    // 64 codes at a time: a chunk without subnormal, zero or NaN codes skips load_key16's checks.
     for (int c = 0; c < HB; c += 4) {
       const int n = std::min(4, HB - c);
       const __mmask64 bytes = n == 4 ? ~__mmask64(0) : (__mmask64(1) << (16 * n)) - 1;

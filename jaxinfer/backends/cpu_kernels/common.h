@@ -1,8 +1,6 @@
-// jaxinfer's CPU kernels, the parts the products (products.cc), the decode attention
-// (attention.cc) and the argmax and sort (sampling.cc) share: XLA FFI handlers for XLA:CPU,
-// built on the machine that runs them (jaxinfer/cpu_kernels/__init__.py compiles the three
-// files with -march=native into one library and registers the handlers). See
-// docs/cpu_kernels.md for the contract of each handler.
+// jaxinfer's CPU kernels: what the products (products.cc), the decode attention (attention.cc)
+// and the argmax and sort (sampling.cc) share. jaxinfer/backends/cpu_kernels/__init__.py builds
+// them with -march=native into one library; docs/cpu_kernels.md has each handler's contract.
 
 #pragma once
 
@@ -33,10 +31,9 @@ struct Chunks {
   int64_t total = 0;
 };
 
-// Runs body(c) for every c in [0, total) on the calling thread and on up to `helpers` tasks
-// of XLA's intra-op thread pool. Chunks are claimed from a counter: a task that starts after
-// every chunk is claimed returns at once, and the caller waits only for claimed chunks, so a
-// pool busy with other work never holds the caller up (nor deadlocks it).
+// Runs body(c) for every c in [0, total) on the calling thread and up to `helpers` tasks of
+// XLA's intra-op pool. Chunks are claimed from a counter and the caller waits only for claimed
+// ones, so a busy pool never holds the caller up (nor deadlocks it).
 template <typename Body>
 void parallel_chunks(ffi::ThreadPool& pool, int64_t total, int64_t helpers, Body body) {
   if (total <= 1 || helpers <= 0) {
@@ -79,7 +76,6 @@ inline __m512 load16(const uint16_t* p, int64_t n = 16) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
 
-
 // exp(x) for float32 x held to [-104, 200] by the caller (NaN passes): x = n ln2 + r with n an
 // integer and |r| <= ln2 / 2 (ln2 in two parts, Cody-Waite, the first exact in 15 bits), e^r by
 // its Taylor series to r^7 (relative error below 1e-8 for |r| <= 0.347), scaled by 2^n with
@@ -100,15 +96,12 @@ inline __m512 exp16_in_range(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// Asks for bytes [p, p + bytes) into L2, a cache line at a time. Written as inline assembly:
-// GCC counts a function whose only effect is _mm_prefetch as one without effects and drops
-// calls to it that it has not inlined (it did so to a helper that called this).
+// Asks for bytes [p, p + bytes) into L2, a line at a time. Inline assembly: GCC dropped
+// out-of-line calls to a helper whose only effect was _mm_prefetch.
 inline void prefetch_l2(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64)
     asm volatile("prefetcht1 %0" : : "m"(*(static_cast<const char*>(p) + off)));
 }
-
-
 
 // The lane sums of v[0..15]: r[j] = sum of v[j]'s 16 lanes (a transposing tree of shuffles).
 inline __m512 lane_sums16(const __m512* v) {

@@ -1,23 +1,17 @@
-// jaxinfer's CPU kernels: the bf16 products (see common.h and docs/cpu_kernels.md).
-//
-// bf16 matrix-vector products for one row of activations (batch-1 decode). XLA:CPU's one-row
-// bf16 dots stream the weights at 10-15 GB/s on the development machine, where a loop that
-// reads each weight row once, in memory order, converts it to float32 in registers and
-// accumulates with FMAs streams at 16-19 GB/s on one core.
+// jaxinfer's CPU kernels: the bf16 products (docs/cpu_kernels.md). For one row of activations
+// (batch-1 decode) each weight row is read once, in memory order, converted to float32 in
+// registers and accumulated with FMAs: faster than XLA:CPU's one-row bf16 dot.
 
 #include "common.h"
 
 namespace {
 
-// Rows of the weights asked for ahead of the one being read, into L2: the hardware's own
-// prefetching left the one-row products at 15-21 GB/s, and with these requests a jitted chain of
-// SmolLM2's 30 layers and head streamed at 21-26 GB/s (alternating runs in one process; the
-// machine's jnp.sum reads about 29 GB/s). Into L1, the requests held up the loads.
+// Rows of the weights asked for into L2 ahead of the one being read: faster than the
+// hardware's own prefetching alone; into L1, the requests held up the loads.
 constexpr int64_t kAheadRows = 4;
 
-// acc[0:n1-n0] = sum over k in [k0, k1) of x[k] * w[k, n0:n1]: row by row, each row's segment
-// read in memory order, the row kAheadRows on asked for; acc (at most kPanel floats) stays in
-// L1.
+// acc[0:n1-n0] = sum over k in [k0, k1) of x[k] * w[k, n0:n1], row by row in memory order;
+// acc (at most kPanel floats) stays in L1.
 void rows_times_scalars(const uint16_t* x, const uint16_t* w, int64_t N, int64_t k0,
                         int64_t k1, int64_t n0, int64_t n1, float* acc) {
   const int64_t width = n1 - n0;
@@ -44,9 +38,8 @@ void rows_times_scalars(const uint16_t* x, const uint16_t* w, int64_t N, int64_t
 
 constexpr int64_t kPanel = 2048;  // columns whose float32 sums fit in L1 (8 KiB)
 
-// y[N] = x[K] @ w[K, N] for bf16 x and w, float32 y. Up to kPanel columns, the rows are split
-// between the threads (each streams its rows whole) and the partial sums added; wider
-// matrices go in column panels of kPanel, each over every row.
+// y[N] = x[K] @ w[K, N], bf16 in, float32 out. Up to kPanel columns the threads split the rows
+// and their partial sums are added; wider matrices go in column panels of kPanel.
 ffi::Error RowTimesMatrix(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
                           ffi::Buffer<ffi::BF16> w, ffi::ResultBuffer<ffi::F32> y) {
   const auto dims = w.dimensions();
@@ -80,10 +73,9 @@ ffi::Error RowTimesMatrix(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
   return ffi::Error::Success();
 }
 
-// y[N] = w[N, K] @ x[K] for bf16 x and w (w's rows are the outputs: a tied embedding used as
-// the output head), float32 y. Four rows at a time, each read in memory order, the four rows
-// 2 * kAheadRows on asked for (SmolLM2's head streamed at 22 GB/s with the requests, 15
-// without); the rows are shared among the threads in blocks of kRowBlock.
+// y[N] = w[N, K] @ x[K] (a tied embedding as the output head), bf16 in, float32 out. Four rows
+// at a time in memory order, the four 2 * kAheadRows on asked for; the threads share blocks
+// of kRowBlock rows.
 constexpr int64_t kRowBlock = 256;
 
 ffi::Error MatrixTimesRow(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
@@ -134,11 +126,9 @@ ffi::Error MatrixTimesRow(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
 
 
 // ---------------------------------------------------------------------------------------------
-// bf16 products for a few rows of activations (a decode step of several rows, a speculative
-// verification). XLA:CPU hands such dots to a library that repacks the whole weight matrix into
-// its own layout on every call, which took longer than the products themselves in a 16-row
-// decode step of SmolLM2 (a `perf` profile of the step). These read the weights as they lie,
-// with AVX512-BF16's `vdpbf16ps` (pairs of bf16 products added into float32), as XLA's library
+// bf16 products for a few rows of activations (a decode step of several rows, a verification).
+// XLA:CPU's library repacks the whole weight matrix on every such call; these read the weights
+// as they lie, with AVX512-BF16's `vdpbf16ps` (pairs of bf16 products added into float32).
 
 #ifdef __AVX512BF16__
 
@@ -155,10 +145,8 @@ inline void unscramble(__m512 lo, __m512 hi, __m512* first, __m512* second) {
 
 // y[(m0 + r) * ldy + j] = x[m0 + r] @ w[:, n0 + j] for r < RB, j < width <= 32: the strip's
 // rows are read in pairs (k, k+1) and interleaved in registers into vdpbf16ps's pair layout;
-// the RB rows' sums stay in registers. An odd K's last row is paired with zeros.
-// Always inlined: where GCC called it out of line from the gated kernel's strip loop, its
-// sums went through memory and that kernel took 450 against 240 us for SmolLM2's gate and
-// up at 16 rows (and the whole library's products changed speed with how it was placed).
+// the RB rows' sums stay in registers. An odd K's last row is paired with zeros. Always
+// inlined: called out of line, its sums went through memory.
 template <int RB>
 __attribute__((always_inline)) inline void rows_strip(const uint16_t* x, const uint16_t* w,
                                                      int64_t K, int64_t N, int64_t m0, int64_t n0,
@@ -205,12 +193,9 @@ inline int64_t with_rows(int64_t rows, F f) {
   return 1;
 }
 
-// y[M, N] = x[M, K] @ w[K, N] for bf16 x and w, float32 y. The threads share strips of 32
-// columns, each over every row of w and block by block of activation rows: the strip is read
-// from memory for the first block and from cache for the rest (reading the weights a block of
-// rows at a time for every strip was slower: 22 against 20 ms for SmolLM2's 30 layers at 16
-// rows). Each output is summed over k in order, as XLA's dot does (it equalled XLA's dot bit for
-// bit with jaxlib 0.10.2 on the development machine: an observation, not a contract).
+// y[M, N] = x[M, K] @ w[K, N], bf16 in, float32 out. The threads share strips of 32 columns,
+// each over every row of w, block by block of activation rows (the strip comes from memory
+// once, then from cache). Each output is summed over k in order, as XLA's dot does.
 ffi::Error RowsTimesMatrix(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
                            ffi::Buffer<ffi::BF16> w, ffi::ResultBuffer<ffi::F32> y) {
   const auto wd = w.dimensions(), xd = x.dimensions();
@@ -243,13 +228,11 @@ inline __m256i to_bf16_16(__m512 v) {
   return _mm512_cvtepi32_epi16(rounded);
 }
 
-// h[M, F] = act(x @ w_gate) * (x @ w_up) for bf16 x [M, K] and w_gate, w_up [K, F], rounded to
-// bf16 (the MLP's hidden activations, the down product's input): the products as
-// rows_times_matrix computes them, then the gate and the product with u on each strip while its
-// sums are in L1, in place of a separate pass of XLA's elementwise code (whose exp took about
-// 0.65 ns an element: 19 us a layer at 16 rows of SmolLM2). act is silu (activation 0,
-// SwiGLU) or GELU's tanh form (activation 1, GeGLU), both g / (1 + exp(-z)): z = g for silu,
-// and z = 2 sqrt(2 / pi) (g + 0.044715 g^3) for GELU, since 0.5 (1 + tanh(y)) = 1 / (1 + exp(-2y)).
+// h[M, F] = act(x @ w_gate) * (x @ w_up), bf16 in and out (the MLP's hidden activations): the
+// products as rows_times_matrix computes them, the gate applied to each strip while its sums are
+// in L1 instead of in a separate elementwise pass. act is silu (activation 0) or GELU's tanh
+// form (1), both g / (1 + exp(-z)): z = g for silu, z = 2 sqrt(2 / pi) (g + 0.044715 g^3) for
+// GELU, since 0.5 (1 + tanh(y)) = 1 / (1 + exp(-2y)).
 constexpr int64_t kMaxGatedRows = 64;  // cpu_kernels.MAX_ROWS
 
 template <int Act>
@@ -316,8 +299,8 @@ ffi::Error GatedRowsTimesMatrices(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x
 
 // y[m, n] = w[n] . x[m] for 4 rows of x and 4 rows of w (indices clamped to the last row; only
 // the valid ones stored): both rows are contiguous in k, so a 32-element load of each is
-// already in vdpbf16ps's pair layout; each product's 16 lanes are summed at the end. The 16
-// sums are named registers (an array of them was written back to memory every iteration).
+// already in vdpbf16ps's pair layout. The 16 sums are named registers (an array of them went
+// through memory every iteration).
 inline void head_block(const uint16_t* x, const uint16_t* w, int64_t K, int64_t M, int64_t N,
                        int64_t m0, int64_t n0, float* y) {
   const uint16_t* xr[4];
@@ -357,8 +340,8 @@ inline void head_block(const uint16_t* x, const uint16_t* w, int64_t K, int64_t 
     std::memcpy(y + (m0 + mi) * N + n0, s + mi * 4, sizeof(float) * nn);
 }
 
-// y[M, N] = x[M, K] @ w[N, K]^T for bf16 x and w (w's rows are the outputs: a tied embedding
-// used as the output head), float32 y. The threads share blocks of kRowBlock rows of w.
+// y[M, N] = x[M, K] @ w[N, K]^T (the tied head), bf16 in, float32 out. The threads share
+// blocks of kRowBlock rows of w.
 ffi::Error MatrixTimesRows(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
                            ffi::Buffer<ffi::BF16> w, ffi::ResultBuffer<ffi::F32> y) {
   const auto wd = w.dimensions(), xd = x.dimensions();
@@ -373,7 +356,7 @@ ffi::Error MatrixTimesRows(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
   parallel_chunks(pool, blocks, helper_count(pool), [=](int64_t c) {
     const int64_t r1 = std::min(N, (c + 1) * kRowBlock);
     for (int64_t n0 = c * kRowBlock; n0 < r1; n0 += 4) {
-      if (n0 + 2 * kAheadRows + 4 <= N)  // as matrix_times_row: 3.4 against 5.2 ms at 16 rows
+      if (n0 + 2 * kAheadRows + 4 <= N)  // as matrix_times_row
         prefetch_l2(wp + (n0 + 2 * kAheadRows) * K, 4 * K * 2);
       for (int64_t m0 = 0; m0 < M; m0 += 4) head_block(xp, wp, K, M, N, m0, n0, yp);
     }
@@ -381,7 +364,7 @@ ffi::Error MatrixTimesRows(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
   return ffi::Error::Success();
 }
 
-#else  // no AVX512-BF16: jaxinfer/cpu_kernels/__init__.py never calls these
+#else  // no AVX512-BF16: jaxinfer/backends/cpu_kernels/__init__.py never calls these
 
 ffi::Error RowsTimesMatrix(ffi::ThreadPool, ffi::Buffer<ffi::BF16>, ffi::Buffer<ffi::BF16>,
                            ffi::ResultBuffer<ffi::F32>) {

@@ -1,19 +1,16 @@
 // jaxinfer's CPU kernels: the argmax of each row of a step's logits, and the descending sort
-// that top-k and top-p filtering fall back to (see common.h and docs/cpu_kernels.md).
+// and top-k of top-k and top-p filtering (see docs/cpu_kernels.md).
 
 #include "common.h"
 
 namespace {
 
-// Lanes of the running maximum a row keeps: four vectors of 16, so that consecutive blocks do
-// not wait on each other's comparison.
+// Running maxima a row keeps: four vectors, so consecutive blocks do not wait on each other.
 constexpr int kArgmaxVectors = 4;
 
-// The index of x[0..V)'s maximum, as jnp.argmax gives it: the first index of the largest value,
-// the first NaN where there is one, 0 where every value is -inf. Each lane keeps the first
-// index of the largest value it has seen (only a strictly greater value replaces it, and a
-// lane sees its indices in increasing order); the row's answer is the smallest index among the
-// lanes holding the largest value.
+// jnp.argmax of x[0..V): the first index of the largest value, the first NaN, or 0 for all
+// -inf. Each lane keeps the first index of the largest value it saw (only a greater one
+// replaces it); the answer is the smallest index among the lanes holding the largest value.
 int32_t argmax_row(const float* x, int64_t V) {
   constexpr int N = kArgmaxVectors;
   const __m512 lowest = _mm512_set1_ps(-INFINITY);
@@ -26,9 +23,8 @@ int32_t argmax_row(const float* x, int64_t V) {
     best_i[j] = none;
   }
   __mmask16 nan = 0;
-  // Vector j takes blocks j, j + N, ... of 16 values (in the tail, whichever vector is next).
-  // A lane that has seen only -inf keeps -inf at index INT32_MAX; where every lane has, the
-  // row is all -inf (NaN aside) and its answer is 0.
+  // Vector j takes blocks j, j + N, ... of 16 values. A lane that saw only -inf keeps index
+  // INT32_MAX; where every lane did, the answer is 0.
   auto take = [&](int j, int64_t i, __mmask16 live) {
     const __m512 v = _mm512_mask_loadu_ps(lowest, live, x + i);
     const __m512i idx = _mm512_add_epi32(lanes, _mm512_set1_epi32(int32_t(i)));
@@ -58,8 +54,7 @@ int32_t argmax_row(const float* x, int64_t V) {
   return first;
 }
 
-// x [..., V] float32 -> out [...] int32: each row's argmax (argmax_row). Rows are shared
-// among the threads.
+// x [..., V] float32 -> out [...] int32, each row's argmax_row, rows shared among the threads.
 ffi::Error Argmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                   ffi::ResultBuffer<ffi::S32> out) {
   const auto dims = x.dimensions();
@@ -74,9 +69,8 @@ ffi::Error Argmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   return ffi::Error::Success();
 }
 
-// A float's sort key for descending order: keys ascend as the values descend. -x's bits made
-// monotone as unsigned integers (negatives flipped whole, positives with the sign bit set),
-// -0.0 taken as 0.0, and every NaN the largest key (sorted last, as jnp.argsort puts NaN).
+// A float's sort key, ascending as the values descend: -x's bits made monotone as unsigned
+// integers, -0.0 taken as 0.0, every NaN the largest key (last, as jnp.argsort puts it).
 inline uint32_t descending_key(float x) {
   if (std::isnan(x)) return UINT32_MAX;
   const float y = x == 0.0f ? 0.0f : -x;
@@ -89,9 +83,9 @@ inline uint32_t descending_key(float x) {
 constexpr int kDigitBits = 11;
 constexpr int kPasses = 3;
 
-// items[0..n) sorted by their keys (the high 32 bits), ties keeping their order: a
-// least-significant-digit radix sort, stable in each pass; a pass whose digit every item shares
-// is skipped. spare holds n entries; returns whichever of the two buffers holds the result.
+// items[0..n) stably sorted by their keys (the high 32 bits): an LSD radix sort that skips a
+// pass whose digit every item shares. spare holds n entries; returns the buffer holding the
+// result.
 uint64_t* radix_sort(uint64_t* items, uint64_t* spare, int64_t n) {
   constexpr int64_t kBuckets = int64_t(1) << kDigitBits;
   std::vector<int64_t> count(kBuckets);
@@ -113,8 +107,7 @@ uint64_t* radix_sort(uint64_t* items, uint64_t* spare, int64_t n) {
   return items;
 }
 
-// An item is (key << 32) | index: sorting by the key moves the index with it, and items made
-// in index order keep ties in index order.
+// An item is (key << 32) | index: the index moves with its key, ties stay in index order.
 inline uint64_t item(uint32_t key, int64_t i) { return (uint64_t(key) << 32) | uint64_t(i); }
 
 // order[0..V) = the indices of x[0..V) by descending value, equal values (and NaNs, last) in
@@ -144,16 +137,14 @@ inline __m512i descending_keys16(__m512 x) {
   return _mm512_mask_mov_epi32(key, nan, _mm512_set1_epi32(-1));
 }
 
-// The first k of sort_row's order and values, without sorting the rest: one pass keys the row
-// and counts the keys' top 11 bits; the buckets up to the one that completes k hold every key
-// of the first k; only those items are gathered (in index order) and sorted. keys holds V
-// entries, items and spare as many as those buckets hold (V at most).
+// The first k of sort_row's order and values: one pass keys the row and counts the keys' top 11
+// bits; only the items in the buckets up to the one completing k are gathered and sorted. keys
+// holds V entries, items and spare up to V.
 void top_row(const float* x, int64_t V, int64_t k, float* top, int32_t* order, uint32_t* keys,
              uint64_t* items, uint64_t* spare) {
   constexpr int64_t kBuckets = int64_t(1) << kTopBits;
   constexpr int kShift = 32 - kTopBits;
-  // Four histograms, a key's counted in the one its position picks: consecutive keys in one
-  // bucket then do not wait on each other's increment.
+  // Four histograms, so consecutive keys of one bucket do not wait on each other's increment.
   std::vector<int32_t> counts(4 * kBuckets, 0);
   int64_t i = 0;
   for (; i + 16 <= V; i += 16)
@@ -192,9 +183,7 @@ void top_row(const float* x, int64_t V, int64_t k, float* top, int32_t* order, u
   }
 }
 
-// x [..., V] float32 -> (sorted [..., V] float32, order [..., V] int32): each row sorted by
-// descending value (sort_row), as jnp.argsort(-x) orders it. Rows are shared among the
-// threads.
+// x [..., V] float32 -> (sorted [..., V] float32, order [..., V] int32): each row's sort_row.
 ffi::Error SortDescending(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                           ffi::ResultBuffer<ffi::F32> sorted, ffi::ResultBuffer<ffi::S32> order) {
   const auto dims = x.dimensions();
@@ -213,8 +202,7 @@ ffi::Error SortDescending(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   return ffi::Error::Success();
 }
 
-// x [..., V] float32 -> (top [..., k] float32, order [..., k] int32): the first k of
-// SortDescending's outputs (top_row), 1 <= k <= V. Rows are shared among the threads.
+// x [..., V] float32 -> (top [..., k] float32, order [..., k] int32): each row's top_row.
 ffi::Error TopDescending(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                          ffi::ResultBuffer<ffi::F32> top, ffi::ResultBuffer<ffi::S32> order) {
   const auto dims = x.dimensions(), tdims = top->dimensions();
