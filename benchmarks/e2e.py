@@ -58,7 +58,7 @@ def write_random_model(path: str, config: dict, seed: int = 0) -> int:
     from jaxinfer.models import llama
 
     cfg = config_from_hf(config)
-    params = llama.init_params(cfg, jax.random.key(seed), jnp.bfloat16)
+    params = llama.LLAMA.init_params(cfg, jax.random.key(seed), jnp.bfloat16)
     save_checkpoint(path, cfg, params)
     return sum(int(x.size) for x in jax.tree.leaves(params))
 

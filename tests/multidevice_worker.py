@@ -123,7 +123,7 @@ def random_model_runs(shape: dict, variants: dict) -> dict:
     params = ji.SamplingParams(max_tokens=16, logprobs=1)
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
-        save_checkpoint(tmp, cfg, llama.init_params(cfg, jax.random.key(0), jnp.float32))
+        save_checkpoint(tmp, cfg, llama.LLAMA.init_params(cfg, jax.random.key(0), jnp.float32))
         for name, kw in variants.items():
             kw = kw(tmp) if callable(kw) else kw  # a variant may need the checkpoint's path
             llm = ji.LLM(tmp, max_seq_len=64, max_num_seqs=4, **kw)
@@ -286,8 +286,8 @@ def big() -> dict:
     for name in ("llama-3-8b", "llama-3-70b"):
         with open(os.path.join(ROOT, "configs", "models", name + ".json")) as f:
             cfg = config_from_hf(json.load(f))
-        params = jax.eval_shape(lambda: llama.init_params(cfg, jax.random.key(0), jnp.bfloat16))
-        axes = sharding.param_axes(cfg, params, llama.param_specs)
+        params = jax.eval_shape(lambda: llama.LLAMA.init_params(cfg, jax.random.key(0), jnp.bfloat16))
+        axes = sharding.param_axes(cfg, params, llama.LLAMA.param_specs)
         pages = seqs * seq_len // page + 1
         cache = PagedKVCache(
             k=jax.ShapeDtypeStruct((cfg.num_layers, pages * page, cfg.num_kv_heads,

@@ -17,6 +17,7 @@ from jaxinfer import backends
 from jaxinfer.config import ModelConfig
 from jaxinfer.layers import linear
 from jaxinfer.models import llama
+from jaxinfer.models import sequence_logits
 
 
 @pytest.mark.parametrize("rows", [(1,), (1, 1), (3,), (2, 5)])
@@ -102,15 +103,15 @@ def test_with_float32_activations_embed_and_forward():
     cfg = ModelConfig(architecture="llama", vocab_size=128, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
                       head_dim=16, ffn_dim=96, max_position_embeddings=64)
     bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16),
-                        llama.init_params(cfg, jax.random.key(0), jnp.float32))
-    mixed = llama.with_float32_activations(bf16)
+                        llama.LLAMA.init_params(cfg, jax.random.key(0), jnp.float32))
+    mixed = llama.LLAMA.with_float32_activations(bf16)
     assert mixed.final_norm.dtype == jnp.float32 and mixed.layers[0].mlp_norm.dtype == jnp.float32
     assert mixed.layers[0].wq.dtype == jnp.bfloat16 and mixed.embed.dtype == jnp.bfloat16
-    assert llama.activation_dtype(mixed) == jnp.float32
+    assert llama.LLAMA.activation_dtype(mixed) == jnp.float32
     tokens = np.asarray([3, 127, 0, 64, 5, 9, 64, 100])
-    np.testing.assert_array_equal(np.asarray(llama.embed(mixed, jnp.asarray([tokens]))[0]),
+    np.testing.assert_array_equal(np.asarray(llama.LLAMA.embed(mixed, None, jnp.asarray([tokens]))[0]),
                                   np.asarray(bf16.embed, np.float32)[tokens])
-    got = llama.sequence_logits(mixed, cfg, jnp.asarray([tokens], jnp.int32))[0]
+    got = sequence_logits(mixed, cfg, jnp.asarray([tokens], jnp.int32))[0]
     assert got.dtype == jnp.float32
     to_bf16 = lambda x: x.astype(ml_dtypes.bfloat16).astype(np.float64)  # noqa: E731
     want = numpy_forward(bf16, cfg, tokens, to_bf16)
@@ -127,9 +128,9 @@ def test_smollm2_bfloat16_on_cpu(smollm2_gguf):
     import jaxinfer as ji
     from jaxinfer.evaluation import perplexity
 
-    path = "/usr/share/common-licenses/GPL-3"
-    if jax.default_backend() != "cpu" or not os.path.exists(path):
-        pytest.skip("CPU only, needs GPL-3 text")
+    path = os.path.join(os.path.dirname(ji.__file__), "data", "gpl-3.txt")
+    if jax.default_backend() != "cpu":
+        pytest.skip("CPU only")
     f32 = ji.LLM("smollm2-135m", max_seq_len=512, max_num_seqs=1)
     bf16 = ji.LLM("smollm2-135m", dtype="bfloat16", max_seq_len=512, max_num_seqs=1)
     params = bf16._engine.params

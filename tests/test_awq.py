@@ -1,6 +1,6 @@
 """jaxinfer.quant.awq: activation-aware int4 quantization.
 
-Checked against independent things: the calibration forward against `llama.sequence_logits`;
+Checked against independent things: the calibration forward against `sequence_logits`;
 folding against the exact property that the folded float model is the same model; the scale and
 clip searches against errors recomputed from explicit activations (not the Gram matrices the
 searches use) and against round to nearest of the same weights; the clipped quantizer against
@@ -14,10 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jaxinfer
 from jaxinfer import quant
 from jaxinfer.quant import awq
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import llama
+from jaxinfer.models import sequence_logits
 
 CFG = ModelConfig("llama", vocab_size=256, d_model=64, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=16, ffn_dim=128, rope_theta=10000.0,
@@ -28,7 +30,7 @@ CFG_BIAS = CFG.replace(architecture="qwen2", attention_bias=True, tie_word_embed
 def random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     """init_params weights as a host dict, with log-normal norm weights: a few input channels
     carry much larger activations than the rest, as in trained models (what AWQ exploits)."""
-    params = llama.init_params(cfg, jax.random.key(seed))
+    params = llama.LLAMA.init_params(cfg, jax.random.key(seed))
     rng = np.random.default_rng(seed)
     weights = {"embed": np.asarray(params.embed), "final_norm": np.asarray(params.final_norm)}
     if params.lm_head is not None:
@@ -49,8 +51,8 @@ def tokens(cfg: ModelConfig, shape, seed: int = 1) -> np.ndarray:
 
 
 def logits(cfg, weights, toks) -> np.ndarray:
-    params = llama.params_from_weights(cfg, awq.dequantized(weights))
-    return np.asarray(llama.sequence_logits(params, cfg, jnp.asarray(toks)))
+    params = llama.LLAMA.params_from_weights(cfg, awq.dequantized(weights))
+    return np.asarray(sequence_logits(params, cfg, jnp.asarray(toks)))
 
 
 def scales_of(report, groups=awq.GROUPS) -> dict[str, np.ndarray]:
@@ -61,7 +63,7 @@ def scales_of(report, groups=awq.GROUPS) -> dict[str, np.ndarray]:
 def test_calibration_forward_matches_model(cfg):
     weights = random_weights(cfg)
     toks = tokens(cfg, (2, 24))
-    params = llama.params_from_weights(cfg, weights)
+    params = llama.LLAMA.params_from_weights(cfg, weights)
     got = np.asarray(awq.calibration_logits(params, cfg, jnp.asarray(toks)))
     np.testing.assert_allclose(got, logits(cfg, weights, toks), atol=1e-4, rtol=0)
 
@@ -91,7 +93,7 @@ def _flat(x) -> np.ndarray:
 def linear_inputs(cfg, weights, calibration) -> list[dict[str, np.ndarray]]:
     """Per layer, each linear group's input [R, C] (float64) over every calibration token, one
     sequence at a time."""
-    params = llama.params_from_weights(cfg, weights)
+    params = llama.LLAMA.params_from_weights(cfg, weights)
     runs = [list(awq.run_layers(params, cfg, jnp.asarray([seq]))) for seq in calibration]
     return [{name: np.concatenate([_flat(getattr(run[i][1], name)) for run in runs])
              for name in awq.GROUP_INPUTS.values()} for i in range(cfg.num_layers)]
@@ -302,7 +304,7 @@ def test_group_size_must_divide_the_model():
 def test_perplexity_of_a_uniform_model_is_the_vocab_size():
     weights = random_weights(CFG)
     weights["final_norm"] = np.zeros_like(weights["final_norm"])  # logits all 0
-    params = llama.params_from_weights(CFG, weights)
+    params = llama.LLAMA.params_from_weights(CFG, weights)
     ppl = awq.perplexity(params, CFG, list(tokens(CFG, (50,))), window=16)
     np.testing.assert_allclose(ppl, CFG.vocab_size, rtol=1e-5)
 
@@ -310,12 +312,12 @@ def test_perplexity_of_a_uniform_model_is_the_vocab_size():
 def test_perplexity_windows():
     """Non-overlapping windows, each scored from scratch; the short last one included."""
     weights = random_weights(CFG)
-    params = llama.params_from_weights(CFG, weights)
+    params = llama.LLAMA.params_from_weights(CFG, weights)
     toks = tokens(CFG, (40,))
     nll = []
     for start in (0, 16, 32):
         chunk = toks[start:start + 16]
-        lg = np.asarray(llama.sequence_logits(params, CFG, jnp.asarray(chunk[None])),
+        lg = np.asarray(sequence_logits(params, CFG, jnp.asarray(chunk[None])),
                         np.float64)[0]
         lse = np.log(np.sum(np.exp(lg - lg.max(-1, keepdims=True)), -1)) + lg.max(-1)
         nll += list(lse[:-1] - lg[np.arange(len(chunk) - 1), chunk[1:]])
@@ -335,9 +337,8 @@ def smollm2(smollm2_gguf):
 
 
 def _license_tokens(tokenizer, name: str) -> list[int]:
-    path = os.path.join("/usr/share/common-licenses", name)
-    if not os.path.exists(path):
-        pytest.skip(f"{path} is missing")
+    """Tokens of a license text shipped as package data (jaxinfer/data/<name>.txt)."""
+    path = os.path.join(os.path.dirname(jaxinfer.__file__), "data", f"{name}.txt")
     with open(path) as f:
         return tokenizer.encode(f.read())
 
@@ -345,13 +346,13 @@ def _license_tokens(tokenizer, name: str) -> list[int]:
 @pytest.mark.slow
 def test_smollm2_calibration_forward_matches_model(smollm2):
     cfg, weights, tokenizer = smollm2
-    toks = jnp.asarray([_license_tokens(tokenizer, "Apache-2.0")[:128]])
-    params = llama.params_from_weights(cfg, weights)
+    toks = jnp.asarray([_license_tokens(tokenizer, "apache-2.0")[:128]])
+    params = llama.LLAMA.params_from_weights(cfg, weights)
     # float32; the model's attention sums keys in blocks with an online softmax, the
     # calibration forward in one softmax: 30 layers of summation-order differences (measured
     # at most 1.4e-4 on logits of magnitude ~20).
     np.testing.assert_allclose(np.asarray(awq.calibration_logits(params, cfg, toks)),
-                               np.asarray(llama.sequence_logits(params, cfg, toks)),
+                               np.asarray(sequence_logits(params, cfg, toks)),
                                atol=2e-4, rtol=0)
 
 
@@ -359,10 +360,10 @@ def test_smollm2_calibration_forward_matches_model(smollm2):
 def smollm2_ppl(smollm2):
     """(perplexity(weights), GPL-3 evaluation tokens) of the SmolLM2 float32 weights."""
     cfg, weights, tokenizer = smollm2
-    evaluation = _license_tokens(tokenizer, "GPL-3")[:1024]
+    evaluation = _license_tokens(tokenizer, "gpl-3")[:1024]
 
     def ppl(w):
-        return awq.perplexity(llama.params_from_weights(cfg, awq.dequantized(w)), cfg,
+        return awq.perplexity(llama.LLAMA.params_from_weights(cfg, awq.dequantized(w)), cfg,
                               evaluation)
     return ppl, ppl(weights)
 
@@ -388,7 +389,7 @@ def test_smollm2_awq_perplexity(smollm2, smollm2_ppl):
     embedding. Measured: float 21.06; RTN 30.13, AWQ 23.19 (24.93 without clipping): AWQ +10%
     over float, against RTN's +43%. 75-90 s here."""
     cfg, weights, tokenizer = smollm2
-    calib = _license_tokens(tokenizer, "Apache-2.0")
+    calib = _license_tokens(tokenizer, "apache-2.0")
     calibration = [calib[i * 256:(i + 1) * 256] for i in range(8)]
     ppl, float_ppl = smollm2_ppl
     rtn_ppl = ppl(awq.rtn_int4(cfg, weights, group_size=64))

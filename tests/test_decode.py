@@ -20,22 +20,23 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.device.kv_cache import PagedKVCache
 from jaxinfer.device.token_batch import TokenBatch
 from jaxinfer.models import llama
+from jaxinfer.models import sequence_logits
 from jaxinfer.device.sampling import SamplingArrays
 
 # Jitted so each shape compiles once (an eager lax.scan would re-trace on every call).
-forward = jax.jit(llama.forward, static_argnums=(1,))
+forward = jax.jit(llama.LLAMA.forward, static_argnums=(1,))
 
 TINY = ModelConfig("llama", vocab_size=97, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
                    head_dim=8, ffn_dim=64, rope_theta=10000.0, max_position_embeddings=512)
 
 
 def _params(cfg, seed=0):
-    return llama.init_params(cfg, jax.random.key(seed))
+    return llama.LLAMA.init_params(cfg, jax.random.key(seed))
 
 
 def _full_logits(cfg, params, tokens):
     """One forward over the whole sequence from an empty cache."""
-    return np.asarray(llama.sequence_logits(params, cfg, jnp.asarray([tokens], jnp.int32)))[0]
+    return np.asarray(sequence_logits(params, cfg, jnp.asarray([tokens], jnp.int32)))[0]
 
 
 def _chunked_logits(cfg, params, tokens, chunk, capacity, pad_to=None):
@@ -48,7 +49,7 @@ def _chunked_logits(cfg, params, tokens, chunk, capacity, pad_to=None):
         toks[0, :len(piece)] = piece
         h, cache = forward(params, cfg, jnp.asarray(toks), cache,
                                  jnp.asarray([len(piece)], jnp.int32))
-        out.append(np.asarray(llama.lm_head(params, h))[0, :len(piece)])
+        out.append(np.asarray(llama.LLAMA.head(params, h))[0, :len(piece)])
     return np.concatenate(out), cache
 
 
@@ -73,7 +74,7 @@ def test_prefill_then_decode_steps_equal_full_forward():
     steps = []
     for t in tokens[20:]:
         h, cache = forward(params, TINY, jnp.asarray([[t]]), cache, jnp.asarray([1]))
-        steps.append(np.asarray(llama.lm_head(params, h))[0, 0])
+        steps.append(np.asarray(llama.LLAMA.head(params, h))[0, 0])
     np.testing.assert_allclose(np.stack(steps), full[20:], atol=1e-5, rtol=0)
 
 
@@ -157,7 +158,7 @@ def test_decode_loop_leaves_unlisted_rows_alone():
     assert np.asarray(state.cache.lengths).tolist() == [4, 4 + 3, 4]
 
 
-forward_tokens = jax.jit(llama.forward_tokens, static_argnums=(1,),
+forward_tokens = jax.jit(llama.LLAMA.forward_tokens, static_argnums=(1,),
                          static_argnames=("backend", "query_tile", "num_tiles"))
 
 
@@ -190,12 +191,12 @@ def test_flat_step_equals_separate_full_forwards(cache_kind):
     batch = host_batch(16, B, [(2, [seqs[2][-1]]), (0, [seqs[0][-1]]), (1, seqs[1])])
     h, cache = forward_tokens(params, cfg, batch, cache, query_tile=4)
     assert np.asarray(cache.lengths).tolist() == [10, 8, 13, 0]
-    logits = np.asarray(llama.lm_head(params, h))
+    logits = np.asarray(llama.LLAMA.head(params, h))
     np.testing.assert_allclose(logits[0], _full_logits(cfg, params, seqs[2])[-1], atol=1e-5)
     np.testing.assert_allclose(logits[1], _full_logits(cfg, params, seqs[0])[-1], atol=1e-5)
     np.testing.assert_allclose(logits[2:10], _full_logits(cfg, params, seqs[1]), atol=1e-5)
     # The cache now holds row 1's keys: its next decode token sees them.
     nxt = int(np.argmax(logits[9]))
     h, _ = forward_tokens(params, cfg, host_batch(4, B, [(1, [nxt])]), cache, query_tile=1)
-    np.testing.assert_allclose(np.asarray(llama.lm_head(params, h))[0],
+    np.testing.assert_allclose(np.asarray(llama.LLAMA.head(params, h))[0],
                                _full_logits(cfg, params, seqs[1] + [nxt])[-1], atol=1e-5)

@@ -20,6 +20,7 @@ from jaxinfer import draft_train as train_draft
 from jaxinfer.loading import load_model
 from jaxinfer.loading.checkpoint import save_checkpoint
 from jaxinfer.models import llama
+from jaxinfer.models import sequence_logits
 
 TINY = os.path.join(os.path.dirname(__file__), "data", "tiny_models", "llama")
 
@@ -35,8 +36,8 @@ def _kl_numpy(target_params, draft_params, cfg, draft_cfg, seqs):
     total, count = 0.0, 0
     for s in seqs:
         x = jnp.asarray([s])
-        lp = np.asarray(llama.sequence_logits(target_params, cfg, x), np.float64)[0, :-1]
-        lq = np.asarray(llama.sequence_logits(draft_params, draft_cfg, x), np.float64)[0, :-1]
+        lp = np.asarray(sequence_logits(target_params, cfg, x), np.float64)[0, :-1]
+        lq = np.asarray(sequence_logits(draft_params, draft_cfg, x), np.float64)[0, :-1]
         lp = lp - np.log(np.exp(lp - lp.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
             - lp.max(-1, keepdims=True)
         lq = lq - np.log(np.exp(lq - lq.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
@@ -100,6 +101,6 @@ def test_training_lowers_kl_and_the_draft_serves_speculation(target, tmp_path):
 
 def test_draft_with_another_vocabulary_is_refused(tmp_path):
     small = load_model(TINY).config.replace(vocab_size=64, num_layers=1)
-    save_checkpoint(str(tmp_path / "d"), small, llama.init_params(small, jax.random.key(0)))
+    save_checkpoint(str(tmp_path / "d"), small, llama.LLAMA.init_params(small, jax.random.key(0)))
     with pytest.raises(ValueError, match="vocabulary of 64 tokens; the target's has 256"):
         ji.LLM(TINY, speculative=ji.SpeculativeConfig("draft", draft_model=str(tmp_path / "d")))

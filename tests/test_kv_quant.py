@@ -13,6 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+# ragged_paged_attention is what attention="pallas" runs (backends.attention): imported here so
+# that a broken kernel package fails this module's collection.
+from pallas_kernels import flash_attention, paged_attention, ragged_paged_attention  # noqa: F401
 
 from jaxinfer import backends
 from jaxinfer.backends.attention import ragged_attention, reference_attention
@@ -21,10 +24,11 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.engine import memory
 from jaxinfer.device.kv_cache import KV_DTYPES, PagedKVCache, QuantizedKV, kv_buffer, quantize_kv
 from jaxinfer.models import llama
+from jaxinfer.models import sequence_logits
 from jaxinfer.device.token_batch import host_batch
 
-forward = jax.jit(llama.forward, static_argnums=(1,), static_argnames=("backend",))
-forward_tokens = jax.jit(llama.forward_tokens, static_argnums=(1,),
+forward = jax.jit(llama.LLAMA.forward, static_argnums=(1,), static_argnames=("backend",))
+forward_tokens = jax.jit(llama.LLAMA.forward_tokens, static_argnums=(1,),
                          static_argnames=("backend", "query_tile", "num_tiles"))
 CFG = ModelConfig("llama", vocab_size=97, d_model=64, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=32, ffn_dim=64, max_position_embeddings=512)
@@ -84,8 +88,6 @@ def test_attention_over_quantized_keys_reads_what_was_stored(kv):
     within float32 rounding (1e-5). The model's path, ragged_attention over the same keys as a
     quantized page pool (the jnp work list, and the ragged Pallas kernel), equals it within
     float32 rounding too."""
-    from pallas_kernels import flash_attention, paged_attention
-
     B, T, S, N, K, H = 2, 3, 16, 4, 2, 32
     k, v = _quantized_segment(B, S, K, H, KV_DTYPES[kv], seed=2)
     rng = np.random.default_rng(3)
@@ -111,23 +113,12 @@ def test_attention_over_quantized_keys_reads_what_was_stored(kv):
     meta = ragged_meta(jnp.asarray([0, T], jnp.int32), jnp.full((B,), T, jnp.int32), lengths,
                        num_tokens=B * T, query_tile=T, num_tiles=B, page_size=4)
     flat_want = np.asarray(want).reshape(B * T, N, H)
-    impls = ["reference"]
-    if _ragged_kernel_importable():
-        impls.append("pallas")
-    for impl in impls:
+    for impl in ("reference", "pallas"):
         backend = dataclasses.replace(backends.default(), attention=impl)
         flat = ragged_attention(backend, q.reshape(B * T, N, H), *pool, 0, tables, meta,
                                 page_size=4)
         np.testing.assert_allclose(np.asarray(flat), flat_want, atol=1e-5, rtol=0,
                                    err_msg=impl)
-
-
-def _ragged_kernel_importable() -> bool:
-    try:
-        from pallas_kernels import ragged_paged_attention  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _paged(cfg, B, pages_per_row, dtype, rng):
@@ -139,7 +130,7 @@ def _paged(cfg, B, pages_per_row, dtype, rng):
 
 def _chunked_run(params, prompts, steps, cache, flat=False, **kw):
     """Chunked prefill (chunks of 8) then greedy decode; logits of every position per row.
-    flat: each step as one flat TokenBatch (llama.forward_tokens): the rows' tokens packed side
+    flat: each step as one flat TokenBatch (llama.LLAMA.forward_tokens): the rows' tokens packed side
     by side with the padding at the end, prefill chunks cut into query tiles of 4."""
     B = len(prompts)
     lens = np.array([len(p) for p in prompts])
@@ -150,12 +141,12 @@ def _chunked_run(params, prompts, steps, cache, flat=False, **kw):
         tokens, cache)."""
         if not flat:
             h, c = forward(params, CFG, jnp.asarray(toks), cache, jnp.asarray(num), **kw)
-            lg = np.asarray(llama.lm_head(params, h))
+            lg = np.asarray(llama.LLAMA.head(params, h))
             return [lg[b, :num[b]] for b in range(B)], c
         T = toks.shape[1]
         batch = host_batch(B * T + 1, B, [(b, toks[b, :num[b]]) for b in range(B) if num[b]])
         h, c = forward_tokens(params, CFG, batch, cache, query_tile=min(T, 4), **kw)
-        lg = np.asarray(llama.lm_head(params, h))
+        lg = np.asarray(llama.LLAMA.head(params, h))
         start = np.asarray(batch.query_start)
         return [lg[start[b]:start[b] + num[b]] for b in range(B)], c
 
@@ -184,17 +175,15 @@ def _chunked_run(params, prompts, steps, cache, flat=False, **kw):
 def test_quantized_cache_under_the_model(kv, layout):
     """Chunked prefill and decode over a quantized ring or paged cache (reference attention,
     flat ragged token batches, or the Pallas ragged kernel) against the one-shot forward with
-    the same KV dtype (llama.sequence_logits(kv_cache_dtype=)): every key is quantized the same
+    the same KV dtype (sequence_logits(kv_cache_dtype=)): every key is quantized the same
     way in both, so they agree to 1e-3 (float32; a key computed in another order may round to
     the neighbouring code, so not to float32's 1e-5), and against the float cache within the
     quantization's error (measured max |logit diff| over all rows and layouts: int8 0.021, fp8
     0.098, on logits up to ~3 in magnitude; bounds about 3x: 0.06 and 0.3). paged-flat-bits:
     the pool as the CPU engine makes it (kv_buffer(fp8_bits=True): float8 codes kept as their
     uint8 bits), whose logits equal paged-flat's exactly."""
-    if layout == "paged-pallas" and not _ragged_kernel_importable():
-        pytest.skip("pallas_kernels.ragged_paged_attention is not importable yet")
     dtype = KV_DTYPES[kv]
-    params = llama.init_params(CFG, jax.random.key(0))
+    params = llama.LLAMA.init_params(CFG, jax.random.key(0))
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, CFG.vocab_size, n).tolist() for n in (13, 1, 22)]
     if layout == "ring":
@@ -223,8 +212,8 @@ def test_quantized_cache_under_the_model(kv, layout):
     bound = {"int8": 0.06, "fp8": 0.3}[kv]
     for b, seq in enumerate(seqs):
         tokens = jnp.asarray([seq])
-        same = np.asarray(llama.sequence_logits(params, CFG, tokens, kv_cache_dtype=kv))[0]
-        exact = np.asarray(llama.sequence_logits(params, CFG, tokens))[0]
+        same = np.asarray(sequence_logits(params, CFG, tokens, kv_cache_dtype=kv))[0]
+        exact = np.asarray(sequence_logits(params, CFG, tokens))[0]
         assert np.isfinite(got[b]).all()
         np.testing.assert_allclose(got[b], same, atol=1e-3, rtol=0)
         assert np.abs(got[b] - exact).max() < bound, np.abs(got[b] - exact).max()

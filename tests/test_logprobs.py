@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import jaxinfer as ji
-from jaxinfer.models import llama
+from jaxinfer.models import sequence_logits
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def test_prompt_logprobs_across_chunks_match_full_forward(llm, cases):
     assert out.logprobs is None
     plp = out.prompt_logprobs
     assert len(plp) == len(ids) and plp[0] is None
-    logits = llama.sequence_logits(llm._engine.params, llm.model_config, jnp.asarray([ids]))
+    logits = sequence_logits(llm._engine.params, llm.model_config, jnp.asarray([ids]))
     lp = np.asarray(jax.nn.log_softmax(logits[0], axis=-1))
     for i in range(1, len(ids)):
         d = plp[i]

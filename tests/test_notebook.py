@@ -6,10 +6,10 @@ import sys
 
 import pytest
 
-nbformat = pytest.importorskip("nbformat")
-nbclient = pytest.importorskip("nbclient")
-pytest.importorskip("ipykernel")
-pytest.importorskip("matplotlib")
+import ipykernel  # noqa: F401  (the test extras: a broken install fails, never skips)
+import matplotlib  # noqa: F401
+import nbclient
+import nbformat
 
 NOTEBOOK = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                         "notebooks", "quickstart.ipynb")

@@ -20,8 +20,9 @@ from jaxinfer import backends
 from jaxinfer.config import ModelConfig
 from jaxinfer.device.kv_cache import Bits16KV, PagedKVCache
 from jaxinfer.models import llama
+from jaxinfer.models import sequence_logits
 
-forward = jax.jit(llama.forward, static_argnums=(1,), static_argnames=("backend",))
+forward = jax.jit(llama.LLAMA.forward, static_argnums=(1,), static_argnames=("backend",))
 
 CFG = ModelConfig("llama", vocab_size=97, d_model=64, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=32, ffn_dim=64, max_position_embeddings=512)
@@ -70,7 +71,7 @@ def _run(cfg, params, prompts, steps, chunk, attention):
             toks[b, :num[b]] = p[s:s + num[b]]
         h, cache = forward(params, cfg, jnp.asarray(toks), cache, jnp.asarray(num),
                            backend=with_attention(attention))
-        lg = np.asarray(llama.lm_head(params, h))
+        lg = np.asarray(llama.LLAMA.head(params, h))
         for b in range(B):
             logits[b].extend(lg[b, :num[b]])
     nxt = np.array([np.argmax(logits[b][-1]) for b in range(B)], np.int32)
@@ -78,7 +79,7 @@ def _run(cfg, params, prompts, steps, chunk, attention):
     for _ in range(steps):
         h, cache = forward(params, cfg, jnp.asarray(nxt[:, None]), cache,
                            jnp.ones(B, jnp.int32), backend=with_attention(attention))
-        lg = np.asarray(llama.lm_head(params, h))[:, 0]
+        lg = np.asarray(llama.LLAMA.head(params, h))[:, 0]
         for b in range(B):
             logits[b].append(lg[b])
         nxt = lg.argmax(-1).astype(np.int32)
@@ -89,12 +90,12 @@ def _run(cfg, params, prompts, steps, chunk, attention):
 
 @pytest.mark.parametrize("attention", ["reference", "pallas"])
 def test_paged_prefill_and_decode_equal_full_forward(attention):
-    params = llama.init_params(CFG, jax.random.key(0))
+    params = llama.LLAMA.init_params(CFG, jax.random.key(0))
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, CFG.vocab_size, n).tolist() for n in (13, 1, 22)]
     got, seqs, cache = _run(CFG, params, prompts, steps=5, chunk=8, attention=attention)
     for b, seq in enumerate(seqs):
-        full = np.asarray(llama.sequence_logits(params, CFG, jnp.asarray([seq[:-1]])))[0]
+        full = np.asarray(sequence_logits(params, CFG, jnp.asarray([seq[:-1]])))[0]
         assert np.isfinite(got[b]).all()
         np.testing.assert_allclose(got[b], full, atol=1e-5, rtol=0)
     assert np.asarray(cache.lengths).tolist() == [len(p) + 5 for p in prompts]
@@ -102,10 +103,10 @@ def test_paged_prefill_and_decode_equal_full_forward(attention):
 
 def test_paged_sliding_window_matches_dense():
     cfg = CFG.replace(sliding_window=5)
-    params = llama.init_params(cfg, jax.random.key(2))
+    params = llama.LLAMA.init_params(cfg, jax.random.key(2))
     prompt = np.random.default_rng(3).integers(0, cfg.vocab_size, 19).tolist()
     got, seqs, _ = _run(cfg, params, [prompt], steps=4, chunk=8, attention="reference")
-    full = np.asarray(llama.sequence_logits(params, cfg, jnp.asarray([seqs[0][:-1]])))[0]
+    full = np.asarray(sequence_logits(params, cfg, jnp.asarray([seqs[0][:-1]])))[0]
     np.testing.assert_allclose(got[0], full, atol=1e-5, rtol=0)
 
 

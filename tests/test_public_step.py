@@ -11,6 +11,7 @@ import numpy as np
 import jaxinfer as ji
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import llama
+from jaxinfer.models import sequence_logits
 from jaxinfer.device.token_batch import host_batch
 
 TINY = ModelConfig("llama", vocab_size=97, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -20,13 +21,13 @@ TINY = ModelConfig("llama", vocab_size=97, d_model=32, num_layers=2, num_heads=4
 def _greedy_by_full_forwards(params, prompt, n):
     seq = list(prompt)
     for _ in range(n):
-        logits = llama.sequence_logits(params, TINY, jnp.asarray([seq], jnp.int32))
+        logits = sequence_logits(params, TINY, jnp.asarray([seq], jnp.int32))
         seq.append(int(np.argmax(np.asarray(logits)[0, -1])))
     return seq[len(prompt):]
 
 
 def test_step_inside_a_users_jit_generates_greedy_tokens():
-    params = llama.init_params(TINY, jax.random.key(3))
+    params = llama.LLAMA.init_params(TINY, jax.random.key(3))
     prompts = [[5, 17, 33, 2, 61, 8, 40], [12, 90, 4]]
     B, steps = 2, 6
 

@@ -85,7 +85,7 @@ def worker() -> dict:
     params = ji.SamplingParams(max_tokens=12, logprobs=1)
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
-        save_checkpoint(tmp, cfg, llama.init_params(cfg, jax.random.key(0)))
+        save_checkpoint(tmp, cfg, llama.LLAMA.init_params(cfg, jax.random.key(0)))
         runs = [(variant, kw, name) for variant, kw in VARIANTS.items()
                 for name in ("single", *MESHES)]
         runs += [("float_kv8", KV_ONLY, name) for name in ("single", KV_ONLY_MESH)]

@@ -21,6 +21,7 @@ import jaxinfer as ji
 from jaxinfer import sharding
 from jaxinfer.config import MeshConfig, ModelConfig
 from jaxinfer.models import llama
+from jaxinfer.models import sequence_logits
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TINY = ModelConfig("llama", vocab_size=97, d_model=32, num_layers=2, num_heads=8, num_kv_heads=2,
@@ -109,7 +110,7 @@ def test_bad_meshes_raise_before_loading():
 def test_replicated_kv_heads_compute_the_same_model():
     """Repeating each kv head tensor // K times (host weights, numpy) leaves the logits equal:
     query head n reads a copy of the kv head it read before."""
-    params = llama.init_params(TINY, jax.random.key(1))
+    params = llama.LLAMA.init_params(TINY, jax.random.key(1))
     weights = {}
     for i, lp in enumerate(params.layers):
         for field, value in vars(lp).items():
@@ -120,8 +121,8 @@ def test_replicated_kv_heads_compute_the_same_model():
     cfg4, weights4 = sharding.replicate_kv_heads(TINY, weights, tensor=8)
     assert cfg4.num_kv_heads == 8 and weights4["layers.0.wk"].shape == (32, 64)
     tokens = jnp.asarray([np.random.default_rng(0).integers(0, 97, 20)], jnp.int32)
-    want = llama.sequence_logits(params, TINY, tokens)
-    got = llama.sequence_logits(llama.params_from_weights(cfg4, weights4), cfg4, tokens)
+    want = sequence_logits(params, TINY, tokens)
+    got = sequence_logits(llama.LLAMA.params_from_weights(cfg4, weights4), cfg4, tokens)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
     assert sharding.replicate_kv_heads(TINY, weights, tensor=2) == (TINY, weights)
 

@@ -29,6 +29,7 @@ from jaxinfer.device.step import step_jit
 from jaxinfer.config import ModelConfig
 from jaxinfer.device.kv_cache import PagedKVCache
 from jaxinfer.models import llama
+from jaxinfer.models import sequence_logits
 from jaxinfer.device.sampling import SamplingArrays
 from jaxinfer.device.drafting import ngram_propose, verify
 from jaxinfer.device.token_batch import TokenBatch
@@ -277,7 +278,7 @@ def test_drafting_greedy_equals_plain_decoding(cache_kind, drafter):
     k = 4
     if cache_kind == "ring_window":
         cfg = cfg.replace(sliding_window=6)
-    params = llama.init_params(cfg, jax.random.key(3))
+    params = llama.LLAMA.init_params(cfg, jax.random.key(3))
     draft = _draft_of(cfg, params, 9) if drafter == "draft" else None
     rng = np.random.default_rng(3)
     prompts = _loop_prompts(rng, cfg.vocab_size)
@@ -312,7 +313,7 @@ def test_drafting_greedy_equals_plain_decoding(cache_kind, drafter):
 
 def test_stop_ids_end_rows_as_in_decode_loop():
     cfg = TINY.replace(vocab_size=97)
-    params = llama.init_params(cfg, jax.random.key(3))
+    params = llama.LLAMA.init_params(cfg, jax.random.key(3))
     prompts = _loop_prompts(np.random.default_rng(3), cfg.vocab_size)
     B = len(prompts)
     make = lambda: PagedKVCache.ring(cfg.num_layers, B, 128, cfg.num_kv_heads,  # noqa: E731
@@ -332,7 +333,7 @@ def test_sampled_speculation_follows_the_models_joint_distribution(drafter):
     on, against the exact joint p(x) p(y | x) from full forwards (V=16: 256 outcomes). The
     draft model's proposals are sampled from its own q (top_k=0, temperature 1)."""
     cfg = TINY
-    params = llama.init_params(cfg, jax.random.key(5))
+    params = llama.LLAMA.init_params(cfg, jax.random.key(5))
     draft = _draft_of(cfg, params, 11) if drafter == "draft" else None
     draft_params, draft_cfg = draft or (None, None)
     # The prompt "a b a b a b a b a": n-gram drafts "b a b". Of all pairs, the one whose draft
@@ -340,7 +341,7 @@ def test_sampled_speculation_follows_the_models_joint_distribution(drafter):
     V = cfg.vocab_size
     pairs = [(a, b) for a in range(V) for b in range(V) if a != b]
     cands = np.array([[a, b] * 4 + [a] for a, b in pairs], np.int32)
-    last = np.asarray(llama.sequence_logits(params, cfg, jnp.asarray(cands)))[:, -1]
+    last = np.asarray(sequence_logits(params, cfg, jnp.asarray(cands)))[:, -1]
     p_b = _softmax(last.astype(np.float64))[np.arange(len(pairs)), [b for _, b in pairs]]
     prompt = cands[np.argmax(p_b)].tolist()
     N, chunk = 32_768, 8192
@@ -370,10 +371,10 @@ def test_sampled_speculation_follows_the_models_joint_distribution(drafter):
         assert (num == 2).all()
         np.add.at(counts, (out[:, 0], out[:, 1]), 1)
         accepted += int(np.asarray(c.accepted).sum())
-    logits = np.asarray(llama.sequence_logits(params, cfg, jnp.asarray([prompt])))[0, -1]
+    logits = np.asarray(sequence_logits(params, cfg, jnp.asarray([prompt])))[0, -1]
     p_x = _softmax(logits.astype(np.float64))
     ext = np.array([prompt + [x] for x in range(cfg.vocab_size)], np.int32)
-    p_y = _softmax(np.asarray(llama.sequence_logits(params, cfg, jnp.asarray(ext)))[:, -1]
+    p_y = _softmax(np.asarray(sequence_logits(params, cfg, jnp.asarray(ext)))[:, -1]
                    .astype(np.float64))
     joint = p_x[:, None] * p_y
     assert _chi_square_z(counts, joint) < 4
@@ -387,7 +388,7 @@ def test_ngram_speculation_samples_the_tokens_of_decode_loop(drafting):
     is the token the sampler draws at that index, so the output equals decode_loop's token for
     token, whether rows draft or not (an exact property of the coupling, float32 logits)."""
     cfg = TINY.replace(vocab_size=97)
-    params = llama.init_params(cfg, jax.random.key(6))
+    params = llama.LLAMA.init_params(cfg, jax.random.key(6))
     prompts = _loop_prompts(np.random.default_rng(6), cfg.vocab_size)
     B = len(prompts)
     rows = _rows(B, max_new=30, temperature=0.8, top_k=20)

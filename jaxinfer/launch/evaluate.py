@@ -2,7 +2,7 @@
 
     python -m jaxinfer.launch.evaluate --model smollm2-135m --quantization int8 [--group_size 64]
     python -m jaxinfer.launch.evaluate --quantization int4-awq --kv_cache_dtype int8 \
-        --text /usr/share/common-licenses/GPL-3 --max_tokens 4096 --window 512 --json out.json
+        --max_tokens 4096 --window 512 --json out.json      # GPL-3's text by default
     python -m jaxinfer.launch.evaluate --model /tmp/smollm2-awq --reference_model smollm2-135m
 
 The float32 reference (or --reference_model, for a quantized checkpoint) is scored on the same
@@ -21,7 +21,9 @@ from absl import app, flags
 from jaxinfer import backends, evaluation
 from jaxinfer.quant import KV_DTYPES, MODES
 
-DEFAULT_TEXT = "/usr/share/common-licenses/GPL-3"
+# The GNU GPL v3's text, shipped with the package (verbatim copies are permitted).
+DEFAULT_TEXT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                            "data", "gpl-3.txt")
 
 def define_flags() -> None:
     """Registers this script's flags when it runs as a script, not on import: launch.common

@@ -19,8 +19,7 @@ import jax
 from jaxinfer import sharding
 from jaxinfer.config import ModelConfig
 from jaxinfer.layers import apply_rope, gated_mlp, linear, rms_norm
-from jaxinfer.models.base import (DENSE_QUERY_TILE, Context, Family, ModelParams, attend, rows,
-                                  sequence_logits)
+from jaxinfer.models.base import DENSE_QUERY_TILE, Context, Family, ModelParams, attend, rows
 
 LlamaParams = ModelParams
 
@@ -184,23 +183,5 @@ def read_attention_gguf(read, cfg: ModelConfig, i: int) -> dict:
 LLAMA = Llama()
 QWEN3 = Qwen3()
 
-# The Llama family's methods as functions.
-param_specs = LLAMA.param_specs
-init_params = LLAMA.init_params
-params_from_weights = LLAMA.params_from_weights
-activation_dtype = LLAMA.activation_dtype
-with_float32_activations = LLAMA.with_float32_activations
-lm_head = LLAMA.head
-forward = LLAMA.forward
-forward_tokens = LLAMA.forward_tokens
-
-
-def embed(params: ModelParams, tokens: jax.Array) -> jax.Array:
-    """tokens [...] -> [..., D]."""
-    return LLAMA.embed(params, None, tokens)
-
-
 __all__ = ["DENSE_QUERY_TILE", "LLAMA", "LayerParams", "Llama", "LlamaParams", "QWEN3", "Qwen3",
-           "attention_block", "attention_specs", "embed", "forward", "forward_tokens",
-           "init_params", "lm_head", "param_specs", "params_from_weights", "sequence_logits",
-           "vocab_specs", "with_float32_activations"]
+           "attention_block", "attention_specs", "vocab_specs"]

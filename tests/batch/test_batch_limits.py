@@ -83,7 +83,10 @@ def test_hostile_lines_get_one_encodable_record_naming_the_problem(raw, kind, cu
     item, rec = record_of(raw)
     assert item.error_kind == kind and rec["custom_id"] == item.custom_id == custom_id
     message = message_of(rec)
-    assert message.startswith("line 10: ") or rec["response"] is not None
+    if rec["response"] is None:  # not a request at all: the error names the line
+        assert message.startswith("line 10: "), message
+    else:                        # a request the API refuses: the server's 400
+        assert rec["response"]["status_code"] == 400 and rec["error"] is None
     for word in words:
         assert word in message, (word, message)
     assert len(message) < 400  # user values are quoted shortened

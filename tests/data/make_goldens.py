@@ -13,6 +13,11 @@ Outputs (under --out):
     smollm2_tokenizer/tokenizer_config.json (+ chat_template.jinja if written)
     tiny_models/<name>/                 tiny random HF checkpoints + golden.npz
     checks.json                         results of the consistency checks run while generating
+
+The bf16-weight goldens of jaxinfer's CPU default (smollm2_bf16_greedy.json) come from the
+sibling make_bf16_goldens.py, run after this script (it reads smollm2_greedy.json's prompts):
+
+    python make_bf16_goldens.py --gguf /path/to/SmolLM2-135M-Instruct.Q4_1.gguf --out tests/data
 """
 
 from __future__ import annotations

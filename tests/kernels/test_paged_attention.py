@@ -472,9 +472,31 @@ def test_invalid_inputs_raise(fn, bad):
         call(**args)
 
 
-def test_valid_edge_inputs_do_not_raise():
-    """Zero pages in the table, one page in the pool, a float16 pool: valid, not errors."""
-    args = _good()
-    paged_attention(**{**args, "block_tables": jnp.zeros((2, 0), jnp.int32)}, interpret=True)
-    paged_attention(**{**args, "k_pages": jnp.zeros((1, 4, 2, 64), jnp.float16),
-                       "v_pages": jnp.zeros((1, 4, 2, 64), jnp.float16)}, interpret=True)
+def test_edge_inputs_follow_the_contract():
+    """Valid edge inputs, not errors, with the outputs the contract promises:
+    - zero pages in the block table (rows of length 0): a query that sees no key gets a zero
+      row, exactly, though the pool holds only NaN;
+    - a pool of one page that both rows' tables name (a shared prefix), the rest of each table
+      out-of-range ids: the float64 gather, within float32's tolerance;
+    - a float16 pool under float32 queries: the output is float32, within float16's tolerance
+      of float64 on the pool's values (the probabilities meet the values in the pool's
+      dtype, in the kernel as in the reference)."""
+    rng = np.random.default_rng(7)
+    q = jnp.asarray(rng.standard_normal((2, 4, 64)), jnp.float32)
+    nan_pool = jnp.full((5, 4, 2, 64), jnp.nan, jnp.float32)
+    for fn in (lambda **a: paged_attention(**a, interpret=True), paged_attention_reference):
+        out = fn(q=q, k_pages=nan_pool, v_pages=nan_pool, lengths=jnp.zeros((2,), jnp.int32),
+                 block_tables=jnp.zeros((2, 0), jnp.int32))
+        assert out.shape == q.shape and out.dtype == q.dtype
+        np.testing.assert_array_equal(np.asarray(out), np.zeros(q.shape, np.float32))
+
+    lengths = jnp.asarray([3, 4], jnp.int32)
+    tables = jnp.asarray([[0, 2**31 - 1, -1], [0, 1, 1000]], jnp.int32)
+    for dtype in (jnp.float32, jnp.float16):
+        k = jnp.asarray(rng.standard_normal((1, 4, 2, 64)), dtype)
+        v = jnp.asarray(rng.standard_normal((1, 4, 2, 64)), dtype)
+        want = naive_paged_attention(q, k, v, lengths, tables)
+        for fn in (lambda **a: paged_attention(**a, interpret=True), paged_attention_reference):
+            out = fn(q=q, k_pages=k, v_pages=v, lengths=lengths, block_tables=tables)
+            assert out.shape == q.shape and out.dtype == jnp.float32
+            np.testing.assert_allclose(np.asarray(out), want, atol=TOL[dtype], rtol=0)

@@ -18,6 +18,7 @@ from jaxinfer.loading.checkpoint import (CONFIG_FILE, PARAMS_DIR, is_checkpoint_
 from jaxinfer.loading.safetensors import load_hf_dir
 from jaxinfer.loading.tokenizer import Tokenizer
 from jaxinfer.models import llama
+from jaxinfer.models import sequence_logits
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 DATA = os.path.join(REPO, "tests", "data")
@@ -26,7 +27,7 @@ TINY = os.path.join(DATA, "tiny_models")
 
 def logits_of(cfg, params, ids):
     """Logits [1, T, V] of one forward of ids (list of T ints) from an empty cache."""
-    return np.asarray(llama.sequence_logits(params, cfg, jnp.asarray([ids], jnp.int32)))
+    return np.asarray(sequence_logits(params, cfg, jnp.asarray([ids], jnp.int32)))
 
 
 def assert_bitwise_equal(a, b):
@@ -40,7 +41,7 @@ def assert_bitwise_equal(a, b):
 
 def tiny(name, dtype=jnp.float32):
     cfg, weights = load_hf_dir(os.path.join(TINY, name))
-    return cfg, llama.params_from_weights(cfg, weights, dtype)
+    return cfg, llama.LLAMA.params_from_weights(cfg, weights, dtype)
 
 
 @pytest.mark.parametrize("name", ["llama", "llama3_rope", "qwen2"])  # plain, tied+scaled, biases

@@ -24,6 +24,7 @@ from jaxinfer.config import RopeScaling
 from jaxinfer.layers.rope import rope_inv_freq
 from jaxinfer.loading.gguf import load_gguf
 from jaxinfer.models import llama
+from jaxinfer.models import sequence_logits
 
 TINY = os.path.join(os.path.dirname(__file__), "..", "data", "tiny_models")
 ATOL = 1e-4
@@ -164,8 +165,8 @@ def convert(name: str, path: str, qtype=F32, *, sliding_window: bool = True,
 
 def model_logits(cfg, weights, input_ids):
     """Logits [1, T, V] of one forward over all T tokens from an empty cache."""
-    params = llama.params_from_weights(cfg, weights, jnp.float32)
-    return np.asarray(llama.sequence_logits(params, cfg, jnp.asarray(input_ids)))
+    params = llama.LLAMA.params_from_weights(cfg, weights, jnp.float32)
+    return np.asarray(sequence_logits(params, cfg, jnp.asarray(input_ids)))
 
 
 def golden(name):

@@ -83,7 +83,7 @@ def test_int4_awq_checkpoint_loads_without_calibration(tmp_path, monkeypatch):
     rng = np.random.default_rng(0)
     calibration = [rng.integers(0, cfg.vocab_size, 32).tolist() for _ in range(2)]
     searched, _ = awq.awq_int4(cfg, weights, calibration, grid=3)
-    params = llama.params_from_weights(cfg, searched)
+    params = llama.LLAMA.params_from_weights(cfg, searched)
     save_checkpoint(str(tmp_path), cfg, params, quantization="int4-awq")
 
     def no_search(*args, **kwargs):

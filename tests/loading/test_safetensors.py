@@ -19,6 +19,7 @@ from jaxinfer.config import RopeScaling
 from jaxinfer.loading.safetensors import (_SafetensorsFile, config_from_hf, eos_token_ids,
                                           load_hf_dir)
 from jaxinfer.models import llama
+from jaxinfer.models import sequence_logits
 
 TINY = os.path.join(os.path.dirname(__file__), "..", "data", "tiny_models")
 MODELS = ["llama", "llama3_rope", "qwen2", "mistral_sw", "llama_sharded"]
@@ -27,7 +28,7 @@ ATOL = 1e-4
 
 def hf_logits(cfg, params, input_ids):
     """Logits [1, T, V] of one forward over all T tokens from an empty cache."""
-    return np.asarray(llama.sequence_logits(params, cfg, jnp.asarray(input_ids)))
+    return np.asarray(sequence_logits(params, cfg, jnp.asarray(input_ids)))
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,7 @@ def loaded():
 def test_logits_match_transformers(loaded, name):
     cfg, weights = loaded[name]
     golden = np.load(os.path.join(TINY, name, "golden.npz"))
-    params = llama.params_from_weights(cfg, weights, jnp.float32)
+    params = llama.LLAMA.params_from_weights(cfg, weights, jnp.float32)
     logits = hf_logits(cfg, params, golden["input_ids"])
     assert logits.shape == golden["logits"].shape
     np.testing.assert_allclose(logits, golden["logits"], rtol=0, atol=ATOL)

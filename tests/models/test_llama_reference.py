@@ -17,6 +17,7 @@ import pytest
 
 from jaxinfer.loading.gguf import load_gguf
 from jaxinfer.models import llama
+from jaxinfer.models import sequence_logits
 
 
 def _np_weights(path):
@@ -71,11 +72,11 @@ def numpy_forward(w, tokens, n_layers=30, n_head=9, n_kv=3, hd=64, theta=100000.
 @pytest.fixture(scope="module")
 def model(smollm2_gguf):
     cfg, weights, _ = load_gguf(smollm2_gguf)
-    return cfg, llama.params_from_weights(cfg, weights)
+    return cfg, llama.LLAMA.params_from_weights(cfg, weights)
 
 
 def _logits(cfg, params, tokens):
-    return np.asarray(llama.sequence_logits(params, cfg, jnp.asarray([tokens], jnp.int32)))[0]
+    return np.asarray(sequence_logits(params, cfg, jnp.asarray([tokens], jnp.int32)))[0]
 
 
 def test_logits_match_numpy_reference(model, smollm2_gguf):
@@ -96,7 +97,7 @@ def test_last_logits_match_hf_goldens(model, data_dir):
     width = max(len(c["prompt_ids"]) for c in cases)
     batch = jnp.asarray([c["prompt_ids"] + [0] * (width - len(c["prompt_ids"])) for c in cases],
                         jnp.int32)
-    all_logits = np.asarray(llama.sequence_logits(params, cfg, batch))
+    all_logits = np.asarray(sequence_logits(params, cfg, batch))
     for case, logits in zip(cases, all_logits):
         got = logits[len(case["prompt_ids"]) - 1]
         top = case["last_logits_top10"]

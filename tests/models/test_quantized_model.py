@@ -1,5 +1,5 @@
 """The real model with quantized weights, against its float32 weights (the GGUF's blocks
-dequantized) through the same scoring forward (llama.sequence_logits).
+dequantized) through the same scoring forward (sequence_logits).
 
 "int4" on SmolLM2's Q4_1 file keeps the file's blocks (and its Q8_0 embedding), so it is the
 float model: logits equal up to float32 summation order (max |diff| 1.4e-4, bound 5e-4). "int8"
@@ -21,7 +21,7 @@ import pytest
 
 from jaxinfer import quant
 from jaxinfer.loading import load_model
-from jaxinfer.models import llama
+from jaxinfer.models import sequence_logits
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def float_scored(data_dir):
     T = min(len(x) for x in ids)
     tokens = jnp.asarray([x[:T] for x in ids], jnp.int32)
     loaded = load_model("smollm2-135m")
-    logits = np.asarray(llama.sequence_logits(loaded.params, loaded.config, tokens))
+    logits = np.asarray(sequence_logits(loaded.params, loaded.config, tokens))
     return {None: (logits, loaded.params), "config": loaded.config, "tokens": tokens}
 
 
@@ -43,7 +43,7 @@ def scored(float_scored):
     out = dict(float_scored)
     for mode in ("int4", "int8", "fp8"):
         loaded = load_model("smollm2-135m", quantization=mode)
-        out[mode] = (np.asarray(llama.sequence_logits(loaded.params, loaded.config,
+        out[mode] = (np.asarray(sequence_logits(loaded.params, loaded.config,
                                                       out["tokens"])), loaded.params)
     return out
 
@@ -85,7 +85,7 @@ def test_quantized_kv_cache_agrees_with_float_greedy(float_scored, kv, bound):
     (the scoring forward with kv_cache_dtype): greedy agreement with the float cache over the
     same 116 positions. Measured: int8 1.0 (max |logit diff| 0.79), fp8 0.991 (2.7)."""
     ref, params = float_scored[None]
-    got = np.asarray(llama.sequence_logits(params, float_scored["config"], float_scored["tokens"],
+    got = np.asarray(sequence_logits(params, float_scored["config"], float_scored["tokens"],
                                            kv_cache_dtype=kv))
     agree = float(np.mean(got.argmax(-1) == ref.argmax(-1)))
     assert agree >= bound, agree

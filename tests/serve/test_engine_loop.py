@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import gc
 import threading
+import time
 import weakref
 from typing import Optional
 
@@ -161,20 +162,25 @@ def test_admission_faults_fail_their_request_only(caplog):
 @pytest.mark.parametrize("where,exc", [("step", KeyboardInterrupt), ("step", SystemExit),
                                        ("stats", RuntimeError)])
 def test_a_dead_engine_thread_answers_every_request(where, exc):
-    llm = ScriptedLLM(length=1000)
-    entered, release = threading.Event(), threading.Event()
+    llm = ScriptedLLM(length=10 ** 9)  # the running request never ends on its own
+    armed, entered, release = threading.Event(), threading.Event(), threading.Event()
 
     def dying_step():
+        if not armed.is_set():  # the request runs until the test arms the failure
+            time.sleep(0.001)
+            return
         entered.set()
         release.wait(10)
         raise exc("injected")
+
+    setattr(llm, f"{where}_hook", dying_step)
 
     async def main():
         loop = EngineLoop(llm, idle_wait_s=0.01).start()
         running = _sub("running")
         loop.submit(running)
         assert await asyncio.wait_for(running.admitted(), 10) is None
-        setattr(llm, f"{where}_hook", dying_step)
+        armed.set()
         await asyncio.get_running_loop().run_in_executor(None, entered.wait, 10)
         waiting = _sub("waiting")
         loop.submit(waiting)      # queued behind the step that is about to die

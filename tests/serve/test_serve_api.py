@@ -197,7 +197,7 @@ def scrape(raw) -> dict:
             for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
-def test_metrics_count_what_was_sent(server, client, raw, helpers):
+def test_metrics_count_what_was_sent(server, client, raw, helpers, llm):
     before = scrape(raw)
     usages = [client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=n,
                                         temperature=0).usage for n in (3, 5)]
@@ -224,7 +224,15 @@ def test_metrics_count_what_was_sent(server, client, raw, helpers):
     generated = [u.completion_tokens for u in usages]
     assert delta("jaxinfer_generation_tokens_total") == sum(generated)
     assert delta("jaxinfer_inter_token_latency_seconds_count") == sum(n - 1 for n in generated)
-    assert delta("jaxinfer_prefix_cache_query_tokens_total") >= 0
+    # Every admitted request looks its whole prompt up in the prefix cache once (no request
+    # here is preempted: the CPU pool holds every slot at max_seq_len); the rejected one never
+    # reaches the engine. Hits come in whole pages, never the page of the last token.
+    assert delta("jaxinfer_prefix_cache_query_tokens_total") == sum(u.prompt_tokens
+                                                                    for u in usages)
+    page = llm._engine.paged.page_size
+    hits = delta("jaxinfer_prefix_cache_hit_tokens_total")
+    assert hits % page == 0 and 0 <= hits <= sum((u.prompt_tokens - 1) // page * page
+                                                 for u in usages)
     idle = helpers.wait_for(lambda: (m := scrape(raw))[("jaxinfer_requests_running", ())] == 0
                             and m[("jaxinfer_kv_pages_used", ())] == 0 and m, 5)
     assert idle and idle[("jaxinfer_requests_waiting", ())] == 0
