@@ -19,12 +19,33 @@ from jaxinfer import quant
 from jaxinfer.quant import awq
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import llama
+from jaxinfer.evaluation import perplexity
 from jaxinfer.models import sequence_logits
 
 CFG = ModelConfig("llama", vocab_size=256, d_model=64, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=16, ffn_dim=128, rope_theta=10000.0,
                   tie_word_embeddings=True)
 CFG_BIAS = CFG.replace(architecture="qwen2", attention_bias=True, tie_word_embeddings=False)
+
+
+
+# The calibration forward's logits and the scales folded into weights, as awq_int4 folds them.
+def calibration_logits(params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """Logits [B, T, V] (float32) of the calibration forward, to check it against the model's."""
+    model = jaxinfer.models.get_model(cfg.architecture)
+    *_, (h, _) = awq.run_layers(params, cfg, tokens)
+    return model.head(params, model.final_norm(params, cfg, h), jaxinfer.backends.default())
+
+
+def fold_scales(cfg: ModelConfig, weights: dict[str, np.ndarray],
+                scales: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A copy of weights with scales {"layers.{i}.{group}": s} folded in as `awq_int4` does."""
+    out = dict(weights)
+    for i in range(cfg.num_layers):
+        for group in awq.GROUPS:
+            if f"layers.{i}.{group}" in scales:
+                awq.fold_group(cfg, out, i, group, scales[f"layers.{i}.{group}"])
+    return out
 
 
 def random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
@@ -64,7 +85,7 @@ def test_calibration_forward_matches_model(cfg):
     weights = random_weights(cfg)
     toks = tokens(cfg, (2, 24))
     params = llama.LLAMA.params_from_weights(cfg, weights)
-    got = np.asarray(awq.calibration_logits(params, cfg, jnp.asarray(toks)))
+    got = np.asarray(calibration_logits(params, cfg, jnp.asarray(toks)))
     np.testing.assert_allclose(got, logits(cfg, weights, toks), atol=1e-4, rtol=0)
 
 
@@ -77,7 +98,7 @@ def test_folding_any_scales_keeps_the_model(cfg):
     sizes = {"o": cfg.kv_dim, "qkv": cfg.d_model, "down": cfg.ffn_dim, "gate_up": cfg.d_model}
     scales = {f"layers.{i}.{g}": np.exp(rng.standard_normal(n)).astype(np.float32)
               for i in range(cfg.num_layers) for g, n in sizes.items()}
-    folded = awq.fold_scales(cfg, weights, scales)
+    folded = fold_scales(cfg, weights, scales)
     assert not np.allclose(folded["layers.0.wv"], weights["layers.0.wv"])
     toks = tokens(cfg, (2, 24))
     # float32 on both sides; the folded products (scales up to e^3 either way) round
@@ -122,8 +143,8 @@ def test_awq_int4_is_never_worse_than_rtn_on_calibration(cfg):
     # inputs of the folded float model. RTN: the original weights on the original inputs, with
     # the "o" and "down" scales folded into the output columns of wv and w_up (searched later).
     # Scales alone: round to nearest of the folded weights (no clipping).
-    folded = awq.fold_scales(cfg, weights, scales_of(report))
-    columns = awq.fold_scales(cfg, weights, scales_of(report, ("o", "down")))
+    folded = fold_scales(cfg, weights, scales_of(report))
+    columns = fold_scales(cfg, weights, scales_of(report, ("o", "down")))
     x_orig, x_folded = (linear_inputs(cfg, w, calibration) for w in (weights, folded))
     improved = clipped = 0
     for i in range(cfg.num_layers):
@@ -158,7 +179,7 @@ def test_awq_int4_without_clip_is_rtn_of_the_folded_weights():
     weights = random_weights(CFG)
     calibration = [list(t) for t in tokens(CFG, (2, 32))]
     new, report = awq.awq_int4(CFG, weights, calibration, group_size=32, grid=5, clip=False)
-    folded = awq.fold_scales(CFG, weights, scales_of(report))
+    folded = fold_scales(CFG, weights, scales_of(report))
     for i in range(CFG.num_layers):
         for name in awq.LINEARS:
             key = f"layers.{i}.{name}"
@@ -305,7 +326,7 @@ def test_perplexity_of_a_uniform_model_is_the_vocab_size():
     weights = random_weights(CFG)
     weights["final_norm"] = np.zeros_like(weights["final_norm"])  # logits all 0
     params = llama.LLAMA.params_from_weights(CFG, weights)
-    ppl = awq.perplexity(params, CFG, list(tokens(CFG, (50,))), window=16)
+    ppl = perplexity(params, CFG, list(tokens(CFG, (50,))), window=16)
     np.testing.assert_allclose(ppl, CFG.vocab_size, rtol=1e-5)
 
 
@@ -321,7 +342,7 @@ def test_perplexity_windows():
                         np.float64)[0]
         lse = np.log(np.sum(np.exp(lg - lg.max(-1, keepdims=True)), -1)) + lg.max(-1)
         nll += list(lse[:-1] - lg[np.arange(len(chunk) - 1), chunk[1:]])
-    np.testing.assert_allclose(awq.perplexity(params, CFG, list(toks), window=16),
+    np.testing.assert_allclose(perplexity(params, CFG, list(toks), window=16),
                                np.exp(np.mean(nll)), rtol=1e-5)
 
 
@@ -351,7 +372,7 @@ def test_smollm2_calibration_forward_matches_model(smollm2):
     # float32; the model's attention sums keys in blocks with an online softmax, the
     # calibration forward in one softmax: 30 layers of summation-order differences (measured
     # at most 1.4e-4 on logits of magnitude ~20).
-    np.testing.assert_allclose(np.asarray(awq.calibration_logits(params, cfg, toks)),
+    np.testing.assert_allclose(np.asarray(calibration_logits(params, cfg, toks)),
                                np.asarray(sequence_logits(params, cfg, toks)),
                                atol=2e-4, rtol=0)
 
@@ -363,7 +384,7 @@ def smollm2_ppl(smollm2):
     evaluation = _license_tokens(tokenizer, "gpl-3")[:1024]
 
     def ppl(w):
-        return awq.perplexity(llama.LLAMA.params_from_weights(cfg, awq.dequantized(w)), cfg,
+        return perplexity(llama.LLAMA.params_from_weights(cfg, awq.dequantized(w)), cfg,
                               evaluation)
     return ppl, ppl(weights)
 

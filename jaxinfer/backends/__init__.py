@@ -116,23 +116,14 @@ class Backend:
             return jnp.dtype(jnp.float32)
         return dtype
 
-    @property
-    def kv_bits16(self) -> bool:
-        return self.tuning.kv_16bit_as_bits
-
-    @property
-    def kv_fp8_bits(self) -> bool:
-        return self.tuning.kv_fp8_as_bits
+    kv_bits16 = property(lambda self: self.tuning.kv_16bit_as_bits)
+    kv_fp8_bits = property(lambda self: self.tuning.kv_fp8_as_bits)
 
     def describe(self) -> dict:
         """Which implementation each op uses, for LLM.describe()."""
         native = self.kernels is not None
-        if self.attention == "pallas":
-            attention = "Pallas ragged paged attention" + (" (interpreted)"
-                                                           if self.platform == "cpu" else "")
-        else:
-            attention = ("native decode kernel + jnp work list" if native
-                         else "jnp work list")
+        attention = ("Pallas ragged paged attention" if self.attention == "pallas" else
+                     "native decode kernel + jnp work list" if native else "jnp work list")
         return {
             "platform": self.platform,
             "cpu_kernels": self.kernels or "off",
@@ -142,11 +133,8 @@ class Backend:
             "attention": attention,
             "argmax_top_sort": "native" if native else "XLA",
             "activations": "float32" if self.tuning.float32_activations else "weights' dtype",
-            "kv_storage": ", ".join(name for name, on in (("16-bit floats as bits",
-                                                           self.kv_bits16),
-                                                          ("fp8 codes as bits",
-                                                           self.kv_fp8_bits)) if on)
-            or "as typed",
+            "kv_storage": f"16-bit floats as bits: {self.kv_bits16}; fp8 codes as bits: "
+                          f"{self.kv_fp8_bits}",
         }
 
 

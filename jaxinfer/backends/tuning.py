@@ -1,28 +1,7 @@
-"""Per-platform tuning of the device step, in one table. The CPU entry's reasons are measured
-in docs/architecture.md ("Backend tuning"); the GPU entry keeps XLA's defaults.
-
-  min_tokens, query_tile     the smallest token bucket, and the jnp attention's queries a tile
-  bucket_growth              token and row buckets grow by this factor (fewer compiles)
-  fill_token_buckets         prefill chunks are trimmed to a token bucket (padding costs as much)
-  compiler_options           XLA options of every engine program: XLA:CPU's fast-compile preset
-  loop_compiler_options      and of the device loops: loop-invariant code motion off (it hoisted
-                             a float32 copy of a bf16 embedding out of the loop)
-  pad_single_row_16bit_dots  one row padded to two (a one-row bf16 dot converts its weights)
-  cpu_kernels                backends.cpu_kernels serve products, decode attention, argmax, sort
-  float32_activations        16-bit weights and KV cache, float32 activations (16-bit
-                             elementwise work is slow, 16-bit dots fast)
-  kv_16bit_as_bits           16-bit KV kept as uint16 bits (a bf16 scatter converts the array)
-  kv_fp8_as_bits             the same for float8 KV codes (uint8)
-  default_dtype              LLM(dtype=None); JAXINFER_DEFAULT_DTYPE overrides it
-  default_attention          attention="auto"
-  grouped_matmul             the experts' grouped matmul (models.moe): "tiles" where
-                             lax.ragged_dot multiplies every row by every expert
-
-One XLA flag is process-wide: set_cpu_xla_flags adds
---xla_cpu_enable_concurrency_optimized_scheduler=false, whose scheduler reuses one scratch
-buffer for an unrolled model's dequantized weights, on jaxlib 0.10 with a CPU-only jax, before
-any backend starts, unless XLA_FLAGS names it already.
-"""
+"""Per-platform tuning of the device step, in one table (docs/architecture.md, "Backend
+tuning", gives each CPU entry's reason); the GPU entry keeps XLA's defaults. One XLA flag is
+process-wide (set_cpu_xla_flags): XLA:CPU's memory-minimizing scheduler, added before any
+backend starts where XLA_FLAGS does not name it."""
 
 from __future__ import annotations
 
@@ -37,20 +16,20 @@ import jax
 
 @dataclasses.dataclass(frozen=True)
 class StepTuning:
-    min_tokens: int = 16
-    query_tile: int = 16
-    bucket_growth: int = 2
-    fill_token_buckets: bool = False
-    compiler_options: tuple[tuple[str, str], ...] = ()
-    loop_compiler_options: tuple[tuple[str, str], ...] = ()
+    min_tokens: int = 16               # the smallest token bucket
+    query_tile: int = 16               # the jnp attention's queries per tile
+    bucket_growth: int = 2             # token and row buckets grow by this factor
+    fill_token_buckets: bool = False   # trim prefill chunks to a bucket (padding costs compute)
+    compiler_options: tuple[tuple[str, str], ...] = ()       # of every engine program
+    loop_compiler_options: tuple[tuple[str, str], ...] = ()  # and of the device loops
     pad_single_row_16bit_dots: bool = False
-    float32_activations: bool = False
-    kv_16bit_as_bits: bool = False
-    kv_fp8_as_bits: bool = False
-    cpu_kernels: bool = False
-    default_dtype: str = "bfloat16"
-    default_attention: str = "pallas"
-    grouped_matmul: str = "ragged_dot"
+    float32_activations: bool = False  # 16-bit weights and KV cache, float32 activations
+    kv_16bit_as_bits: bool = False     # 16-bit KV cache kept as uint16 bits
+    kv_fp8_as_bits: bool = False       # float8 KV codes kept as uint8
+    cpu_kernels: bool = False          # backends.cpu_kernels serve where they build
+    default_dtype: str = "bfloat16"    # LLM(dtype=None)
+    default_attention: str = "pallas"  # attention="auto"
+    grouped_matmul: str = "ragged_dot"  # the experts' ("tiles": XLA:CPU's own loop)
 
 
 TUNING = {

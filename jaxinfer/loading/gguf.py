@@ -16,8 +16,8 @@ import numpy as np
 from jaxinfer import quant
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import REGISTRY, get_model
-from jaxinfer.loading.gguf_file import (GGML_BLOCK_SIZES, GGMLType, GGUFFile, ModelFileError,
-                                        TensorInfo, ggml_type_name)
+from jaxinfer.loading.gguf_file import (GGMLType, GGUFFile, ModelFileError, TensorInfo,
+                                        ggml_type_name)
 from jaxinfer.quant import gguf_blocks
 from jaxinfer.quant.gguf_blocks import to_float
 
@@ -145,22 +145,6 @@ def _unpermute_qk(w: Weight, n_heads: int) -> Weight:
 def _unpermute_qk_bias(b: np.ndarray, n_heads: int) -> np.ndarray:
     hd = b.shape[0] // n_heads
     return b.reshape(n_heads, hd // 2, 2).swapaxes(1, 2).reshape(-1)
-
-
-def dequantize(data: np.ndarray, type_id: int) -> np.ndarray:
-    """Float32 values of one tensor's little-endian data of ggml type `type_id`, flat, bit for
-    bit as `gguf.quants.dequantize` (`quant.gguf_blocks.to_float`)."""
-    raw = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1)
-    block, size = GGML_BLOCK_SIZES[GGMLType(type_id)]
-    if raw.size % size:
-        raise ValueError(f"{ggml_type_name(type_id)} data of {raw.size} bytes is not a whole "
-                         f"number of {size}-byte blocks")
-    return to_float(raw, type_id, (raw.size // size * block,))
-
-
-def dequantize_transposed(data: np.ndarray, type_id: int, shape: tuple[int, int]) -> np.ndarray:
-    """`dequantize(data, type_id).reshape(shape).T`, C-contiguous, shape = (out, in)."""
-    return to_float(data, type_id, tuple(shape), transposed=True)
 
 
 def _dequantize(gf: GGUFFile, t: TensorInfo, transposed: bool = False) -> np.ndarray:

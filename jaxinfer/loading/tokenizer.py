@@ -283,24 +283,14 @@ def _compile_template(source: str):
 
 class IncrementalDetokenizer:
     """Token ids -> text deltas that never split a UTF-8 character (`DecodeStream`), plus
-    `flush`: all deltas and flush() equal `tokenizer.decode(ids)`. `prompt_ids`: leading
-    context only, so the first token renders as it would after the prompt."""
+    `flush`: all deltas and flush() equal `tokenizer.decode(ids)`."""
 
-    _CONTEXT = 6  # prompt tokens kept as context
-
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True,
-                 prompt_ids: Sequence[int] | None = None):
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
-        context = [int(i) for i in (prompt_ids or [])][-self._CONTEXT:]
-        self._stream = decoders.DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+        self._stream = decoders.DecodeStream(skip_special_tokens=skip_special_tokens)
         self._ids: list[int] = []
         self._emitted = 0  # characters of text given out so far
-
-    @property
-    def ids(self) -> list[int]:
-        """The ids fed so far (without prompt context)."""
-        return list(self._ids)
 
     def add(self, ids: int | Sequence[int]) -> str:
         ids = [int(ids)] if isinstance(ids, int) else [int(i) for i in ids]

@@ -30,7 +30,6 @@ import numpy as np
 from jaxinfer import backends, quant
 from jaxinfer.backends.tuning import program_jit
 from jaxinfer.quant import formats
-from jaxinfer.evaluation import perplexity  # noqa: F401  (tests call awq.perplexity)
 from jaxinfer.config import ModelConfig
 from jaxinfer.device.kv_cache import PagedKVCache
 from jaxinfer.models import get_model
@@ -101,13 +100,6 @@ def run_layers(params, cfg: ModelConfig,
         yield h, inputs
 
 
-def calibration_logits(params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
-    """Logits [B, T, V] (float32) of the calibration forward, to check it against the model's."""
-    model = get_model(cfg.architecture)
-    *_, (h, _) = run_layers(params, cfg, tokens)
-    return model.head(params, model.final_norm(params, cfg, h), backends.default())
-
-
 @jax.jit
 def _input_stats(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """x [B, T, C] -> (sum over rows of |x| [C], Gram matrix X^T X [C, C]), float32."""
@@ -176,17 +168,6 @@ def fold_group(cfg: ModelConfig, weights: dict[str, np.ndarray], layer: int, gro
     weights[p + norm] = weights[p + norm] / s
     for name in GROUP_LINEARS[group]:
         weights[p + name] = weights[p + name] * s[:, None]
-
-
-def fold_scales(cfg: ModelConfig, weights: dict[str, np.ndarray],
-                scales: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """A copy of weights with scales {"layers.{i}.{group}": s} folded in as `awq_int4` does."""
-    out = dict(weights)
-    for i in range(cfg.num_layers):
-        for group in GROUPS:
-            if f"layers.{i}.{group}" in scales:
-                fold_group(cfg, out, i, group, scales[f"layers.{i}.{group}"])
-    return out
 
 
 def _stats_by_layer(cfg: ModelConfig, weights: dict[str, np.ndarray],

@@ -11,15 +11,28 @@ import gguf
 import numpy as np
 import pytest
 
-from jaxinfer.loading.gguf import (ModelFileError, dequantize, dequantize_transposed, load_gguf,
-                                   read_metadata)
+from jaxinfer.loading.gguf import ModelFileError, load_gguf, read_metadata
 from jaxinfer.loading.gguf_file import GGML_BLOCK_SIZES, GGMLType, GGUFFile, ValueType
+from jaxinfer.quant.gguf_blocks import to_float
 
 VT = gguf.GGUFValueType
 QT = gguf.GGMLQuantizationType
 
 
 # -- reference values from gguf.GGUFReader --------------------------------------------------------
+
+
+
+def dequantize(data: np.ndarray, type_id: int) -> np.ndarray:
+    """Float32 values of one tensor's data of ggml type `type_id`, flat (the loader's decoder)."""
+    raw = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1)
+    block, size = GGML_BLOCK_SIZES[GGMLType(type_id)]
+    return to_float(raw, type_id, (raw.size // size * block,))
+
+
+def dequantize_transposed(data: np.ndarray, type_id: int, shape: tuple[int, int]) -> np.ndarray:
+    """dequantize(data, type_id).reshape(shape).T, as the loader decodes a matrix."""
+    return to_float(data, type_id, tuple(shape), transposed=True)
 
 def reader_value(field):
     """A GGUFReader field as a plain Python value. GGUFReader flattens nested arrays, so for those
