@@ -174,19 +174,26 @@ def test_loop_attention_over_a_bf16_pool(window, softcap, tile, decode_path):
                           single_pages_per_block=2, backend=decode_path)
 
 
-@pytest.mark.parametrize("max_pairs,static", [(None, False), (3, False), (3, True),
-                                              (None, True)])
-def test_prefill_work_list_spans_tiles_rows_and_iterations(monkeypatch, max_pairs, static):
+@pytest.mark.parametrize("max_pairs,static,lockstep", [
+    (None, False, False), (3, False, False), (3, True, False), (None, True, False),
+    (None, False, True), (None, True, True)])
+def test_prefill_work_list_spans_tiles_rows_and_iterations(monkeypatch, max_pairs, static,
+                                                           lockstep):
     """Chunks of several rows (tiles of 4 queries, blocks of one 4-key page): the work list of
     (tile, block) pairs skips the step's empty tiles and walks each tile's own block count.
     max_pairs=3 caps an iteration at 3 pairs, so the online softmax folds into a sliding
     window of tiles (the path of a forward over thousands of rows) with a tile's blocks split
-    over iterations; static=True takes the differentiable forward's static trip count. Each
-    row still equals the dense reference over its keys."""
+    over iterations; static=True takes the differentiable forward's static trip count;
+    lockstep=True the loop a mesh that splits rows takes (every tile its i-th block at
+    iteration i). Each row still equals the dense reference over its keys."""
+    import jaxinfer.backends.attention as attention
     import jaxinfer.backends.work_list as work_list
 
     if max_pairs is not None:
         monkeypatch.setattr(work_list, "MAX_PAIRS", max_pairs)
+    if lockstep:
+        monkeypatch.setattr(attention, "tile_loop",
+                            lambda *a: work_list.tile_loop(*a[:5], rows_split=True))
     kv_lengths = np.array([40, 3, 64, 0, 21, 7], np.int32)
     num_queries = np.array([12, 3, 16, 0, 5, 1], np.int32)
     query_start = np.array([0, 12, 15, 0, 31, 36], np.int32)

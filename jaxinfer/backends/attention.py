@@ -279,4 +279,6 @@ def _tile_attention(q, k_all, v_all, layer, block_tables, tiles: Tiles, meta: Ra
         return k, v, visible
 
     static_blocks = None if meta.static_pages is None else -(-meta.static_pages // pb)
-    return tile_loop(qt, gather_block, tiles, static_blocks, softcap)
+    mesh_shape = sharding.context_mesh_shape() or {}
+    rows_split = mesh_shape.get("data", 1) * mesh_shape.get("sequence", 1) > 1
+    return tile_loop(qt, gather_block, tiles, static_blocks, softcap, rows_split)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxinfer import sharding
 
 # The most (tile, block) pairs an iteration takes (Nt up to this): the engine's steps fit in one
 # window; a batch of thousands of rows is walked in windows rather than one [Nt, Nt] fold.
@@ -80,14 +81,48 @@ def _walk(tiles, static_blocks, stats: tuple, H: int, iteration):
     return acc / jnp.where(l == 0, 1.0, l)[..., None]
 
 
-def tile_loop(qt, gather_block, tiles, static_blocks, softcap):
+def _lockstep(qt, gather_block, tiles, static_blocks, softcap):
+    """Every tile takes its i-th block at iteration i (max(blocks) trips): the tile axis stays
+    an array axis through the loop, so a mesh that splits rows splits the work; [Nt, K, G, Q,
+    H] float32."""
+    Nt, Q, K, G, H = qt.shape
+    every = jnp.arange(Nt, dtype=jnp.int32)
+    trips = jnp.max(tiles.blocks) if static_blocks is None else static_blocks
+
+    def body(i, carry):
+        m, l, acc = carry                                   # [Nt, K, G, Q], same, [.., H]
+        k, v, visible = gather_block(every, tiles.first_page + i * tiles.pages_per_block)
+        s = jnp.einsum("tqkgh,tskh->tkgqs", qt, k)
+        if softcap is not None:
+            s = softcap * jnp.tanh(s / softcap)
+        s = jnp.where(visible[:, None, None], s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        m_use = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.exp(s - m_use[..., None])
+        corr = jnp.where(jnp.isfinite(m), jnp.exp(m - m_use), 0.0)
+        acc = acc * corr[..., None] + jnp.einsum("tkgqs,tskh->tkgqh", p, v)
+        return m_new, l * corr + jnp.sum(p, axis=-1), acc
+
+    stats = lambda x: sharding.constrain(x, ("rows", "kv_heads") + (None,) * (x.ndim - 2))  # noqa: E731
+    init = (stats(jnp.full((Nt, K, G, Q), -jnp.inf)), stats(jnp.zeros((Nt, K, G, Q))),
+            stats(jnp.zeros((Nt, K, G, Q, H))))
+    _, l, acc = jax.lax.fori_loop(0, trips, body, init)
+    return acc / jnp.where(l == 0, 1.0, l)[..., None]
+
+
+def tile_loop(qt, gather_block, tiles, static_blocks, softcap, rows_split: bool = False):
     """Attention of tiles of Q queries: qt [Nt, Q, K, G, H] (scaled), gather_block(t, j0) ->
     (k, v [C, S, K, H] float32, visible [C, Q, S]) -> [Nt * Q, N, H] float32.
 
     The trip count is ceil(sum of blocks / C), not max(blocks), so empty tiles and short rows
     cost nothing. static_blocks (a differentiable forward): a static count of blocks a tile.
+    rows_split (a mesh splits the tiles over `data` or `sequence`): the tiles walk their blocks
+    in lockstep instead, as the work list's pairs would be computed whole on every device.
     """
     Nt, Q, K, G, H = qt.shape
+    if rows_split:
+        out = _lockstep(qt, gather_block, tiles, static_blocks, softcap)
+        return out.transpose(0, 3, 1, 2, 4).reshape(Nt * Q, K * G, H)
 
     def iteration(t, tc, j0):
         k, v, visible = gather_block(tc, j0)                # [C, S, K, H], same, [C, Q, S]
