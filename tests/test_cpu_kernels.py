@@ -1,6 +1,8 @@
-"""jaxinfer.backends.cpu_kernels: the native bf16 products (one row, and a few rows) against a
-numpy product of the same bf16 operands. Tolerance: float32 products and sums of K terms, |err|
-<= 1e-5 times the sum of |x_k w_kn| (plus 1e-6), which float32 summation in any order meets."""
+"""jaxinfer.backends.cpu_kernels: the native bf16 products (one row, and any number of rows)
+against a numpy product of the same bf16 operands. Tolerance: float32 products and sums of K
+terms, |err| <= 1e-5 times the sum of |x_k w_kn| (plus 1e-6), which float32 summation in any
+order meets. With AVX512-BF16, a row's products are also bitwise the same whatever the rows
+beside it (the batch invariance the engine relies on)."""
 
 import functools
 import os
@@ -74,13 +76,43 @@ def test_kernel_matches_a_float64_product(K, N, transposed):
 @pytest.mark.parametrize("K,N", SHAPES)
 @pytest.mark.parametrize("transposed", [False, True], ids=["w[K,N]", "w[N,K]"])
 def test_rows_kernel_matches_a_float64_product(K, N, transposed):
-    # Row counts: below, at and above a register block (8 rows; 4 for w[N, K]), and the most.
+    # Row counts: below, at and above a register block (8 rows; 4 for w[N, K]), and many.
     kernel = jax.jit(functools.partial(cpu_kernels.product, w_transposed=transposed))
-    for M in (2, 5, 9, cpu_kernels.MAX_ROWS):
+    for M in (2, 5, 9, 64, 131):
         x, w, want, scale = operands(K, N, transposed, seed=M, rows=M)
         got = np.asarray(kernel(x, w))
         assert got.dtype == np.float32 and got.shape == (M, N)
         assert np.all(np.abs(got - want) <= 1e-5 * scale + 1e-6), M
+
+
+@needs_rows_kernels
+@pytest.mark.parametrize("K,N", [(576, 1536), (1536, 576), (576, 49152), (577, 33), (33, 4099)])
+@pytest.mark.parametrize("transposed", [False, True], ids=["w[K,N]", "w[N,K]"])
+def test_a_row_gets_the_same_bits_from_every_product_path(K, N, transposed):
+    """Batch invariance: a row's products are bitwise the same alone (the one-row kernel, x
+    [K]), as the first of 2, in the middle of 9 and at the end of 131 rows (register blocks
+    of 8, 4 and 2 rows and one), so no row count changes a sum's order."""
+    kernel = jax.jit(functools.partial(cpu_kernels.product, w_transposed=transposed))
+    rng = np.random.default_rng(K + N)
+    row = jnp.asarray(rng.normal(size=(K,)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(N, K) if transposed else (K, N)), jnp.bfloat16)
+    alone = np.asarray(kernel(row, w))
+    for M, at in ((2, 0), (9, 4), (131, 130), (131, 67)):
+        x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16).at[at].set(row)
+        np.testing.assert_array_equal(np.asarray(kernel(x, w))[at], alone, err_msg=f"{M} {at}")
+
+
+@needs_rows_kernels
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_a_row_gets_the_same_bits_from_the_gated_kernel_at_every_row_count(activation):
+    """The gated MLP's hidden activations of a row, alone and among 7, 64, 65 and 200 rows
+    (past the kernel's 64-row blocks): bitwise equal."""
+    kernel = jax.jit(cpu_kernels.gated_rows_times_matrices, static_argnums=3)
+    x, wg, wu, _, _ = gated_operands(200, 576, 1536, seed=5, activation=activation)
+    alone = np.asarray(kernel(x[130:131], wg, wu, activation))[0]
+    for lo, hi in ((127, 134), (70, 134), (66, 131), (0, 200)):
+        np.testing.assert_array_equal(np.asarray(kernel(x[lo:hi], wg, wu, activation))[130 - lo],
+                                      alone, err_msg=f"{lo}:{hi}")
 
 
 def _gate64(activation, g):
@@ -114,7 +146,7 @@ def gated_operands(M, K, F, seed=0, activation="silu"):
 @pytest.mark.parametrize("K,F", [(576, 1536), (577, 33), (33, 70), (1, 1), (64, 2049)])
 def test_gated_kernel_matches_a_float64_reference(K, F, activation):
     kernel = jax.jit(cpu_kernels.gated_rows_times_matrices, static_argnums=3)
-    for M in (2, 5, 9, cpu_kernels.MAX_ROWS):
+    for M in (1, 2, 5, 9, 64, 131):
         x, wg, wu, want, bound = gated_operands(M, K, F, seed=M, activation=activation)
         got = kernel(x, wg, wu, activation)
         assert got.dtype == jnp.bfloat16 and got.shape == (M, F)
@@ -170,9 +202,9 @@ def test_gated_mlp_calls_the_gated_kernel_for_float32_rows_against_bf16_weights(
     gated = lambda x, *w: fn.lower(x, *w).as_text().count(  # noqa: E731
         "jaxinfer_gated_rows_times_matrices")
     assert gated(jnp.ones((2, 3, D)), *w) == 1
-    assert gated(jnp.ones((cpu_kernels.MAX_ROWS, D)), *w) == 1
-    assert gated(jnp.ones((1, D)), *w) == 0
-    assert gated(jnp.ones((cpu_kernels.MAX_ROWS + 1, D)), *w) == 0
+    assert gated(jnp.ones((64, D)), *w) == 1
+    assert gated(jnp.ones((1, D)), *w) == 1
+    assert gated(jnp.ones((300, D)), *w) == 1
     assert gated(jnp.ones((4, D), jnp.bfloat16), *w) == 0
     assert gated(jnp.ones((4, D)), *(a.astype(jnp.float32) for a in w)) == 0
     # The same MLP as XLA's (silu of float32 products, the hidden rounded to bf16 by the down
@@ -219,16 +251,16 @@ def custom_calls(fn, *args) -> int:
 @needs_kernels
 def test_dot_calls_the_kernels_for_bf16_rows_only():
     w = jnp.ones((64, 32), jnp.bfloat16)
-    most = cpu_kernels.MAX_ROWS
     rows = int(ROWS_SUPPORTED)
     backend = one_device()
+    assert backend.batch_invariant == ROWS_SUPPORTED
     for spec, weight in (("...i,io->...o", w), ("...D,VD->...V", w.T)):
         fn = jax.jit(lambda x, w, spec=spec: backend.dot(x, w, spec))
         assert custom_calls(fn, jnp.ones((1, 1, 64)), weight) == 1
         assert custom_calls(fn, jnp.ones((64,)), weight) == 1
         assert custom_calls(fn, jnp.ones((2, 64)), weight) == rows
-        assert custom_calls(fn, jnp.ones((2, most // 2, 64)), weight) == rows
-        assert custom_calls(fn, jnp.ones((most + 1, 64)), weight) == 0
+        assert custom_calls(fn, jnp.ones((2, 32, 64)), weight) == rows
+        assert custom_calls(fn, jnp.ones((1000, 64)), weight) == rows
         assert custom_calls(fn, jnp.ones((1, 64)), weight.astype(jnp.float32)) == 0
         assert custom_calls(fn, jnp.ones((1, 64)), weight.astype(jnp.float16)) == 0
         assert custom_calls(fn, jnp.ones((4, 64)), weight.astype(jnp.float16)) == 0
@@ -239,7 +271,7 @@ def test_without_avx512_bf16_xla_multiplies_the_rows(monkeypatch):
     flags = cpu_kernels._cpu_flags() - {cpu_kernels.ROWS_CPU_FLAG}
     monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: flags)
     backend = one_device()
-    assert not backend.few_rows and backend.kernels is not None
+    assert not backend.batch_invariant and backend.kernels is not None
     x, w, want, scale = operands(96, 200, False, rows=3)
     fn = jax.jit(lambda x, w: backend.dot(x, w, "...i,io->...o"))
     assert custom_calls(fn, x, w) == 0

@@ -39,7 +39,7 @@ def decode_path(request):
     native CPU kernel."""
     backend = backends.resolve(num_devices=1)
     if request.param == "jnp":
-        return dataclasses.replace(backend, kernels=None, few_rows=False)
+        return dataclasses.replace(backend, kernels=None, batch_invariant=False)
     if backend.kernels is None:
         pytest.skip("the native CPU kernels are not built here")
     return backend

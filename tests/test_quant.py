@@ -312,7 +312,7 @@ def test_fp8_weights_times_fp8_activations(monkeypatch):
     from jaxinfer import backends
 
     backend = dataclasses.replace(backends.default(), platform="gpu", kernels=None,
-                                  few_rows=False)
+                                  batch_invariant=False)
     assert backend.fp8_activations
     rng = np.random.default_rng(5)
     x = rng.standard_normal((4, 64)).astype(np.float32)

@@ -378,7 +378,7 @@ def test_blocked_argmax_equals_numpy(V, block, native):
     from jaxinfer.backends.sort import argmax
     backend = backends.resolve(num_devices=1)
     if not native:
-        backend = dataclasses.replace(backend, kernels=None, few_rows=False)
+        backend = dataclasses.replace(backend, kernels=None, batch_invariant=False)
     rng = np.random.default_rng(V)
     x = rng.standard_normal((12, V)).astype(np.float32)
     x[1, [3, 7]] = 9.0                              # a tie inside one block

@@ -37,14 +37,16 @@ class Backend:
     """The implementations a model's programs use on one platform.
 
     kernels: the native CPU kernels' build digest where they serve (one CPU device), else None;
-    few_rows: their 2-64-row bf16 products too (AVX512-BF16). attention: "reference" (the jnp
-    work list, with the native decode kernel where `kernels`) or "pallas". one_scratch_buffer:
-    XLA:CPU's memory-minimizing scheduler is on (bigger dequantization tiles then fit)."""
+    batch_invariant: they serve every bf16 product, gated MLP and (through tiles of one query)
+    attention, each output summed in one order whatever else the step holds (AVX512-BF16;
+    docs/architecture.md, "Batch invariance"). attention: "reference" (the jnp work list, with
+    the native decode kernel where `kernels`) or "pallas". one_scratch_buffer: XLA:CPU's
+    memory-minimizing scheduler is on (bigger dequantization tiles then fit)."""
 
     platform: str
     tuning: StepTuning
     kernels: Optional[str] = None
-    few_rows: bool = False
+    batch_invariant: bool = False
     attention: str = "reference"
     one_scratch_buffer: bool = False
 
@@ -59,6 +61,15 @@ class Backend:
         """act(x @ w_gate) * (x @ w_up) from one kernel where one serves, else None."""
         from jaxinfer.backends import products
         return products.gated_hidden(self, x, w_gate, w_up, activation)
+
+    def attends_per_query(self, pool, num_heads: int) -> bool:
+        """Whether every query of a step, prefill and verification included, goes alone through
+        the native attention kernel (tiles of one query): on a batch-invariant backend where the
+        kernel reads this pool, so a query's keys are summed in one order whatever its chunk."""
+        if not (self.batch_invariant and self.attention == "reference"):
+            return False
+        from jaxinfer.backends import cpu_kernels
+        return cpu_kernels.attention_supports(pool, num_heads)
 
     def quantized_tiles(self) -> bool:
         """Whether quantized weights are dequantized in tiles inside the step: on CPU, where XLA
@@ -127,9 +138,11 @@ class Backend:
         return {
             "platform": self.platform,
             "cpu_kernels": self.kernels or "off",
-            "products": ("native 1-row" + (" and 2-64-row" if self.few_rows else "")
-                         + " bf16 kernels, XLA dots beyond") if native else "XLA dots",
-            "gated_mlp": "native gate and up" if native and self.few_rows else "XLA",
+            "products": ("native bf16 kernels for every row count" if self.batch_invariant
+                         else "native 1-row bf16 kernels, XLA dots beyond") if native
+                        else "XLA dots",
+            "gated_mlp": "native gate and up" if self.batch_invariant else "XLA",
+            "batch_invariant": self.batch_invariant,
             "attention": attention,
             "argmax_top_sort": "native" if native else "XLA",
             "activations": "float32" if self.tuning.float32_activations else "weights' dtype",
@@ -153,18 +166,18 @@ def resolve(attention: str = "auto", num_devices: Optional[int] = None,
     name = platform()
     tune = tuning.for_platform(name)
     devices = jax.device_count() if num_devices is None else num_devices
-    kernels, few_rows = None, False
+    kernels, invariant = None, False
     if tune.cpu_kernels and devices == 1:
         from jaxinfer.backends import cpu_kernels
         kernels = cpu_kernels.digest()
-        few_rows = kernels is not None and cpu_kernels.few_rows_supported()
+        invariant = kernels is not None and cpu_kernels.bf16_pairs_supported()
     impl = tune.default_attention if attention == "auto" else attention
     if impl == "pallas" and head_dim is not None and head_dim not in PALLAS_HEAD_DIMS:
         if attention == "pallas":
             raise ValueError(f"attention='pallas' needs a head dim in {PALLAS_HEAD_DIMS}; "
                              f"this model's is {head_dim}")
         impl = "reference"
-    return Backend(platform=name, tuning=tune, kernels=kernels, few_rows=few_rows,
+    return Backend(platform=name, tuning=tune, kernels=kernels, batch_invariant=invariant,
                    attention=impl, one_scratch_buffer=tuning.cpu_keeps_one_scratch_buffer())
 
 

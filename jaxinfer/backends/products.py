@@ -1,10 +1,12 @@
 """Float products and the gated MLP's hidden activations, per backend.
 
 Activations wider than the weights are rounded to the weights' dtype; products accumulate in
-float32. On CPU, bf16 products of up to cpu_kernels.MAX_ROWS rows go to the native kernels
-where the backend has them (XLA:CPU streams one-row bf16 dots slowly and repacks the weights for
-few-row ones); otherwise a single 16-bit row is padded to two, as XLA:CPU's one-row dot
-converts the whole weight matrix to float32.
+float32. On a batch-invariant CPU backend (native kernels with AVX512-BF16) every bf16 product
+and gated MLP goes to the native kernels, whatever its row count, each output summed in one
+order (docs/architecture.md, "Batch invariance"). With the kernels but without AVX512-BF16,
+one-row products go to them (XLA:CPU streams one-row bf16 dots slowly); otherwise a single
+16-bit row is padded to two, as XLA:CPU's one-row dot converts the whole weight matrix to
+float32.
 """
 
 from __future__ import annotations
@@ -36,8 +38,7 @@ def dot(backend, x: jax.Array, w: jax.Array, spec: str) -> jax.Array:
         from jaxinfer.backends import cpu_kernels
 
         many = rows >= 2
-        kernel = _row_kernel(spec) if (rows == 1 or (
-            backend.few_rows and 2 <= rows <= cpu_kernels.MAX_ROWS)) else None
+        kernel = _row_kernel(spec) if rows == 1 or backend.batch_invariant else None
         if kernel is not None:
             y = kernel(x.reshape(rows, -1) if many else x.reshape(-1), w)
             return y.reshape(lead + y.shape[-1:])
@@ -65,17 +66,15 @@ def _row_kernel(spec: str):
 
 
 def gated_hidden(backend, x: jax.Array, w_gate, w_up, activation: str) -> Optional[jax.Array]:
-    """act(x @ w_gate) * (x @ w_up) [..., F] bf16 from the native kernel (float32 x of 2 to
-    cpu_kernels.MAX_ROWS rows, 2-D bf16 weights, few-row kernels); None otherwise."""
+    """act(x @ w_gate) * (x @ w_up) [..., F] bf16 from the native kernel (a batch-invariant
+    backend, float32 x, 2-D bf16 weights); None otherwise."""
     rows = math.prod(x.shape[:-1])
-    if not (backend.few_rows and x.dtype == jnp.float32 and rows >= 2
+    if not (backend.batch_invariant and x.dtype == jnp.float32 and rows >= 1
             and all(isinstance(w, jax.Array) and w.ndim == 2 and w.dtype == jnp.bfloat16
                     for w in (w_gate, w_up))):
         return None
     from jaxinfer.backends import cpu_kernels
 
-    if rows > cpu_kernels.MAX_ROWS:
-        return None
     hidden = cpu_kernels.gated_rows_times_matrices(
         x.reshape(rows, -1).astype(jnp.bfloat16), w_gate, w_up, activation)
     return hidden.reshape(x.shape[:-1] + hidden.shape[-1:])

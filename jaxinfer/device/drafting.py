@@ -116,7 +116,7 @@ def verify(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array, sp: Samp
         rejected = a < num_drafts
         residual = jnp.where(rejected[:, None], jnp.maximum(p_a - q_a, 0.0), p_a)
         # p == q makes rejection impossible, but rounding can leave an all-zero residual.
-        residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, p_a)
+        residual = jnp.where(jnp.any(residual > 0, axis=-1, keepdims=True), residual, p_a)
         return a, draw(residual, uniforms(sp.seed, token_index + a))
 
     a_g, tok_g = greedy(None)

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer import backends
+from jaxinfer.layers.sums import fixed_log_softmax, fixed_logsumexp, fixed_sum
 
 
 @flax.struct.dataclass
@@ -88,14 +89,16 @@ def _top_k_size(sp: SamplingArrays, V: int) -> jax.Array:
 def _keep_sorted(sorted_logits: jax.Array, sp: SamplingArrays, V: int,
                  log_total: jax.Array | None = None):
     """(keep, probs) [B, C] of the first C of V tokens in descending order: which survive
-    top-k, top-p and min-p, and their probabilities over the top-k set (log_total [B, 1]: that
-    set's log weight where it exceeds C)."""
+    top-k, top-p and min-p, and their probabilities over the top-k set (log_total [B, 1]: the
+    whole vocabulary's log weight, that set's where top-k is off)."""
     B, C = sorted_logits.shape
     rank = jnp.arange(C, dtype=jnp.int32)[None, :]
     k = _top_k_size(sp, V)[:, None]
     keep = rank < k
-    in_k = jax.nn.logsumexp(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1, keepdims=True)
-    lse = in_k if log_total is None else jnp.where(k <= C, in_k, log_total)
+    in_k = fixed_logsumexp(jnp.where(keep, sorted_logits, -jnp.inf), keepdims=True)
+    # Top-k off: the whole vocabulary's log weight, summed in vocabulary order by every path
+    # (the candidates' and the full sort's), so the kept set is the same whichever serves.
+    lse = in_k if log_total is None else jnp.where(k < V, in_k, log_total)
     probs = jnp.where(keep, jnp.exp(sorted_logits - lse), 0.0)
     # The smallest prefix whose mass reaches top_p (the most likely token always stays). A
     # log-depth scan: XLA:CPU's jnp.cumsum (a reduce_window) was several times slower.
@@ -116,7 +119,7 @@ def _candidate_filter(scaled: jax.Array, sp: SamplingArrays, candidates: tuple[i
         return _sorted_filter(scaled, sp, backend)
     C = caps[0]
     vals, idx = backend.top(scaled, C)  # descending; equal values: lower index first
-    keep, probs = _keep_sorted(vals, sp, V, jax.nn.logsumexp(scaled, axis=-1, keepdims=True))
+    keep, probs = _keep_sorted(vals, sp, V, fixed_logsumexp(scaled, keepdims=True))
     k = _top_k_size(sp, V)
     # Covered: top-k stops within the candidates, or their mass already reaches top_p.
     uses_sort = (sp.top_k > 0) | (sp.top_p < 1.0)
@@ -131,7 +134,8 @@ def _candidate_filter(scaled: jax.Array, sp: SamplingArrays, candidates: tuple[i
 def _sorted_filter(scaled: jax.Array, sp: SamplingArrays, backend) -> jax.Array:
     """filtered_logits by sorting each row's whole vocabulary (backend.sort)."""
     sorted_logits, order = backend.sort(scaled)
-    keep, _ = _keep_sorted(sorted_logits, sp, scaled.shape[-1])
+    keep, _ = _keep_sorted(sorted_logits, sp, scaled.shape[-1],
+                           fixed_logsumexp(scaled, keepdims=True))
     return _in_vocab_order(scaled, sorted_logits, order, keep, backend)
 
 
@@ -171,7 +175,7 @@ def draw(weights: jax.Array, u: jax.Array, block: int = DRAW_BLOCK) -> jax.Array
     B, V = weights.shape
     C = -(-V // block)
     w = jnp.pad(weights.astype(jnp.float32), ((0, 0), (0, C * block - V))).reshape(B, C, block)
-    sums = jnp.sum(w, axis=-1)                                             # [B, C]
+    sums = fixed_sum(w)                                                    # [B, C]
     csum = jnp.cumsum(sums, axis=-1)
     target = u.astype(jnp.float32) * csum[:, -1]
     c = _first_or_last(csum > target[:, None], sums > 0)                   # [B]
@@ -233,7 +237,7 @@ def sampling_probs(logits: jax.Array, sp: SamplingArrays, seen: jax.Array,
 
     def stochastic(logits):
         w = filtered_weights(logits, sp, backend)
-        probs = w / jnp.sum(w, axis=-1, keepdims=True)
+        probs = w / fixed_sum(w, keepdims=True)
         return jnp.where((sp.temperature > 0)[:, None], probs, greedy)
 
     return jax.lax.cond(jnp.any(sp.temperature > 0), stochastic, lambda _: greedy, logits)
@@ -254,7 +258,7 @@ MAX_LOGPROBS = 20  # top-k log-probabilities returned per token (a static output
 def top_logprobs(logits: jax.Array, chosen: jax.Array):
     """Log-probabilities of the raw logits [..., V]; chosen [...] int32 (-1: none) ->
     (ids [..., k] int32, values [..., k] float32, chosen_logprob [...]), k = MAX_LOGPROBS."""
-    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    lp = fixed_log_softmax(logits.astype(jnp.float32))
     V = lp.shape[-1]
     vals, ids = jax.lax.top_k(lp, min(MAX_LOGPROBS, V))
     if V < MAX_LOGPROBS:  # a vocabulary smaller than the output width: pad with impossible ids

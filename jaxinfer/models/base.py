@@ -270,6 +270,9 @@ class Family:
                 backend: Optional[Backend] = None, query_tile: int = 16,
                 num_tiles: Optional[int] = None, differentiable: bool = False) -> Context:
         """The step's attention context (see Context), once per forward."""
+        backend = backend if backend is not None else backends.default()
+        if not differentiable and backend.attends_per_query(cache.k, cfg.num_heads):
+            query_tile, num_tiles = 1, None
         T, B, Z = batch.num_tokens, cache.batch, cache.page_size
         positions = batch.positions(cache.lengths)                         # [T]
         # The per-row metadata is replicated on a mesh: sharded, the tiles' searches gathered
@@ -293,8 +296,7 @@ class Family:
                        local_k_all=cache.local_k, local_v_all=cache.local_v,
                        local_slots=None if ring is None else ring.write_slots(batch.rows,
                                                                               positions),
-                       metas=metas, rope=rope, layer=0,
-                       backend=backend if backend is not None else backends.default())
+                       metas=metas, rope=rope, layer=0, backend=backend)
 
     def forward_tokens(self, params: ModelParams, cfg: ModelConfig, batch: TokenBatch,
                        cache: PagedKVCache, *, backend: Optional[Backend] = None,

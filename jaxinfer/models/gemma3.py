@@ -30,6 +30,7 @@ import numpy as np
 from jaxinfer import sharding
 from jaxinfer.config import ModelConfig
 from jaxinfer.layers import apply_rope, gated_mlp, linear
+from jaxinfer.layers.sums import fixed_mean
 from jaxinfer.models.base import Family, attend, rows
 from jaxinfer.models.llama import read_attention_gguf, vocab_specs
 
@@ -57,7 +58,7 @@ class Gemma3LayerParams:
 def norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     """RMSNorm with Gemma's (1 + w) weights, in float32, back in x's dtype."""
     xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    y = xf * jax.lax.rsqrt(fixed_mean(xf * xf, keepdims=True) + eps)
     return (y * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
 
 

@@ -50,10 +50,9 @@ HANDLERS = (("row_times_matrix", "jaxinfer_row_times_matrix"),
             ("sort_descending", "jaxinfer_sort_descending"),
             ("gated_rows_times_matrices", "jaxinfer_gated_rows_times_matrices"),
             ("top_k", "jaxinfer_top_descending"))
-# The few-row products need AVX512-BF16 and serve up to MAX_ROWS rows: beyond that XLA's
-# repacking of the weights is shared by enough rows.
+# The products of several rows and the gated MLP need AVX512-BF16 (vdpbf16ps); with it, every
+# product sums its outputs in vdpbf16ps's pairs whatever its row count.
 ROWS_CPU_FLAG = "avx512_bf16"
-MAX_ROWS = 64
 # decode_attention: the head_dims it reads, and at most this many query heads.
 ATTENTION_HEAD_DIMS = (32, 64, 128, 256)
 ATTENTION_MAX_HEADS = 64
@@ -173,8 +172,9 @@ def _target(name: str) -> str:
     return f"{dict(HANDLERS)[name]}_{digest()}"
 
 
-def few_rows_supported() -> bool:
-    """Whether the CPU has AVX512-BF16, which the few-row and gated products need."""
+def bf16_pairs_supported() -> bool:
+    """Whether the CPU has AVX512-BF16, which the products of several rows and the gated MLP
+    need."""
     return ROWS_CPU_FLAG in _cpu_flags()
 
 
@@ -203,7 +203,7 @@ _PRODUCTS = {(False, False): _product("row_times_matrix", 1, "k,kn->n"),
 
 
 def product(x: jax.Array, w: jax.Array, w_transposed: bool = False) -> jax.Array:
-    """x @ w for bf16 x [K] or [M, K] (2 <= M <= MAX_ROWS) and bf16 w [K, N] (w [N, K] with
+    """x @ w for bf16 x [K] or [M, K] (M >= 1; AVX512-BF16) and bf16 w [K, N] (w [N, K] with
     w_transposed) -> float32 [N] or [M, N]. Gradients go through XLA's dot."""
     return _PRODUCTS[(x.ndim == 2, w_transposed)](x, w)
 
@@ -214,7 +214,7 @@ GATED_ACTIVATIONS = ("silu", "gelu_tanh")
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
 def gated_rows_times_matrices(x: jax.Array, w_gate: jax.Array, w_up: jax.Array,
                               activation: str = "silu") -> jax.Array:
-    """act(x @ w_gate) * (x @ w_up) for bf16 x [M, K] (2 <= M <= MAX_ROWS), w_gate, w_up
+    """act(x @ w_gate) * (x @ w_up) for bf16 x [M, K] (M >= 1), w_gate, w_up
     [K, F] -> bf16 [M, F]: a gated MLP's hidden activations. act: "silu" or "gelu_tanh"
     (jax.nn.gelu(approximate=True)). Its JVP is XLA's."""
     if activation not in GATED_ACTIVATIONS:

@@ -38,6 +38,16 @@ void rows_times_scalars(const uint16_t* x, const uint16_t* w, int64_t N, int64_t
 
 constexpr int64_t kPanel = 2048;  // columns whose float32 sums fit in L1 (8 KiB)
 
+#ifdef __AVX512BF16__
+// With AVX512-BF16 every product, whatever its row count, sums each output as rows_strip and
+// head_block do (pairs of k through vdpbf16ps, in order): a row's result does not depend on
+// the rows beside it (docs/architecture.md, "Batch invariance"). Defined below.
+ffi::Error PairsRowTimesMatrix(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
+                               ffi::Buffer<ffi::BF16> w, ffi::ResultBuffer<ffi::F32> y);
+ffi::Error PairsMatrixTimesRow(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
+                               ffi::Buffer<ffi::BF16> w, ffi::ResultBuffer<ffi::F32> y);
+#endif
+
 // y[N] = x[K] @ w[K, N], bf16 in, float32 out. Up to kPanel columns the threads split the rows
 // and their partial sums are added; wider matrices go in column panels of kPanel.
 ffi::Error RowTimesMatrix(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
@@ -45,6 +55,9 @@ ffi::Error RowTimesMatrix(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
   const auto dims = w.dimensions();
   if (dims.size() != 2 || x.element_count() != dims[0] || y->element_count() != dims[1])
     return ffi::Error::InvalidArgument("row_times_matrix: x [K], w [K, N] and y [N] expected");
+#ifdef __AVX512BF16__
+  return PairsRowTimesMatrix(pool, x, w, y);
+#endif
   const int64_t K = dims[0], N = dims[1];
   const auto* xp = reinterpret_cast<const uint16_t*>(x.typed_data());
   const auto* wp = reinterpret_cast<const uint16_t*>(w.typed_data());
@@ -83,6 +96,9 @@ ffi::Error MatrixTimesRow(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
   const auto dims = w.dimensions();
   if (dims.size() != 2 || x.element_count() != dims[1] || y->element_count() != dims[0])
     return ffi::Error::InvalidArgument("matrix_times_row: x [K], w [N, K] and y [N] expected");
+#ifdef __AVX512BF16__
+  return PairsMatrixTimesRow(pool, x, w, y);
+#endif
   const int64_t N = dims[0], K = dims[1];
   const auto* xp = reinterpret_cast<const uint16_t*>(x.typed_data());
   const auto* wp = reinterpret_cast<const uint16_t*>(w.typed_data());
@@ -193,6 +209,125 @@ inline int64_t with_rows(int64_t rows, F f) {
   return 1;
 }
 
+
+// y[n0:n1] = x[K] @ w[K, n0:n1] (n0 a multiple of 32), each output as rows_strip<1> sums it:
+// the weights are read row pair by row pair in memory order (as the one-row kernel reads them),
+// the sums of every 32-column strip kept in vdpbf16ps's layout in L1 until the end.
+void row_pairs(const uint16_t* x, const uint16_t* w, int64_t K, int64_t N, int64_t n0,
+               int64_t n1, float* y) {
+  const int64_t strips = (n1 - n0 + 31) / 32;
+  alignas(64) float acc[kPanel];  // per strip: lo[16], hi[16]
+  std::memset(acc, 0, sizeof(float) * strips * 32);
+  auto pass = [&](const uint16_t* row, const uint16_t* next, uint32_t xx, bool ahead) {
+    if (ahead) {  // the pair kAheadRows pairs on
+      prefetch_l2(row + kAheadRows * 2 * N, (n1 - n0) * 2);
+      prefetch_l2(row + (kAheadRows * 2 + 1) * N, (n1 - n0) * 2);
+    }
+    const __m512bh xv = (__m512bh)_mm512_set1_epi32(int32_t(xx));
+    for (int64_t s = 0; s < strips; ++s) {
+      const int64_t width = std::min<int64_t>(32, n1 - n0 - 32 * s);
+      const __mmask32 cols = width >= 32 ? ~__mmask32(0) : __mmask32((1ull << width) - 1);
+      const __m512i a = _mm512_maskz_loadu_epi16(cols, row + 32 * s);
+      const __m512i b = next ? _mm512_maskz_loadu_epi16(cols, next + 32 * s)
+                             : _mm512_setzero_si512();
+      float* lo = acc + 32 * s;
+      _mm512_store_ps(lo, _mm512_dpbf16_ps(_mm512_load_ps(lo),
+                                           (__m512bh)_mm512_unpacklo_epi16(a, b), xv));
+      _mm512_store_ps(lo + 16, _mm512_dpbf16_ps(_mm512_load_ps(lo + 16),
+                                                (__m512bh)_mm512_unpackhi_epi16(a, b), xv));
+    }
+  };
+  int64_t k = 0;
+  for (; k + 2 <= K; k += 2) {
+    uint32_t xx;
+    std::memcpy(&xx, x + k, sizeof xx);
+    pass(w + k * N + n0, w + (k + 1) * N + n0, xx, k + 2 * kAheadRows + 2 <= K);
+  }
+  if (k < K) pass(w + k * N + n0, nullptr, x[k], false);
+  for (int64_t s = 0; s < strips; ++s) {
+    const int64_t width = std::min<int64_t>(32, n1 - n0 - 32 * s);
+    __m512 first, second;
+    unscramble(_mm512_load_ps(acc + 32 * s), _mm512_load_ps(acc + 32 * s + 16), &first, &second);
+    const __mmask16 m_first = width >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << width) - 1u);
+    const __mmask16 m_second =
+        width >= 32 ? __mmask16(0xFFFF) : width > 16 ? __mmask16((1u << (width - 16)) - 1u) : 0;
+    _mm512_mask_storeu_ps(y + n0 + 32 * s, m_first, first);
+    _mm512_mask_storeu_ps(y + n0 + 32 * s + 16, m_second, second);
+  }
+}
+
+ffi::Error PairsRowTimesMatrix(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
+                               ffi::Buffer<ffi::BF16> w, ffi::ResultBuffer<ffi::F32> y) {
+  const auto dims = w.dimensions();
+  const int64_t K = dims[0], N = dims[1];
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.typed_data());
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.typed_data());
+  float* yp = y->typed_data();
+  // The threads share column panels (multiples of 32, at most kPanel): every thread streams
+  // its panel of each weight row pair.
+  const int64_t helpers = helper_count(pool);
+  const int64_t strips = (N + 31) / 32;
+  const int64_t per = std::clamp<int64_t>((strips + helpers) / (helpers + 1), 1, kPanel / 32);
+  const int64_t panels = (strips + per - 1) / per;
+  parallel_chunks(pool, panels, helpers, [=](int64_t c) {
+    const int64_t n0 = c * per * 32, n1 = std::min(N, n0 + per * 32);
+    row_pairs(xp, wp, K, N, n0, n1, yp);
+  });
+  return ffi::Error::Success();
+}
+
+// y[n0 .. n0 + 15] = w[n] . x for one row x (rows past N clamped, not stored): each output as
+// head_block sums it (32 k at a time through vdpbf16ps, lanes by lane_sums16). Four rows of w
+// are read together, in memory order, the four 2 * kAheadRows on asked for.
+inline void head_rows16(const uint16_t* x, const uint16_t* w, int64_t K, int64_t N, int64_t n0,
+                        float* y) {
+  __m512 a[16];
+  for (int g = 0; g < 4; ++g) {
+    const uint16_t* wr[4];
+    for (int i = 0; i < 4; ++i) wr[i] = w + std::min(n0 + 4 * g + i, N - 1) * K;
+    if (n0 + 4 * g + 2 * kAheadRows + 4 <= N) prefetch_l2(wr[0] + 2 * kAheadRows * K, 4 * K * 2);
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + k);
+      a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(wr[0] + k), xv);
+      a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(wr[1] + k), xv);
+      a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512(wr[2] + k), xv);
+      a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_loadu_si512(wr[3] + k), xv);
+    }
+    if (k < K) {
+      const __mmask32 mask = __mmask32((1ull << (K - k)) - 1);
+      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + k);
+      a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_maskz_loadu_epi16(mask, wr[0] + k), xv);
+      a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_maskz_loadu_epi16(mask, wr[1] + k), xv);
+      a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_maskz_loadu_epi16(mask, wr[2] + k), xv);
+      a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_maskz_loadu_epi16(mask, wr[3] + k), xv);
+    }
+    a[4 * g] = a0;
+    a[4 * g + 1] = a1;
+    a[4 * g + 2] = a2;
+    a[4 * g + 3] = a3;
+  }
+  alignas(64) float s[16];
+  _mm512_store_ps(s, lane_sums16(a));
+  std::memcpy(y + n0, s, sizeof(float) * std::min<int64_t>(16, N - n0));
+}
+
+ffi::Error PairsMatrixTimesRow(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
+                               ffi::Buffer<ffi::BF16> w, ffi::ResultBuffer<ffi::F32> y) {
+  const auto dims = w.dimensions();
+  const int64_t N = dims[0], K = dims[1];
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.typed_data());
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.typed_data());
+  float* yp = y->typed_data();
+  const int64_t blocks = (N + kRowBlock - 1) / kRowBlock;
+  parallel_chunks(pool, blocks, helper_count(pool), [=](int64_t c) {
+    const int64_t r1 = std::min(N, (c + 1) * kRowBlock);
+    for (int64_t n0 = c * kRowBlock; n0 < r1; n0 += 16) head_rows16(xp, wp, K, N, n0, yp);
+  });
+  return ffi::Error::Success();
+}
+
 // y[M, N] = x[M, K] @ w[K, N], bf16 in, float32 out. The threads share strips of 32 columns,
 // each over every row of w, block by block of activation rows (the strip comes from memory
 // once, then from cache). Each output is summed over k in order, as XLA's dot does.
@@ -233,7 +368,7 @@ inline __m256i to_bf16_16(__m512 v) {
 // in L1 instead of in a separate elementwise pass. act is silu (activation 0) or GELU's tanh
 // form (1), both g / (1 + exp(-z)): z = g for silu, z = 2 sqrt(2 / pi) (g + 0.044715 g^3) for
 // GELU, since 0.5 (1 + tanh(y)) = 1 / (1 + exp(-2y)).
-constexpr int64_t kMaxGatedRows = 64;  // cpu_kernels.MAX_ROWS
+constexpr int64_t kGatedRows = 64;  // rows whose sums of a strip stay in L1
 
 template <int Act>
 inline __m512 gate16(__m512 g) {
@@ -248,30 +383,35 @@ void gated_strips(ffi::ThreadPool& pool, const uint16_t* xp, const uint16_t* gp,
                   const uint16_t* up, uint16_t* hp, int64_t M, int64_t K, int64_t F) {
   parallel_chunks(pool, (F + 31) / 32, helper_count(pool), [=](int64_t c) {
     const int64_t n0 = c * 32, width = std::min<int64_t>(32, F - n0);
-    alignas(64) float g[kMaxGatedRows * 32], u[kMaxGatedRows * 32];
-    for (int64_t m0 = 0; m0 < M;)
-      m0 += with_rows(M - m0, [&](auto rb) {
-        rows_strip<decltype(rb)::value>(xp, gp, K, F, m0, n0, width, g, 32);
-      });
-    for (int64_t m0 = 0; m0 < M;)
-      m0 += with_rows(M - m0, [&](auto rb) {
-        rows_strip<decltype(rb)::value>(xp, up, K, F, m0, n0, width, u, 32);
-      });
-    const __m512 one = _mm512_set1_ps(1.0f);
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t j = 0; j < width; j += 16) {
-        const __mmask16 mask = width - j >= 16 ? __mmask16(0xFFFF)
-                                               : __mmask16((1u << (width - j)) - 1u);
-        const __m512 gv = _mm512_load_ps(g + m * 32 + j);
-        // exp(-z), -z held to [-104, 200] (max and min return their second operand when
-        // either is NaN, so a NaN passes): exp(-inf) is 0 and exp(inf) is inf.
-        const __m512 minus_z = _mm512_sub_ps(_mm512_setzero_ps(), gate16<Act>(gv));
-        const __m512 e = exp16_in_range(_mm512_min_ps(
-            _mm512_set1_ps(200.0f), _mm512_max_ps(_mm512_set1_ps(-104.0f), minus_z)));
-        const __m512 v = _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)),
-                                       _mm512_load_ps(u + m * 32 + j));
-        _mm256_mask_storeu_epi16(hp + m * F + n0 + j, mask, to_bf16_16(v));
-      }
+    alignas(64) float g[kGatedRows * 32], u[kGatedRows * 32];
+    // Row blocks of kGatedRows, each one's sums in L1 while the gate is applied.
+    for (int64_t b0 = 0; b0 < M; b0 += kGatedRows) {
+      const int64_t rows = std::min(kGatedRows, M - b0);
+      const uint16_t* xb = xp + b0 * K;
+      for (int64_t m0 = 0; m0 < rows;)
+        m0 += with_rows(rows - m0, [&](auto rb) {
+          rows_strip<decltype(rb)::value>(xb, gp, K, F, m0, n0, width, g, 32);
+        });
+      for (int64_t m0 = 0; m0 < rows;)
+        m0 += with_rows(rows - m0, [&](auto rb) {
+          rows_strip<decltype(rb)::value>(xb, up, K, F, m0, n0, width, u, 32);
+        });
+      const __m512 one = _mm512_set1_ps(1.0f);
+      for (int64_t m = 0; m < rows; ++m)
+        for (int64_t j = 0; j < width; j += 16) {
+          const __mmask16 mask = width - j >= 16 ? __mmask16(0xFFFF)
+                                                 : __mmask16((1u << (width - j)) - 1u);
+          const __m512 gv = _mm512_load_ps(g + m * 32 + j);
+          // exp(-z), -z held to [-104, 200] (max and min return their second operand when
+          // either is NaN, so a NaN passes): exp(-inf) is 0 and exp(inf) is inf.
+          const __m512 minus_z = _mm512_sub_ps(_mm512_setzero_ps(), gate16<Act>(gv));
+          const __m512 e = exp16_in_range(_mm512_min_ps(
+              _mm512_set1_ps(200.0f), _mm512_max_ps(_mm512_set1_ps(-104.0f), minus_z)));
+          const __m512 v = _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)),
+                                         _mm512_load_ps(u + m * 32 + j));
+          _mm256_mask_storeu_epi16(hp + (b0 + m) * F + n0 + j, mask, to_bf16_16(v));
+        }
+    }
   });
 }
 
@@ -280,10 +420,10 @@ ffi::Error GatedRowsTimesMatrices(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x
                                   ffi::ResultBuffer<ffi::BF16> h, int64_t activation) {
   const auto gd = w_gate.dimensions(), ud = w_up.dimensions(), xd = x.dimensions();
   if (gd.size() != 2 || ud.size() != 2 || xd.size() != 2 || gd[0] != ud[0] ||
-      gd[1] != ud[1] || xd[1] != gd[0] || xd[0] > kMaxGatedRows ||
+      gd[1] != ud[1] || xd[1] != gd[0] ||
       h->element_count() != xd[0] * gd[1])
     return ffi::Error::InvalidArgument(
-        "gated_rows_times_matrices: x [M <= 64, K], w_gate and w_up [K, F], h [M, F] expected");
+        "gated_rows_times_matrices: x [M, K], w_gate and w_up [K, F], h [M, F] expected");
   if (activation != 0 && activation != 1)
     return ffi::Error::InvalidArgument(
         "gated_rows_times_matrices: activation must be 0 (silu) or 1 (gelu, tanh form)");
