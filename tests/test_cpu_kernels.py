@@ -88,18 +88,44 @@ def test_rows_kernel_matches_a_float64_product(K, N, transposed):
 @needs_rows_kernels
 @pytest.mark.parametrize("K,N", [(576, 1536), (1536, 576), (576, 49152), (577, 33), (33, 4099)])
 @pytest.mark.parametrize("transposed", [False, True], ids=["w[K,N]", "w[N,K]"])
-def test_a_row_gets_the_same_bits_from_every_product_path(K, N, transposed):
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_a_row_gets_the_same_bits_from_every_product_path(K, N, transposed, dtype):
     """Batch invariance: a row's products are bitwise the same alone (the one-row kernel, x
     [K]), as the first of 2, in the middle of 9 and at the end of 131 rows (register blocks
-    of 8, 4 and 2 rows and one), so no row count changes a sum's order."""
+    of 8, 4 and 2 rows and one), so no row count changes a sum's order; bf16 and float32. The
+    float32 results also lie within float32 summation error of float64's."""
     kernel = jax.jit(functools.partial(cpu_kernels.product, w_transposed=transposed))
     rng = np.random.default_rng(K + N)
-    row = jnp.asarray(rng.normal(size=(K,)), jnp.bfloat16)
-    w = jnp.asarray(rng.normal(size=(N, K) if transposed else (K, N)), jnp.bfloat16)
+    row = jnp.asarray(rng.normal(size=(K,)), dtype)
+    w = jnp.asarray(rng.normal(size=(N, K) if transposed else (K, N)), dtype)
+    w64 = np.asarray(w, np.float64).T if transposed else np.asarray(w, np.float64)
     alone = np.asarray(kernel(row, w))
     for M, at in ((2, 0), (9, 4), (131, 130), (131, 67)):
-        x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16).at[at].set(row)
-        np.testing.assert_array_equal(np.asarray(kernel(x, w))[at], alone, err_msg=f"{M} {at}")
+        x = jnp.asarray(rng.normal(size=(M, K)), dtype).at[at].set(row)
+        got = np.asarray(kernel(x, w))
+        np.testing.assert_array_equal(got[at], alone, err_msg=f"{M} {at}")
+        x64 = np.asarray(x, np.float64)
+        assert np.all(np.abs(got - x64 @ w64) <= 1e-5 * (np.abs(x64) @ np.abs(w64)) + 1e-6)
+
+
+@needs_rows_kernels
+@pytest.mark.parametrize("D", [1, 15, 64, 576, 640, 49152])
+def test_row_sums_are_the_same_for_a_row_alone_and_among_many(D):
+    """cpu_kernels.row_sums (the norms' and the sampler's sums): a row's sum and sum of
+    squares are bitwise the same alone and among 2, 7, 9 and 300 rows, unchanged by zeros
+    appended to the row, and within float32 summation error of float64's."""
+    rng = np.random.default_rng(D)
+    x = rng.normal(size=(300, D)).astype(np.float32)
+    for squares in (False, True):
+        f = jax.jit(functools.partial(cpu_kernels.row_sums, squares=squares))
+        alone = np.asarray(f(jnp.asarray(x[5:6])))[0]
+        for lo, hi in ((4, 6), (0, 7), (1, 10), (0, 300)):
+            assert np.asarray(f(jnp.asarray(x[lo:hi])))[5 - lo] == alone, (squares, lo, hi)
+        padded = np.concatenate([x[5:6], np.zeros((1, 37), np.float32)], axis=1)
+        assert np.asarray(f(jnp.asarray(padded)))[0] == alone
+        v = x[5].astype(np.float64)
+        want, scale = (np.sum(v * v), np.sum(v * v)) if squares else (np.sum(v), np.sum(np.abs(v)))
+        assert abs(alone - want) <= 1e-6 * scale * max(1, np.log2(D)) + 1e-30
 
 
 @needs_rows_kernels
@@ -261,7 +287,8 @@ def test_dot_calls_the_kernels_for_bf16_rows_only():
         assert custom_calls(fn, jnp.ones((2, 64)), weight) == rows
         assert custom_calls(fn, jnp.ones((2, 32, 64)), weight) == rows
         assert custom_calls(fn, jnp.ones((1000, 64)), weight) == rows
-        assert custom_calls(fn, jnp.ones((1, 64)), weight.astype(jnp.float32)) == 0
+        assert custom_calls(fn, jnp.ones((1, 64)), weight.astype(jnp.float32)) == rows
+        assert custom_calls(fn, jnp.ones((300, 64)), weight.astype(jnp.float32)) == rows
         assert custom_calls(fn, jnp.ones((1, 64)), weight.astype(jnp.float16)) == 0
         assert custom_calls(fn, jnp.ones((4, 64)), weight.astype(jnp.float16)) == 0
 

@@ -71,6 +71,17 @@ class Backend:
         from jaxinfer.backends import cpu_kernels
         return cpu_kernels.attention_supports(pool, num_heads)
 
+    def row_sum(self, x: jax.Array, squares: bool = False) -> jax.Array:
+        """float32 sums over x's last axis (of x * x with squares). On a batch-invariant backend
+        one native order per row, fixed by the row's width alone (XLA orders a reduction by the
+        whole array's shape: a row is summed one way alone and another among eight); appended
+        zeros leave a sum unchanged."""
+        x = x.astype(jnp.float32)
+        if self.batch_invariant:
+            from jaxinfer.backends import cpu_kernels
+            return cpu_kernels.row_sums(x, squares)
+        return jnp.sum(x * x if squares else x, axis=-1)
+
     def quantized_tiles(self) -> bool:
         """Whether quantized weights are dequantized in tiles inside the step: on CPU, where XLA
         does not fuse the dequantization into the dot."""

@@ -57,7 +57,7 @@ def draw_draft(logits: jax.Array, sp: SamplingArrays, seen: jax.Array, token_ind
     greedy = backend.argmax(q)
 
     def stochastic(q):
-        drawn = draw(q, uniforms(sp.seed, token_index, stream=2))
+        drawn = draw(q, uniforms(sp.seed, token_index, stream=2), backend)
         return jnp.where(sp.temperature > 0, drawn, greedy)
 
     token = jax.lax.cond(jnp.any(sp.temperature > 0), stochastic, lambda _: greedy, q)
@@ -117,7 +117,7 @@ def verify(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array, sp: Samp
         residual = jnp.where(rejected[:, None], jnp.maximum(p_a - q_a, 0.0), p_a)
         # p == q makes rejection impossible, but rounding can leave an all-zero residual.
         residual = jnp.where(jnp.any(residual > 0, axis=-1, keepdims=True), residual, p_a)
-        return a, draw(residual, uniforms(sp.seed, token_index + a))
+        return a, draw(residual, uniforms(sp.seed, token_index + a), backend)
 
     a_g, tok_g = greedy(None)
     a_s, tok_s = jax.lax.cond(jnp.any(sp.temperature > 0), stochastic, lambda _: (a_g, tok_g),

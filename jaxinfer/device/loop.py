@@ -147,7 +147,7 @@ def decode_loop(params, state: DecodeState, rows: jax.Array, draft_on: jax.Array
                     backend=backend)
             logits = model.head(params, h[:, 0], backend)                 # [R, V]
             token = sample_rows(logits, state, rows, generated, backend)
-            lp = maybe_top_logprobs(want_lp, lambda x: x, logits, token)
+            lp = maybe_top_logprobs(want_lp, lambda x: x, logits, token, backend)
             lp = jax.tree.map(lambda x: jnp.pad(x[:, None], [(0, 0), (0, k)] +
                                                 [(0, 0)] * (x.ndim - 1)), lp)
             return (cache, draft_cache), (none[0], zeros_r, token, lp)
@@ -182,7 +182,7 @@ def decode_loop(params, state: DecodeState, rows: jax.Array, draft_on: jax.Array
                 accepted, token = verify(logits, drafts, num, sp, seen, generated, backend,
                                          draft_probs)
                 lp = maybe_top_logprobs(want_lp, lambda x: x, logits,
-                                        _emitted(drafts, accepted, token))
+                                        _emitted(drafts, accepted, token), backend)
                 return (cache, draft_cache), (drafts, accepted, token, lp)
 
             any_draft = jnp.any(num > 0)

@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer import backends
-from jaxinfer.layers.sums import fixed_log_softmax, fixed_logsumexp, fixed_sum
 
 
 @flax.struct.dataclass
@@ -31,6 +30,15 @@ class SamplingArrays:
 
 
 Seen = Union[jax.Array, Callable[[], jax.Array]]
+
+
+def logsumexp(x: jax.Array, backend, keepdims: bool = False) -> jax.Array:
+    """log(sum(exp(x))) over the last axis, the sum by backend.row_sum (one order per row,
+    whatever the batch); -inf for a row of -inf."""
+    top = jnp.max(x, axis=-1, keepdims=True)
+    shift = jnp.where(jnp.isfinite(top), top, 0.0)
+    out = jnp.log(backend.row_sum(jnp.exp(x - shift)))[..., None] + shift
+    return out if keepdims else out[..., 0]
 
 
 def apply_repetition_penalty(logits: jax.Array, seen: Seen, penalty: jax.Array) -> jax.Array:
@@ -86,7 +94,7 @@ def _top_k_size(sp: SamplingArrays, V: int) -> jax.Array:
     return jnp.where(sp.top_k > 0, jnp.minimum(sp.top_k, V), V)
 
 
-def _keep_sorted(sorted_logits: jax.Array, sp: SamplingArrays, V: int,
+def _keep_sorted(sorted_logits: jax.Array, sp: SamplingArrays, V: int, backend,
                  log_total: jax.Array | None = None):
     """(keep, probs) [B, C] of the first C of V tokens in descending order: which survive
     top-k, top-p and min-p, and their probabilities over the top-k set (log_total [B, 1]: the
@@ -95,7 +103,7 @@ def _keep_sorted(sorted_logits: jax.Array, sp: SamplingArrays, V: int,
     rank = jnp.arange(C, dtype=jnp.int32)[None, :]
     k = _top_k_size(sp, V)[:, None]
     keep = rank < k
-    in_k = fixed_logsumexp(jnp.where(keep, sorted_logits, -jnp.inf), keepdims=True)
+    in_k = logsumexp(jnp.where(keep, sorted_logits, -jnp.inf), backend, keepdims=True)
     # Top-k off: the whole vocabulary's log weight, summed in vocabulary order by every path
     # (the candidates' and the full sort's), so the kept set is the same whichever serves.
     lse = in_k if log_total is None else jnp.where(k < V, in_k, log_total)
@@ -119,7 +127,7 @@ def _candidate_filter(scaled: jax.Array, sp: SamplingArrays, candidates: tuple[i
         return _sorted_filter(scaled, sp, backend)
     C = caps[0]
     vals, idx = backend.top(scaled, C)  # descending; equal values: lower index first
-    keep, probs = _keep_sorted(vals, sp, V, fixed_logsumexp(scaled, keepdims=True))
+    keep, probs = _keep_sorted(vals, sp, V, backend, logsumexp(scaled, backend, keepdims=True))
     k = _top_k_size(sp, V)
     # Covered: top-k stops within the candidates, or their mass already reaches top_p.
     uses_sort = (sp.top_k > 0) | (sp.top_p < 1.0)
@@ -134,8 +142,8 @@ def _candidate_filter(scaled: jax.Array, sp: SamplingArrays, candidates: tuple[i
 def _sorted_filter(scaled: jax.Array, sp: SamplingArrays, backend) -> jax.Array:
     """filtered_logits by sorting each row's whole vocabulary (backend.sort)."""
     sorted_logits, order = backend.sort(scaled)
-    keep, _ = _keep_sorted(sorted_logits, sp, scaled.shape[-1],
-                           fixed_logsumexp(scaled, keepdims=True))
+    keep, _ = _keep_sorted(sorted_logits, sp, scaled.shape[-1], backend,
+                           logsumexp(scaled, backend, keepdims=True))
     return _in_vocab_order(scaled, sorted_logits, order, keep, backend)
 
 
@@ -168,14 +176,15 @@ def _kept_prefix(scaled: jax.Array, sorted_logits: jax.Array, order: jax.Array,
 DRAW_BLOCK = 256  # vocabulary entries per block of the two-level inverse CDF
 
 
-def draw(weights: jax.Array, u: jax.Array, block: int = DRAW_BLOCK) -> jax.Array:
+def draw(weights: jax.Array, u: jax.Array, backend=None, block: int = DRAW_BLOCK) -> jax.Array:
     """Inverse-CDF draw: for weights [B, V] (>= 0, unnormalised) and u [B] in [0, 1), the first
     token whose cumulative weight exceeds u * total -> [B] int32; weight 0 is never drawn.
     Two levels (block sums, then within the picked block), so no scan spans the vocabulary."""
     B, V = weights.shape
     C = -(-V // block)
     w = jnp.pad(weights.astype(jnp.float32), ((0, 0), (0, C * block - V))).reshape(B, C, block)
-    sums = fixed_sum(w)                                                    # [B, C]
+    backend = backend if backend is not None else backends.default()
+    sums = backend.row_sum(w)                                              # [B, C]
     csum = jnp.cumsum(sums, axis=-1)
     target = u.astype(jnp.float32) * csum[:, -1]
     c = _first_or_last(csum > target[:, None], sums > 0)                   # [B]
@@ -216,7 +225,8 @@ def sample(logits: jax.Array, sp: SamplingArrays, seen: Seen, token_index: jax.A
         greedy = backend.argmax(logits)
 
         def stochastic(logits):
-            drawn = draw(filtered_weights(logits, sp, backend), uniforms(sp.seed, token_index))
+            drawn = draw(filtered_weights(logits, sp, backend), uniforms(sp.seed, token_index),
+                         backend)
             return jnp.where(sp.temperature > 0, drawn, greedy)
 
         # All-greedy batches skip the filters' sort.
@@ -237,7 +247,7 @@ def sampling_probs(logits: jax.Array, sp: SamplingArrays, seen: jax.Array,
 
     def stochastic(logits):
         w = filtered_weights(logits, sp, backend)
-        probs = w / fixed_sum(w, keepdims=True)
+        probs = w / backend.row_sum(w)[:, None]
         return jnp.where((sp.temperature > 0)[:, None], probs, greedy)
 
     return jax.lax.cond(jnp.any(sp.temperature > 0), stochastic, lambda _: greedy, logits)
@@ -255,10 +265,12 @@ def mark_seen(seen: jax.Array, tokens: jax.Array, valid: jax.Array) -> jax.Array
 MAX_LOGPROBS = 20  # top-k log-probabilities returned per token (a static output width)
 
 
-def top_logprobs(logits: jax.Array, chosen: jax.Array):
+def top_logprobs(logits: jax.Array, chosen: jax.Array, backend=None):
     """Log-probabilities of the raw logits [..., V]; chosen [...] int32 (-1: none) ->
     (ids [..., k] int32, values [..., k] float32, chosen_logprob [...]), k = MAX_LOGPROBS."""
-    lp = fixed_log_softmax(logits.astype(jnp.float32))
+    backend = backend if backend is not None else backends.default()
+    logits = logits.astype(jnp.float32)
+    lp = logits - logsumexp(logits, backend, keepdims=True)
     V = lp.shape[-1]
     vals, ids = jax.lax.top_k(lp, min(MAX_LOGPROBS, V))
     if V < MAX_LOGPROBS:  # a vocabulary smaller than the output width: pad with impossible ids
@@ -275,7 +287,7 @@ def no_logprobs(shape: tuple[int, ...]):
             jnp.zeros(shape + (MAX_LOGPROBS,), jnp.float32), jnp.zeros(shape, jnp.float32))
 
 
-def maybe_top_logprobs(want: jax.Array, logits_fn, operand, chosen: jax.Array):
+def maybe_top_logprobs(want: jax.Array, logits_fn, operand, chosen: jax.Array, backend=None):
     """top_logprobs(logits_fn(operand), chosen) if any of want [B] is set, else zeros."""
-    return jax.lax.cond(jnp.any(want), lambda x: top_logprobs(logits_fn(x), chosen),
+    return jax.lax.cond(jnp.any(want), lambda x: top_logprobs(logits_fn(x), chosen, backend),
                         lambda x: no_logprobs(chosen.shape), operand)

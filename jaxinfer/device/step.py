@@ -66,13 +66,13 @@ def step(params, state: DecodeState, batch: TokenBatch, sampled: jax.Array,
     token = sample_rows(logits, state, sampled, _take(state.num_generated, sampled), backend)
     real = sampled < B
     lp = maybe_top_logprobs(_take(state.rows.logprobs, sampled) & real, lambda x: x, logits,
-                            token)
+                            token, backend)
     if next_tokens is None:
         prompt_lp = no_logprobs((batch.num_tokens,))
     else:
         want_p = _take(state.rows.prompt_logprobs, batch.rows) & valid & (next_tokens >= 0)
         prompt_lp = maybe_top_logprobs(want_p, lambda x: model.head(params, x, backend), h,
-                                       next_tokens)
+                                       next_tokens, backend)
     # The new token's position is the row's cache length (its fed tokens are in the cache).
     state, _, done = advance_rows(state, sampled, token[:, None], real.astype(jnp.int32), real,
                                   _take(cache.lengths, sampled) - 1)

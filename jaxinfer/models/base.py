@@ -252,9 +252,10 @@ class Family:
               linear_inputs: Optional[dict] = None) -> tuple[jax.Array, Context]:
         raise NotImplementedError
 
-    def final_norm(self, params: ModelParams, cfg: ModelConfig, h: jax.Array) -> jax.Array:
+    def final_norm(self, params: ModelParams, cfg: ModelConfig, h: jax.Array,
+                   backend: Optional[Backend] = None) -> jax.Array:
         from jaxinfer.layers import rms_norm
-        return rms_norm(h, params.final_norm, cfg.rms_norm_eps)
+        return rms_norm(h, params.final_norm, cfg.rms_norm_eps, backend)
 
     def head(self, params: ModelParams, h: jax.Array,
              backend: Optional[Backend] = None) -> jax.Array:
@@ -323,7 +324,7 @@ class Family:
                 h, ctx = kinds[kind](lp, h, ctx.replace(layer=np.int32(index)))
         cache = cache.advance(ctx.k_all, ctx.v_all, batch.num_queries, ctx.local_k_all,
                               ctx.local_v_all)
-        return self.final_norm(params, cfg, h), cache
+        return self.final_norm(params, cfg, h, ctx.backend), cache
 
     def forward(self, params: ModelParams, cfg: ModelConfig, tokens: jax.Array,
                 cache: PagedKVCache, num_new: jax.Array, *,

@@ -30,7 +30,7 @@ import numpy as np
 from jaxinfer import sharding
 from jaxinfer.config import ModelConfig
 from jaxinfer.layers import apply_rope, gated_mlp, linear
-from jaxinfer.layers.sums import fixed_mean
+from jaxinfer.layers.norm import mean_square
 from jaxinfer.models.base import Family, attend, rows
 from jaxinfer.models.llama import read_attention_gguf, vocab_specs
 
@@ -55,10 +55,10 @@ class Gemma3LayerParams:
     post_mlp_norm: jax.Array    # [D]
 
 
-def norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+def norm(x: jax.Array, w: jax.Array, eps: float, backend=None) -> jax.Array:
     """RMSNorm with Gemma's (1 + w) weights, in float32, back in x's dtype."""
     xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(fixed_mean(xf * xf, keepdims=True) + eps)
+    y = xf * jax.lax.rsqrt(mean_square(xf, backend) + eps)
     return (y * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
 
 
@@ -107,27 +107,28 @@ class Gemma3(Family):
         h = super().embed(params, cfg, tokens)
         return h * jnp.asarray(math.sqrt(cfg.d_model), h.dtype)
 
-    def final_norm(self, params, cfg, h):
-        return norm(h, params.final_norm, cfg.rms_norm_eps)
+    def final_norm(self, params, cfg, h, backend=None):
+        return norm(h, params.final_norm, cfg.rms_norm_eps, backend)
 
     def layer(self, lp, cfg, i, h, ctx, linear_inputs=None):
         N, K, H, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
         T = h.shape[0]
         cos, sin = ctx.angles(cfg, i)
+        bk = ctx.backend
         with jax.named_scope("attention"):
-            x = norm(h, lp.attn_norm, eps)
-            q = norm(linear(x, lp.wq, backend=ctx.backend).reshape(1, T, N, H), lp.q_norm, eps)
-            k = norm(linear(x, lp.wk, backend=ctx.backend).reshape(1, T, K, H), lp.k_norm, eps)
+            x = norm(h, lp.attn_norm, eps, bk)
+            q = norm(linear(x, lp.wq, backend=bk).reshape(1, T, N, H), lp.q_norm, eps, bk)
+            k = norm(linear(x, lp.wk, backend=bk).reshape(1, T, K, H), lp.k_norm, eps, bk)
             v = linear(x, lp.wv, backend=ctx.backend).reshape(T, K, H)
             q = sharding.constrain(apply_rope(q, cos, sin)[0], (None, "q_heads", None))
             o, ctx = attend(ctx, cfg, i, q, apply_rope(k, cos, sin)[0], v)
             o = o.reshape(T, N * H)
-            h = rows(h + norm(linear(o, lp.wo, backend=ctx.backend), lp.post_attn_norm, eps))
+            h = rows(h + norm(linear(o, lp.wo, backend=bk), lp.post_attn_norm, eps, bk))
         with jax.named_scope("mlp"):
-            x2 = norm(h, lp.mlp_norm, eps)
+            x2 = norm(h, lp.mlp_norm, eps, ctx.backend)
             y = gated_mlp(x2, lp.w_gate, lp.w_up, lp.w_down, "gelu_tanh",
                           backend=ctx.backend, linear_inputs=linear_inputs)
-            h = rows(h + norm(y, lp.post_mlp_norm, eps))
+            h = rows(h + norm(y, lp.post_mlp_norm, eps, ctx.backend))
         if linear_inputs is not None:
             linear_inputs.update(x_attn=x, attn_out=o, x_mlp=x2)
         return h, ctx

@@ -79,13 +79,13 @@ def attention_block(lp, cfg: ModelConfig, i: int, h: jax.Array, ctx: Context,
     T = h.shape[0]
     cos, sin = ctx.angles(cfg, i)
     with jax.named_scope("attention"):
-        x = rms_norm(h, lp.attn_norm, cfg.rms_norm_eps)
+        x = rms_norm(h, lp.attn_norm, cfg.rms_norm_eps, ctx.backend)
         q = linear(x, lp.wq, lp.bq, backend=ctx.backend).reshape(1, T, N, H)
         k = linear(x, lp.wk, lp.bk, backend=ctx.backend).reshape(1, T, K, H)
         v = linear(x, lp.wv, lp.bv, backend=ctx.backend).reshape(T, K, H)
         if lp.q_norm is not None:
-            q = rms_norm(q, lp.q_norm, cfg.rms_norm_eps)
-            k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
+            q = rms_norm(q, lp.q_norm, cfg.rms_norm_eps, ctx.backend)
+            k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps, ctx.backend)
         q = sharding.constrain(apply_rope(q, cos, sin)[0], (None, "q_heads", None))
         o, ctx = attend(ctx, cfg, i, q, apply_rope(k, cos, sin)[0], v)
         o = o.reshape(T, N * H)
@@ -109,7 +109,7 @@ class Llama(Family):
     def layer(self, lp, cfg, i, h, ctx, linear_inputs=None):
         h, ctx = attention_block(lp, cfg, i, h, ctx, linear_inputs)
         with jax.named_scope("mlp"):
-            x = rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps)
+            x = rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps, ctx.backend)
             if linear_inputs is not None:
                 linear_inputs.update(x_mlp=x)
             return rows(h + gated_mlp(x, lp.w_gate, lp.w_up, lp.w_down, "silu",

@@ -219,7 +219,7 @@ class MoE(Family):
     def layer(self, lp, cfg, i, h, ctx, linear_inputs=None):
         h, ctx = attention_block(lp, cfg, i, h, ctx, linear_inputs)
         with jax.named_scope("moe"):
-            x = rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps)
+            x = rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps, ctx.backend)
             if linear_inputs is not None:
                 linear_inputs.update(x_mlp=x)
             return rows(h + expert_ffn(x, lp, cfg, ctx.backend)), ctx

@@ -1,7 +1,9 @@
 """`python -m jaxinfer.launch.batch` killed with SIGKILL at three random points, rerun with the
 same command until it finishes: the output equals an uninterrupted run's, field by field (but
-ids and `created`), greedy and sampled (seeds given, and derived from custom_id and --seed).
-Each launch loads the model, so this is slow."""
+ids and `created`), greedy and sampled (seeds given, and derived from custom_id and --seed;
+OpenAI's default temperature 1 among them). The job runs at the defaults (bf16 weights on CPU),
+and where the backend is batch invariant logprobs must be equal exactly too. Each launch loads
+the model, so this is slow."""
 
 import json
 import os
@@ -15,6 +17,14 @@ import pytest
 from batch_util import MODEL_FLAGS, assert_same_output, launch, line, mixed_requests, write_lines
 
 pytestmark = pytest.mark.slow
+
+# The launches run at jaxinfer's defaults: without the suite's float32 override.
+DEFAULTS = {k: v for k, v in os.environ.items() if k != "JAXINFER_DEFAULT_DTYPE"}
+
+
+def _logprob_tol() -> float:
+    from jaxinfer import backends
+    return 0.0 if backends.resolve(num_devices=1).batch_invariant else 1e-4
 
 
 def finish(proc, timeout=600):
@@ -81,7 +91,7 @@ def test_kill_at_three_random_points_then_resume(tmp_path):
         return ["--input", path, "--output", output, *MODEL_FLAGS, "--seed", "5",
                 "--commit_every", "2", "--progress=false", "--fail_on_error"]
 
-    code, stdout, stderr, times = finish_timed(launch(*command(want)), want)
+    code, stdout, stderr, times = finish_timed(launch(*command(want), env=DEFAULTS), want)
     assert code == 1, stderr  # --fail_on_error: two lines got error records
     assert "2 line(s) got an error record" in stderr
     assert stdout.startswith("batch: 32 requests, 30 ok, 2 failed (1 duplicate_custom_id, "
@@ -96,7 +106,7 @@ def test_kill_at_three_random_points_then_resume(tmp_path):
     points = []
     # 1: any time in the start-up of an uninterrupted run (often before the first commit, while
     # the model loads; after it when this launch starts faster).
-    proc = launch(*command(out))
+    proc = launch(*command(out), env=DEFAULTS)
     time.sleep(rng.uniform(0.05, 1.0) * startup_s)
     assert proc.poll() is None, f"the job ended before the kill point (seed {seed})"
     os.killpg(proc.pid, signal.SIGKILL)
@@ -106,12 +116,14 @@ def test_kill_at_three_random_points_then_resume(tmp_path):
     # (at least three parts are left to write then).
     for _ in range(2):
         target = rng.randint(commits(out) + 1, max(commits(out) + 1, total - 3))
-        got = kill_after(launch(*command(out)), out, target, rng.uniform(0, 1.0) * part_s)
+        got = kill_after(launch(*command(out), env=DEFAULTS), out, target,
+                         rng.uniform(0, 1.0) * part_s)
         assert got is not None, f"the job ended before the kill point (seed {seed})"
         points.append((target, got))
-    code, stdout, stderr = finish(launch(*command(out)))
+    code, stdout, stderr = finish(launch(*command(out), env=DEFAULTS))
     assert code == 1, stderr
-    assert_same_output(os.path.join(out, "output.jsonl"), os.path.join(want, "output.jsonl"))
+    assert_same_output(os.path.join(out, "output.jsonl"), os.path.join(want, "output.jsonl"),
+                       logprob_tol=_logprob_tol())
 
     with open(os.path.join(out, "shard-00000-of-00001", "manifest.jsonl")) as f:
         entries = [json.loads(x) for x in f]

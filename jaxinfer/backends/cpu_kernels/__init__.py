@@ -49,7 +49,9 @@ HANDLERS = (("row_times_matrix", "jaxinfer_row_times_matrix"),
             ("argmax", "jaxinfer_argmax"),
             ("sort_descending", "jaxinfer_sort_descending"),
             ("gated_rows_times_matrices", "jaxinfer_gated_rows_times_matrices"),
-            ("top_k", "jaxinfer_top_descending"))
+            ("top_k", "jaxinfer_top_descending"),
+            ("product_f32", "jaxinfer_product_f32"),
+            ("row_sums", "jaxinfer_row_sums"))
 # The products of several rows and the gated MLP need AVX512-BF16 (vdpbf16ps); with it, every
 # product sums its outputs in vdpbf16ps's pairs whatever its row count.
 ROWS_CPU_FLAG = "avx512_bf16"
@@ -178,13 +180,13 @@ def bf16_pairs_supported() -> bool:
     return ROWS_CPU_FLAG in _cpu_flags()
 
 
-def _product(name: str, out_axis: int, spec: str):
+def _product(name: str, out_axis: int, spec: str, **attrs):
     """The product kernel `name` (w's output axis out_axis), with XLA's einsum `spec` as its
     JVP, so gradients never enter the kernel."""
     @jax.custom_jvp
     def product(x: jax.Array, w: jax.Array) -> jax.Array:
         out = jax.ShapeDtypeStruct(x.shape[:-1] + (w.shape[out_axis],), jnp.float32)
-        return jax.ffi.ffi_call(_target(name), out, vmap_method="sequential")(x, w)
+        return jax.ffi.ffi_call(_target(name), out, vmap_method="sequential")(x, w, **attrs)
 
     @product.defjvp
     def _jvp(primals, tangents):
@@ -195,17 +197,40 @@ def _product(name: str, out_axis: int, spec: str):
     return product
 
 
-# The four handlers, by (rows x [M, K] rather than x [K], w [N, K] rather than [K, N]).
+# The handlers, by (rows x [M, K] rather than x [K], w [N, K] rather than [K, N]): bf16, and
+# float32 (one handler, any row count).
 _PRODUCTS = {(False, False): _product("row_times_matrix", 1, "k,kn->n"),
              (False, True): _product("matrix_times_row", 0, "k,nk->n"),
              (True, False): _product("rows_times_matrix", 1, "mk,kn->mn"),
              (True, True): _product("matrix_times_rows", 0, "mk,nk->mn")}
+_PRODUCTS_F32 = {(False, False): _product("product_f32", 1, "k,kn->n", transposed=np.int64(0)),
+                 (False, True): _product("product_f32", 0, "k,nk->n", transposed=np.int64(1)),
+                 (True, False): _product("product_f32", 1, "mk,kn->mn", transposed=np.int64(0)),
+                 (True, True): _product("product_f32", 0, "mk,nk->mn", transposed=np.int64(1))}
 
 
 def product(x: jax.Array, w: jax.Array, w_transposed: bool = False) -> jax.Array:
-    """x @ w for bf16 x [K] or [M, K] (M >= 1; AVX512-BF16) and bf16 w [K, N] (w [N, K] with
-    w_transposed) -> float32 [N] or [M, N]. Gradients go through XLA's dot."""
-    return _PRODUCTS[(x.ndim == 2, w_transposed)](x, w)
+    """x @ w for x [K] or [M, K] (M >= 1) and w [K, N] (w [N, K] with w_transposed), both bf16
+    (several rows: AVX512-BF16) or both float32 -> float32 [N] or [M, N]. Each output is summed
+    in one order whatever M. Gradients go through XLA's dot."""
+    table = _PRODUCTS_F32 if w.dtype == jnp.float32 else _PRODUCTS
+    return table[(x.ndim == 2, w_transposed)](x, w)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def row_sums(x: jax.Array, squares: bool = False) -> jax.Array:
+    """The sums over the last axis of float32 x [..., D] (of x * x with squares) -> [...], each
+    in one order that depends on D alone (16 lanes in order, then a fixed tree). Its JVP is
+    XLA's."""
+    out = jax.ShapeDtypeStruct(x.shape[:-1], jnp.float32)
+    return jax.ffi.ffi_call(_target("row_sums"), out, vmap_method="broadcast_all")(
+        x, squares=np.int64(bool(squares)))
+
+
+@row_sums.defjvp
+def _row_sums_jvp(squares, primals, tangents):
+    (x,), (dx,) = primals, tangents
+    return row_sums(x, squares), jnp.sum(2 * x * dx if squares else dx, axis=-1)
 
 
 GATED_ACTIVATIONS = ("silu", "gelu_tanh")

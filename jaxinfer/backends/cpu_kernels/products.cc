@@ -141,6 +141,156 @@ ffi::Error MatrixTimesRow(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
 }
 
 
+// f(std::integral_constant<int, rb>) for the largest rb in {8, 4, 2, 1} that is <= rows.
+template <typename F>
+inline int64_t with_rows(int64_t rows, F f) {
+  if (rows >= 8) { f(std::integral_constant<int, 8>()); return 8; }
+  if (rows >= 4) { f(std::integral_constant<int, 4>()); return 4; }
+  if (rows >= 2) { f(std::integral_constant<int, 2>()); return 2; }
+  f(std::integral_constant<int, 1>());
+  return 1;
+}
+
+// ---------------------------------------------------------------------------------------------
+// float32 products (float32 weights and activations), any number of rows: every output summed
+// over k in order with one FMA each, the same in the one-row, many-row and transposed forms'
+// own orders whatever the row count (batch invariance at float32; XLA:CPU's dot sums a row
+// differently alone than among many).
+
+// y[(m0 + r) * ldy + j] = x[m0 + r] @ w[:, n0 + j] for r < RB, j < width <= 32, k in order.
+template <int RB>
+__attribute__((always_inline)) inline void rows_strip_f32(const float* x, const float* w,
+                                                         int64_t K, int64_t N, int64_t m0,
+                                                         int64_t n0, int64_t width, float* y,
+                                                         int64_t ldy) {
+  const __mmask16 m_first = width >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << width) - 1u);
+  const __mmask16 m_second =
+      width >= 32 ? __mmask16(0xFFFF) : width > 16 ? __mmask16((1u << (width - 16)) - 1u) : 0;
+  __m512 lo[RB], hi[RB];
+  for (int r = 0; r < RB; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
+  const float* xr = x + m0 * K;
+  for (int64_t k = 0; k < K; ++k) {
+    const float* row = w + k * N + n0;
+    const __m512 a = _mm512_maskz_loadu_ps(m_first, row);
+    const __m512 b = _mm512_maskz_loadu_ps(m_second, row + 16);
+    for (int r = 0; r < RB; ++r) {
+      const __m512 xv = _mm512_set1_ps(xr[r * K + k]);
+      lo[r] = _mm512_fmadd_ps(xv, a, lo[r]);
+      hi[r] = _mm512_fmadd_ps(xv, b, hi[r]);
+    }
+  }
+  for (int r = 0; r < RB; ++r) {
+    float* out = y + (m0 + r) * ldy;
+    _mm512_mask_storeu_ps(out, m_first, lo[r]);
+    _mm512_mask_storeu_ps(out + 16, m_second, hi[r]);
+  }
+}
+
+// y[n0:n1] = x[K] @ w[K, n0:n1] for one row, each output as rows_strip_f32 sums it: the weight
+// rows read in memory order, the panel's sums in L1.
+void row_f32(const float* x, const float* w, int64_t K, int64_t N, int64_t n0, int64_t n1,
+             float* y) {
+  const int64_t width = n1 - n0;
+  alignas(64) float acc[kPanel];
+  std::memset(acc, 0, sizeof(float) * width);
+  for (int64_t k = 0; k < K; ++k) {
+    const float* row = w + k * N + n0;
+    if (k + kAheadRows < K) prefetch_l2(row + kAheadRows * N, width * 4);
+    const __m512 xv = _mm512_set1_ps(x[k]);
+    for (int64_t n = 0; n < width; n += 16) {
+      const int64_t m = std::min<int64_t>(16, width - n);
+      const __mmask16 mask = __mmask16((1u << m) - 1u);
+      _mm512_mask_storeu_ps(acc + n, mask,
+                            _mm512_fmadd_ps(xv, _mm512_maskz_loadu_ps(mask, row + n),
+                                            _mm512_maskz_loadu_ps(mask, acc + n)));
+    }
+  }
+  std::memcpy(y + n0, acc, sizeof(float) * width);
+}
+
+// y[m, n] = w[n] . x[m] for MR rows of x from m0 (all valid) and 16 rows of w from n0 (clamped
+// past N, not stored): 16 lanes of FMAs over k in order, the lanes added by lane_sums16, the
+// same sums for any MR.
+template <int MR>
+inline void head_block_f32(const float* x, const float* w, int64_t K, int64_t M, int64_t N,
+                           int64_t m0, int64_t n0, float* y) {
+  for (int mi = 0; mi < MR; ++mi) {
+    const float* xr = x + std::min(m0 + mi, M - 1) * K;
+    __m512 a[16];
+    for (int g = 0; g < 4; ++g) {
+      const float* wr[4];
+      for (int i = 0; i < 4; ++i) wr[i] = w + std::min(n0 + 4 * g + i, N - 1) * K;
+      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t k = 0; k < K; k += 16) {
+        const __mmask16 mask = K - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (K - k)) - 1u);
+        const __m512 xv = _mm512_maskz_loadu_ps(mask, xr + k);
+        a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, wr[0] + k), xv, a0);
+        a1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, wr[1] + k), xv, a1);
+        a2 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, wr[2] + k), xv, a2);
+        a3 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, wr[3] + k), xv, a3);
+      }
+      a[4 * g] = a0;
+      a[4 * g + 1] = a1;
+      a[4 * g + 2] = a2;
+      a[4 * g + 3] = a3;
+    }
+    alignas(64) float s[16];
+    _mm512_store_ps(s, lane_sums16(a));
+    std::memcpy(y + (m0 + mi) * N + n0, s, sizeof(float) * std::min<int64_t>(16, N - n0));
+  }
+}
+
+// y = x @ w for float32 x [K] or [M, K] and w [K, N] (transposed == 0) or [N, K] (1).
+ffi::Error ProductF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                      ffi::ResultBuffer<ffi::F32> y, int64_t transposed) {
+  const auto wd = w.dimensions(), xd = x.dimensions();
+  if (wd.size() != 2 || (xd.size() != 1 && xd.size() != 2))
+    return ffi::Error::InvalidArgument("product_f32: x [K] or [M, K] and a 2-D w expected");
+  const int64_t K = xd[xd.size() - 1], M = xd.size() == 2 ? xd[0] : 1;
+  const int64_t N = transposed ? wd[0] : wd[1];
+  if ((transposed ? wd[1] : wd[0]) != K || y->element_count() != M * N)
+    return ffi::Error::InvalidArgument("product_f32: inconsistent shapes");
+  const float* xp = x.typed_data();
+  const float* wp = w.typed_data();
+  float* yp = y->typed_data();
+  const int64_t helpers = helper_count(pool);
+  if (transposed) {
+    const int64_t blocks = (N + kRowBlock - 1) / kRowBlock;
+    parallel_chunks(pool, blocks, helpers, [=](int64_t c) {
+      const int64_t r1 = std::min(N, (c + 1) * kRowBlock);
+      for (int64_t n0 = c * kRowBlock; n0 < r1; n0 += 16)
+        for (int64_t m0 = 0; m0 < M;) {
+          if (M - m0 >= 4) {
+            head_block_f32<4>(xp, wp, K, M, N, m0, n0, yp);
+            m0 += 4;
+          } else {
+            head_block_f32<1>(xp, wp, K, M, N, m0, n0, yp);
+            m0 += 1;
+          }
+        }
+    });
+    return ffi::Error::Success();
+  }
+  if (M == 1) {
+    const int64_t strips = (N + 15) / 16;
+    const int64_t per = std::clamp<int64_t>((strips + helpers) / (helpers + 1), 1, kPanel / 16);
+    const int64_t panels = (strips + per - 1) / per;
+    parallel_chunks(pool, panels, helpers, [=](int64_t c) {
+      const int64_t n0 = c * per * 16;
+      row_f32(xp, wp, K, N, n0, std::min(N, n0 + per * 16), yp);
+    });
+    return ffi::Error::Success();
+  }
+  parallel_chunks(pool, (N + 31) / 32, helpers, [=](int64_t c) {
+    const int64_t n0 = c * 32, width = std::min<int64_t>(32, N - n0);
+    for (int64_t m0 = 0; m0 < M;)
+      m0 += with_rows(M - m0, [&](auto rb) {
+        rows_strip_f32<decltype(rb)::value>(xp, wp, K, N, m0, n0, width, yp + n0, N);
+      });
+  });
+  return ffi::Error::Success();
+}
+
 // ---------------------------------------------------------------------------------------------
 // bf16 products for a few rows of activations (a decode step of several rows, a verification).
 // XLA:CPU's library repacks the whole weight matrix on every such call; these read the weights
@@ -199,18 +349,9 @@ __attribute__((always_inline)) inline void rows_strip(const uint16_t* x, const u
   }
 }
 
-// f(std::integral_constant<int, rb>) for the largest rb in {8, 4, 2, 1} that is <= rows.
-template <typename F>
-inline int64_t with_rows(int64_t rows, F f) {
-  if (rows >= 8) { f(std::integral_constant<int, 8>()); return 8; }
-  if (rows >= 4) { f(std::integral_constant<int, 4>()); return 4; }
-  if (rows >= 2) { f(std::integral_constant<int, 2>()); return 2; }
-  f(std::integral_constant<int, 1>());
-  return 1;
-}
 
 
-// y[n0:n1] = x[K] @ w[K, n0:n1] (n0 a multiple of 32), each output as rows_strip<1> sums it:
+// y[0:n1 - n0] = x[K] @ w[K, n0:n1] (n0 a multiple of 32), each output as rows_strip<1> sums it:
 // the weights are read row pair by row pair in memory order (as the one-row kernel reads them),
 // the sums of every 32-column strip kept in vdpbf16ps's layout in L1 until the end.
 void row_pairs(const uint16_t* x, const uint16_t* w, int64_t K, int64_t N, int64_t n0,
@@ -251,8 +392,8 @@ void row_pairs(const uint16_t* x, const uint16_t* w, int64_t K, int64_t N, int64
     const __mmask16 m_first = width >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << width) - 1u);
     const __mmask16 m_second =
         width >= 32 ? __mmask16(0xFFFF) : width > 16 ? __mmask16((1u << (width - 16)) - 1u) : 0;
-    _mm512_mask_storeu_ps(y + n0 + 32 * s, m_first, first);
-    _mm512_mask_storeu_ps(y + n0 + 32 * s + 16, m_second, second);
+    _mm512_mask_storeu_ps(y + 32 * s, m_first, first);
+    _mm512_mask_storeu_ps(y + 32 * s + 16, m_second, second);
   }
 }
 
@@ -271,7 +412,7 @@ ffi::Error PairsRowTimesMatrix(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
   const int64_t panels = (strips + per - 1) / per;
   parallel_chunks(pool, panels, helpers, [=](int64_t c) {
     const int64_t n0 = c * per * 32, n1 = std::min(N, n0 + per * 32);
-    row_pairs(xp, wp, K, N, n0, n1, yp);
+    row_pairs(xp, wp, K, N, n0, n1, yp + n0);
   });
   return ffi::Error::Success();
 }
@@ -378,10 +519,46 @@ inline __m512 gate16(__m512 g) {
                        _mm512_fmadd_ps(g3, _mm512_set1_ps(0.044715f), g));
 }
 
+// h[m, j] = act(g[m, j]) * u[m, j] as bf16 for j < width (g, u float32 rows of ld floats).
+template <int Act>
+inline void apply_gate(const float* g, const float* u, int64_t rows, int64_t ld, int64_t width,
+                       uint16_t* h, int64_t ldh) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t j = 0; j < width; j += 16) {
+      const __mmask16 mask = width - j >= 16 ? __mmask16(0xFFFF)
+                                             : __mmask16((1u << (width - j)) - 1u);
+      const __m512 gv = _mm512_maskz_loadu_ps(mask, g + m * ld + j);
+      // exp(-z), -z held to [-104, 200] (max and min return their second operand when either
+      // is NaN, so a NaN passes): exp(-inf) is 0 and exp(inf) is inf.
+      const __m512 minus_z = _mm512_sub_ps(_mm512_setzero_ps(), gate16<Act>(gv));
+      const __m512 e = exp16_in_range(_mm512_min_ps(
+          _mm512_set1_ps(200.0f), _mm512_max_ps(_mm512_set1_ps(-104.0f), minus_z)));
+      const __m512 v = _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)),
+                                     _mm512_maskz_loadu_ps(mask, u + m * ld + j));
+      _mm256_mask_storeu_epi16(h + m * ldh + j, mask, to_bf16_16(v));
+    }
+}
+
 template <int Act>
 void gated_strips(ffi::ThreadPool& pool, const uint16_t* xp, const uint16_t* gp,
                   const uint16_t* up, uint16_t* hp, int64_t M, int64_t K, int64_t F) {
-  parallel_chunks(pool, (F + 31) / 32, helper_count(pool), [=](int64_t c) {
+  const int64_t helpers = helper_count(pool);
+  if (M == 1) {
+    // One row: both products streamed as row_pairs reads them (the same sums as a strip's),
+    // column panel by column panel, then the gate.
+    const int64_t strips = (F + 31) / 32;
+    const int64_t per = std::clamp<int64_t>((strips + helpers) / (helpers + 1), 1, kPanel / 32);
+    parallel_chunks(pool, (strips + per - 1) / per, helpers, [=](int64_t c) {
+      const int64_t n0 = c * per * 32, n1 = std::min(F, n0 + per * 32);
+      alignas(64) float g[kPanel], u[kPanel];
+      row_pairs(xp, gp, K, F, n0, n1, g);
+      row_pairs(xp, up, K, F, n0, n1, u);
+      apply_gate<Act>(g, u, 1, 0, n1 - n0, hp + n0, 0);
+    });
+    return;
+  }
+  parallel_chunks(pool, (F + 31) / 32, helpers, [=](int64_t c) {
     const int64_t n0 = c * 32, width = std::min<int64_t>(32, F - n0);
     alignas(64) float g[kGatedRows * 32], u[kGatedRows * 32];
     // Row blocks of kGatedRows, each one's sums in L1 while the gate is applied.
@@ -396,21 +573,7 @@ void gated_strips(ffi::ThreadPool& pool, const uint16_t* xp, const uint16_t* gp,
         m0 += with_rows(rows - m0, [&](auto rb) {
           rows_strip<decltype(rb)::value>(xb, up, K, F, m0, n0, width, u, 32);
         });
-      const __m512 one = _mm512_set1_ps(1.0f);
-      for (int64_t m = 0; m < rows; ++m)
-        for (int64_t j = 0; j < width; j += 16) {
-          const __mmask16 mask = width - j >= 16 ? __mmask16(0xFFFF)
-                                                 : __mmask16((1u << (width - j)) - 1u);
-          const __m512 gv = _mm512_load_ps(g + m * 32 + j);
-          // exp(-z), -z held to [-104, 200] (max and min return their second operand when
-          // either is NaN, so a NaN passes): exp(-inf) is 0 and exp(inf) is inf.
-          const __m512 minus_z = _mm512_sub_ps(_mm512_setzero_ps(), gate16<Act>(gv));
-          const __m512 e = exp16_in_range(_mm512_min_ps(
-              _mm512_set1_ps(200.0f), _mm512_max_ps(_mm512_set1_ps(-104.0f), minus_z)));
-          const __m512 v = _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)),
-                                         _mm512_load_ps(u + m * 32 + j));
-          _mm256_mask_storeu_epi16(hp + (b0 + m) * F + n0 + j, mask, to_bf16_16(v));
-        }
+      apply_gate<Act>(g, u, rows, 32, width, hp + b0 * F + n0, F);
     }
   });
 }
@@ -541,6 +704,14 @@ JAXINFER_PRODUCT_HANDLER(jaxinfer_matrix_times_row, MatrixTimesRow)
 JAXINFER_PRODUCT_HANDLER(jaxinfer_rows_times_matrix, RowsTimesMatrix)
 
 JAXINFER_PRODUCT_HANDLER(jaxinfer_matrix_times_rows, MatrixTimesRows)
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_product_f32, ProductF32,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("transposed"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_gated_rows_times_matrices, GatedRowsTimesMatrices,
                               ffi::Ffi::Bind()

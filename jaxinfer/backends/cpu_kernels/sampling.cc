@@ -224,6 +224,44 @@ ffi::Error TopDescending(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   return ffi::Error::Success();
 }
 
+// out[r] = the sum of row r of x [R, D] (of its squares with `squares`), in one order that
+// depends on D alone: 16 lanes, lane j taking elements j, j + 16, ... in order (one add, or one
+// FMA for a square, each), then the lanes added by a fixed tree. Rows never share a sum, so a
+// row's result is the same whatever the rows beside it, and zeros appended to a row leave it
+// unchanged (the norms' and the sampler's sums: batch invariance, docs/architecture.md).
+template <bool Squares>
+inline float row_sum(const float* x, int64_t D) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t k = 0; k < D; k += 16) {
+    const __mmask16 mask = D - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (D - k)) - 1u);
+    const __m512 v = _mm512_maskz_loadu_ps(mask, x + k);
+    acc = Squares ? _mm512_fmadd_ps(v, v, acc) : _mm512_add_ps(acc, v);
+  }
+  alignas(64) float lane[16];
+  _mm512_store_ps(lane, acc);
+  float quad[4];
+  for (int q = 0; q < 4; ++q)
+    quad[q] = (lane[4 * q] + lane[4 * q + 2]) + (lane[4 * q + 1] + lane[4 * q + 3]);
+  return (quad[0] + quad[2]) + (quad[1] + quad[3]);
+}
+
+ffi::Error RowSums(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> out,
+                   int64_t squares) {
+  const auto dims = x.dimensions();
+  if (dims.size() < 1 || out->element_count() * dims.back() != x.element_count())
+    return ffi::Error::InvalidArgument("row_sums: x [..., D] and out [...] expected");
+  const int64_t D = dims.back(), R = out->element_count();
+  const float* xp = x.typed_data();
+  float* op = out->typed_data();
+  // Chunks of rows worth about 64 KiB each between the threads.
+  const int64_t per = std::max<int64_t>(1, (int64_t(1) << 14) / std::max<int64_t>(D, 1));
+  parallel_chunks(pool, (R + per - 1) / per, helper_count(pool), [=](int64_t c) {
+    for (int64_t r = c * per; r < std::min(R, (c + 1) * per); ++r)
+      op[r] = squares ? row_sum<true>(xp + r * D, D) : row_sum<false>(xp + r * D, D);
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_sort_descending, SortDescending,
@@ -245,3 +283,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_top_descending, TopDescending,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_row_sums, RowSums,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("squares"));
