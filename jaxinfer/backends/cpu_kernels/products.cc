@@ -37,6 +37,9 @@ void rows_times_scalars(const uint16_t* x, const uint16_t* w, int64_t N, int64_t
 }
 
 constexpr int64_t kPanel = 2048;  // columns whose float32 sums fit in L1 (8 KiB)
+// The bf16 products of w [K, N] sum k in blocks of kBlockK (even), in order, and add the
+// blocks' sums in order: a one-row product can then share whole rows between threads.
+constexpr int64_t kBlockK = 64;
 
 #ifdef __AVX512BF16__
 // With AVX512-BF16 every product, whatever its row count, sums each output as rows_strip and
@@ -48,8 +51,8 @@ ffi::Error PairsMatrixTimesRow(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
                                ffi::Buffer<ffi::BF16> w, ffi::ResultBuffer<ffi::F32> y);
 #endif
 
-// y[N] = x[K] @ w[K, N], bf16 in, float32 out. Up to kPanel columns the threads split the rows
-// and their partial sums are added; wider matrices go in column panels of kPanel.
+// y[N] = x[K] @ w[K, N], bf16 in, float32 out: the threads share column panels (at most
+// kPanel columns), each summed over k in order whatever the thread count.
 ffi::Error RowTimesMatrix(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
                           ffi::Buffer<ffi::BF16> w, ffi::ResultBuffer<ffi::F32> y) {
   const auto dims = w.dimensions();
@@ -63,26 +66,12 @@ ffi::Error RowTimesMatrix(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
   const auto* wp = reinterpret_cast<const uint16_t*>(w.typed_data());
   float* yp = y->typed_data();
   const int64_t helpers = helper_count(pool);
-  if (N > kPanel) {
-    const int64_t panels = (N + kPanel - 1) / kPanel;
-    parallel_chunks(pool, panels, helpers, [=](int64_t c) {
-      const int64_t n0 = c * kPanel, n1 = std::min(N, n0 + kPanel);
-      rows_times_scalars(xp, wp, N, 0, K, n0, n1, yp + n0);
-    });
-    return ffi::Error::Success();
-  }
-  const int64_t parts = std::max<int64_t>(1, std::min(helpers + 1, K / 64));
-  const int64_t rows = (K + parts - 1) / parts;
-  std::vector<float> partial((parts - 1) * N);
-  float* pp = partial.data();
-  parallel_chunks(pool, parts, helpers, [=](int64_t c) {
-    rows_times_scalars(xp, wp, N, c * rows, std::min(K, (c + 1) * rows), 0, N,
-                       c == 0 ? yp : pp + (c - 1) * N);
+  const int64_t strips = (N + 15) / 16;
+  const int64_t per = std::clamp<int64_t>((strips + helpers) / (helpers + 1), 1, kPanel / 16);
+  parallel_chunks(pool, (strips + per - 1) / per, helpers, [=](int64_t c) {
+    const int64_t n0 = c * per * 16, n1 = std::min(N, n0 + per * 16);
+    rows_times_scalars(xp, wp, N, 0, K, n0, n1, yp + n0);
   });
-  for (int64_t c = 1; c < parts; ++c) {
-    const float* src = pp + (c - 1) * N;
-    for (int64_t n = 0; n < N; ++n) yp[n] += src[n];
-  }
   return ffi::Error::Success();
 }
 
@@ -318,8 +307,10 @@ __attribute__((always_inline)) inline void rows_strip(const uint16_t* x, const u
                                                      int64_t K, int64_t N, int64_t m0, int64_t n0,
                                                      int64_t width, float* y, int64_t ldy) {
   const __mmask32 cols = width >= 32 ? ~__mmask32(0) : __mmask32((1ull << width) - 1);
+  const __mmask16 m_first = width >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << width) - 1u);
+  const __mmask16 m_second =
+      width >= 32 ? __mmask16(0xFFFF) : width > 16 ? __mmask16((1u << (width - 16)) - 1u) : 0;
   __m512 lo[RB], hi[RB];
-  for (int r = 0; r < RB; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
   const uint16_t* xr = x + m0 * K;
   auto step = [&](const uint16_t* row, const uint16_t* next, const uint16_t* xk, bool pair) {
     const __m512i a = _mm512_maskz_loadu_epi16(cols, row);
@@ -334,28 +325,34 @@ __attribute__((always_inline)) inline void rows_strip(const uint16_t* x, const u
       hi[r] = _mm512_dpbf16_ps(hi[r], ph, xv);
     }
   };
-  int64_t k = 0;
-  for (; k + 2 <= K; k += 2) step(w + k * N + n0, w + (k + 1) * N + n0, xr + k, true);
-  if (k < K) step(w + k * N + n0, nullptr, xr + k, false);
-  const __mmask16 m_first = width >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << width) - 1u);
-  const __mmask16 m_second =
-      width >= 32 ? __mmask16(0xFFFF) : width > 16 ? __mmask16((1u << (width - 16)) - 1u) : 0;
-  for (int r = 0; r < RB; ++r) {
-    __m512 first, second;
-    unscramble(lo[r], hi[r], &first, &second);
-    float* out = y + (m0 + r) * ldy;
-    _mm512_mask_storeu_ps(out, m_first, first);
-    _mm512_mask_storeu_ps(out + 16, m_second, second);
+  // Blocks of kBlockK k, each summed from zero, added to the output in order.
+  for (int64_t k0 = 0; k0 < K; k0 += kBlockK) {
+    const int64_t k1 = std::min(K, k0 + kBlockK);
+    for (int r = 0; r < RB; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
+    int64_t k = k0;
+    for (; k + 2 <= k1; k += 2) step(w + k * N + n0, w + (k + 1) * N + n0, xr + k, true);
+    if (k < k1) step(w + k * N + n0, nullptr, xr + k, false);
+    for (int r = 0; r < RB; ++r) {
+      __m512 first, second;
+      unscramble(lo[r], hi[r], &first, &second);
+      float* out = y + (m0 + r) * ldy;
+      if (k0 > 0) {
+        first = _mm512_add_ps(_mm512_maskz_loadu_ps(m_first, out), first);
+        second = _mm512_add_ps(_mm512_maskz_loadu_ps(m_second, out + 16), second);
+      }
+      _mm512_mask_storeu_ps(out, m_first, first);
+      _mm512_mask_storeu_ps(out + 16, m_second, second);
+    }
   }
 }
 
 
 
-// y[0:n1 - n0] = x[K] @ w[K, n0:n1] (n0 a multiple of 32), each output as rows_strip<1> sums it:
-// the weights are read row pair by row pair in memory order (as the one-row kernel reads them),
-// the sums of every 32-column strip kept in vdpbf16ps's layout in L1 until the end.
-void row_pairs(const uint16_t* x, const uint16_t* w, int64_t K, int64_t N, int64_t n0,
-               int64_t n1, float* y) {
+// y[0:n1 - n0] = x[k0:k1] @ w[k0:k1, n0:n1] (n0 a multiple of 32), each output as rows_strip<1>
+// sums one block: the weights read row pair by row pair in memory order, the sums of every
+// 32-column strip kept in vdpbf16ps's layout in L1 until the end.
+void row_pairs(const uint16_t* x, const uint16_t* w, int64_t k0, int64_t k1, int64_t N,
+               int64_t n0, int64_t n1, float* y) {
   const int64_t strips = (n1 - n0 + 31) / 32;
   alignas(64) float acc[kPanel];  // per strip: lo[16], hi[16]
   std::memset(acc, 0, sizeof(float) * strips * 32);
@@ -378,13 +375,13 @@ void row_pairs(const uint16_t* x, const uint16_t* w, int64_t K, int64_t N, int64
                                                 (__m512bh)_mm512_unpackhi_epi16(a, b), xv));
     }
   };
-  int64_t k = 0;
-  for (; k + 2 <= K; k += 2) {
+  int64_t k = k0;
+  for (; k + 2 <= k1; k += 2) {
     uint32_t xx;
     std::memcpy(&xx, x + k, sizeof xx);
-    pass(w + k * N + n0, w + (k + 1) * N + n0, xx, k + 2 * kAheadRows + 2 <= K);
+    pass(w + k * N + n0, w + (k + 1) * N + n0, xx, k + 2 * kAheadRows + 2 <= k1);
   }
-  if (k < K) pass(w + k * N + n0, nullptr, x[k], false);
+  if (k < k1) pass(w + k * N + n0, nullptr, x[k], false);
   for (int64_t s = 0; s < strips; ++s) {
     const int64_t width = std::min<int64_t>(32, n1 - n0 - 32 * s);
     __m512 first, second;
@@ -397,23 +394,36 @@ void row_pairs(const uint16_t* x, const uint16_t* w, int64_t K, int64_t N, int64
   }
 }
 
+// y[N] = x[K] @ w[K, N] in kBlockK blocks: each thread takes a run of consecutive blocks (and a
+// column panel), streaming whole rows, and the blocks' sums are added in order afterwards, so
+// each output is summed as rows_strip sums it whatever the thread count.
+void pairs_row(ffi::ThreadPool& pool, const uint16_t* xp, const uint16_t* wp, int64_t K,
+               int64_t N, float* yp) {
+  const int64_t blocks = (K + kBlockK - 1) / kBlockK, panels = (N + kPanel - 1) / kPanel;
+  const int64_t helpers = helper_count(pool);
+  const int64_t runs = std::min(blocks, helpers + 1), per = (blocks + runs - 1) / runs;
+  std::unique_ptr<float[]> part(new float[blocks * N]);  // every element written below
+  float* pp = part.get();
+  parallel_chunks(pool, runs * panels, helpers, [=](int64_t c) {
+    const int64_t n0 = (c % panels) * kPanel, n1 = std::min(N, n0 + kPanel);
+    for (int64_t b = (c / panels) * per; b < std::min(blocks, (c / panels + 1) * per); ++b)
+      row_pairs(xp, wp, b * kBlockK, std::min(K, (b + 1) * kBlockK), N, n0, n1, pp + b * N + n0);
+  });
+  std::memcpy(yp, pp, sizeof(float) * N);
+  for (int64_t b = 1; b < blocks; ++b)
+    for (int64_t n = 0; n < N; n += 16) {
+      const __mmask16 mask = N - n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (N - n)) - 1u);
+      _mm512_mask_storeu_ps(yp + n, mask, _mm512_add_ps(_mm512_maskz_loadu_ps(mask, yp + n),
+                                                        _mm512_maskz_loadu_ps(mask, pp + b * N + n)));
+    }
+}
+
 ffi::Error PairsRowTimesMatrix(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
                                ffi::Buffer<ffi::BF16> w, ffi::ResultBuffer<ffi::F32> y) {
   const auto dims = w.dimensions();
-  const int64_t K = dims[0], N = dims[1];
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.typed_data());
-  const auto* wp = reinterpret_cast<const uint16_t*>(w.typed_data());
-  float* yp = y->typed_data();
-  // The threads share column panels (multiples of 32, at most kPanel): every thread streams
-  // its panel of each weight row pair.
-  const int64_t helpers = helper_count(pool);
-  const int64_t strips = (N + 31) / 32;
-  const int64_t per = std::clamp<int64_t>((strips + helpers) / (helpers + 1), 1, kPanel / 32);
-  const int64_t panels = (strips + per - 1) / per;
-  parallel_chunks(pool, panels, helpers, [=](int64_t c) {
-    const int64_t n0 = c * per * 32, n1 = std::min(N, n0 + per * 32);
-    row_pairs(xp, wp, K, N, n0, n1, yp + n0);
-  });
+  pairs_row(pool, reinterpret_cast<const uint16_t*>(x.typed_data()),
+            reinterpret_cast<const uint16_t*>(w.typed_data()), dims[0], dims[1],
+            y->typed_data());
   return ffi::Error::Success();
 }
 
@@ -545,17 +555,11 @@ void gated_strips(ffi::ThreadPool& pool, const uint16_t* xp, const uint16_t* gp,
                   const uint16_t* up, uint16_t* hp, int64_t M, int64_t K, int64_t F) {
   const int64_t helpers = helper_count(pool);
   if (M == 1) {
-    // One row: both products streamed as row_pairs reads them (the same sums as a strip's),
-    // column panel by column panel, then the gate.
-    const int64_t strips = (F + 31) / 32;
-    const int64_t per = std::clamp<int64_t>((strips + helpers) / (helpers + 1), 1, kPanel / 32);
-    parallel_chunks(pool, (strips + per - 1) / per, helpers, [=](int64_t c) {
-      const int64_t n0 = c * per * 32, n1 = std::min(F, n0 + per * 32);
-      alignas(64) float g[kPanel], u[kPanel];
-      row_pairs(xp, gp, K, F, n0, n1, g);
-      row_pairs(xp, up, K, F, n0, n1, u);
-      apply_gate<Act>(g, u, 1, 0, n1 - n0, hp + n0, 0);
-    });
+    // One row: both products as pairs_row computes them (whole rows streamed), then the gate.
+    std::unique_ptr<float[]> gu(new float[2 * F]);
+    pairs_row(pool, xp, gp, K, F, gu.get());
+    pairs_row(pool, xp, up, K, F, gu.get() + F);
+    apply_gate<Act>(gu.get(), gu.get() + F, 1, 0, F, hp, 0);
     return;
   }
   parallel_chunks(pool, (F + 31) / 32, helpers, [=](int64_t c) {
