@@ -7,6 +7,7 @@ layers and the sampler take from it every op whose implementation differs by pla
   dot, gated_hidden        float products and a gated MLP's hidden activations (products.py)
   attend                   a layer's key/value write and its ragged attention (attention.py)
   argmax, top, sort        the sampler's reductions (sort.py)
+  row_sum                  the norms' and the sampler's sums (one order per row where invariant)
   activation_dtype, kv_bits16, kv_fp8_bits, tuning      the dtype and storage policy
 
 Nothing outside this package imports cpu_kernels or reads XLA_FLAGS; process-wide XLA flags are
