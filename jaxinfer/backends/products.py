@@ -3,10 +3,10 @@
 Activations wider than the weights are rounded to the weights' dtype; products accumulate in
 float32. On a batch-invariant CPU backend (native kernels with AVX512-BF16) every bf16 and
 float32 product and every bf16 gated MLP goes to the native kernels, whatever its row count,
-each output summed in one order (docs/architecture.md, "Batch invariance"). With the kernels but without AVX512-BF16,
-one-row products go to them (XLA:CPU streams one-row bf16 dots slowly); otherwise a single
-16-bit row is padded to two, as XLA:CPU's one-row dot converts the whole weight matrix to
-float32.
+each output summed in one order (docs/architecture.md, "Batch invariance"). With the kernels
+but without AVX512-BF16, one-row products go to them (XLA:CPU streams one-row bf16 dots
+slowly); otherwise a single 16-bit row is padded to two, as XLA:CPU's one-row dot converts the
+whole weight matrix to float32.
 """
 
 from __future__ import annotations
@@ -34,19 +34,13 @@ def dot(backend, x: jax.Array, w: jax.Array, spec: str) -> jax.Array:
         x = x.astype(w.dtype)
     lead = x.shape[:-1]
     rows = math.prod(lead)
-    if backend.batch_invariant and w.dtype == x.dtype == jnp.float32:
-        kernel = _row_kernel(spec)
-        if kernel is not None:
-            y = kernel(x.reshape(rows, -1) if rows > 1 else x.reshape(-1), w)
-            return y.reshape(lead + y.shape[-1:])
-    if backend.kernels is not None and w.dtype == jnp.bfloat16:
-        from jaxinfer.backends import cpu_kernels
-
-        many = rows >= 2
-        kernel = _row_kernel(spec) if rows == 1 or backend.batch_invariant else None
-        if kernel is not None:
-            y = kernel(x.reshape(rows, -1) if many else x.reshape(-1), w)
-            return y.reshape(lead + y.shape[-1:])
+    native = ((w.dtype == jnp.bfloat16 and backend.kernels is not None
+               and (rows == 1 or backend.batch_invariant))
+              or (w.dtype == x.dtype == jnp.float32 and backend.batch_invariant))
+    kernel = _row_kernel(spec) if native else None
+    if kernel is not None:
+        y = kernel(x.reshape(rows, -1) if rows > 1 else x.reshape(-1), w)
+        return y.reshape(lead + y.shape[-1:])
     if rows == 1 and w.dtype.itemsize == 2 and backend.tuning.pad_single_row_16bit_dots:
         x2 = jnp.concatenate([x.reshape(1, -1), jnp.zeros((1, x.shape[-1]), x.dtype)])
         y = jnp.einsum(spec, x2, w, preferred_element_type=jnp.float32)

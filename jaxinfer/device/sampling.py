@@ -95,7 +95,7 @@ def _top_k_size(sp: SamplingArrays, V: int) -> jax.Array:
 
 
 def _keep_sorted(sorted_logits: jax.Array, sp: SamplingArrays, V: int, backend,
-                 log_total: jax.Array | None = None):
+                 log_total: jax.Array):
     """(keep, probs) [B, C] of the first C of V tokens in descending order: which survive
     top-k, top-p and min-p, and their probabilities over the top-k set (log_total [B, 1]: the
     whole vocabulary's log weight, that set's where top-k is off)."""
@@ -106,7 +106,7 @@ def _keep_sorted(sorted_logits: jax.Array, sp: SamplingArrays, V: int, backend,
     in_k = logsumexp(jnp.where(keep, sorted_logits, -jnp.inf), backend, keepdims=True)
     # Top-k off: the whole vocabulary's log weight, summed in vocabulary order by every path
     # (the candidates' and the full sort's), so the kept set is the same whichever serves.
-    lse = in_k if log_total is None else jnp.where(k < V, in_k, log_total)
+    lse = jnp.where(k < V, in_k, log_total)
     probs = jnp.where(keep, jnp.exp(sorted_logits - lse), 0.0)
     # The smallest prefix whose mass reaches top_p (the most likely token always stays). A
     # log-depth scan: XLA:CPU's jnp.cumsum (a reduce_window) was several times slower.

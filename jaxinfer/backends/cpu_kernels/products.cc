@@ -10,17 +10,17 @@ namespace {
 // hardware's own prefetching alone; into L1, the requests held up the loads.
 constexpr int64_t kAheadRows = 4;
 
-// acc[0:n1-n0] = sum over k in [k0, k1) of x[k] * w[k, n0:n1], row by row in memory order;
-// acc (at most kPanel floats) stays in L1.
-void rows_times_scalars(const uint16_t* x, const uint16_t* w, int64_t N, int64_t k0,
-                        int64_t k1, int64_t n0, int64_t n1, float* acc) {
+// acc[0:n1-n0] = sum over k < K of x[k] * w[k, n0:n1], row by row in memory order; acc (at
+// most kPanel floats) stays in L1.
+void rows_times_scalars(const uint16_t* x, const uint16_t* w, int64_t K, int64_t N, int64_t n0,
+                        int64_t n1, float* acc) {
   const int64_t width = n1 - n0;
   std::memset(acc, 0, sizeof(float) * width);
   const int64_t full = width / 32 * 32;
-  for (int64_t k = k0; k < k1; ++k) {
+  for (int64_t k = 0; k < K; ++k) {
     const __m512 xv = _mm512_set1_ps(bf16_to_f32(x[k]));
     const uint16_t* row = w + k * N + n0;
-    if (k + kAheadRows < k1) prefetch_l2(row + kAheadRows * N, width * 2);  // the row kAheadRows on
+    if (k + kAheadRows < K) prefetch_l2(row + kAheadRows * N, width * 2);  // the row kAheadRows on
     int64_t n = 0;
     for (; n < full; n += 32) {
       _mm512_storeu_ps(acc + n, _mm512_fmadd_ps(xv, load16(row + n), _mm512_loadu_ps(acc + n)));
@@ -70,7 +70,7 @@ ffi::Error RowTimesMatrix(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
   const int64_t per = std::clamp<int64_t>((strips + helpers) / (helpers + 1), 1, kPanel / 16);
   parallel_chunks(pool, (strips + per - 1) / per, helpers, [=](int64_t c) {
     const int64_t n0 = c * per * 16, n1 = std::min(N, n0 + per * 16);
-    rows_times_scalars(xp, wp, N, 0, K, n0, n1, yp + n0);
+    rows_times_scalars(xp, wp, K, N, n0, n1, yp + n0);
   });
   return ffi::Error::Success();
 }
@@ -402,8 +402,10 @@ void pairs_row(ffi::ThreadPool& pool, const uint16_t* xp, const uint16_t* wp, in
   const int64_t blocks = (K + kBlockK - 1) / kBlockK, panels = (N + kPanel - 1) / kPanel;
   const int64_t helpers = helper_count(pool);
   const int64_t runs = std::min(blocks, helpers + 1), per = (blocks + runs - 1) / runs;
-  std::unique_ptr<float[]> part(new float[blocks * N]);  // every element written below
-  float* pp = part.get();
+  // The caller's scratch, kept between calls (the helpers only write into it while it waits).
+  thread_local std::vector<float> part;
+  if (part.size() < size_t(blocks * N)) part.resize(blocks * N);
+  float* pp = part.data();
   parallel_chunks(pool, runs * panels, helpers, [=](int64_t c) {
     const int64_t n0 = (c % panels) * kPanel, n1 = std::min(N, n0 + kPanel);
     for (int64_t b = (c / panels) * per; b < std::min(blocks, (c / panels + 1) * per); ++b)
@@ -556,10 +558,11 @@ void gated_strips(ffi::ThreadPool& pool, const uint16_t* xp, const uint16_t* gp,
   const int64_t helpers = helper_count(pool);
   if (M == 1) {
     // One row: both products as pairs_row computes them (whole rows streamed), then the gate.
-    std::unique_ptr<float[]> gu(new float[2 * F]);
-    pairs_row(pool, xp, gp, K, F, gu.get());
-    pairs_row(pool, xp, up, K, F, gu.get() + F);
-    apply_gate<Act>(gu.get(), gu.get() + F, 1, 0, F, hp, 0);
+    thread_local std::vector<float> gu;
+    if (gu.size() < size_t(2 * F)) gu.resize(2 * F);
+    pairs_row(pool, xp, gp, K, F, gu.data());
+    pairs_row(pool, xp, up, K, F, gu.data() + F);
+    apply_gate<Act>(gu.data(), gu.data() + F, 1, 0, F, hp, 0);
     return;
   }
   parallel_chunks(pool, (F + 31) / 32, helpers, [=](int64_t c) {
