@@ -12,8 +12,9 @@ from jaxinfer.device.step import StepOutput, step
 from jaxinfer.device.token_batch import TokenBatch
 from jaxinfer.engine.request import RequestMetrics, RequestOutput, SamplingParams
 from jaxinfer.llm import LLM, EncodedPrompt
+from jaxinfer.structured import StructuredOutputs
 
 __all__ = ["LLM", "EncodedPrompt", "MeshConfig", "RequestMetrics", "RequestOutput",
-           "SamplingParams", "SpeculativeConfig", "step", "decode_loop", "admit_rows",
+           "SamplingParams", "SpeculativeConfig", "StructuredOutputs", "step", "decode_loop", "admit_rows",
            "DecodeState", "RowParams", "StepOutput", "TokenBatch"]
 __version__ = "0.1.0"

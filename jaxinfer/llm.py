@@ -9,6 +9,7 @@ import itertools
 import operator
 import os
 import secrets
+import threading
 import time
 from typing import Iterator, Optional, Sequence, Union
 
@@ -25,6 +26,7 @@ from jaxinfer.engine.textstream import TextStream
 from jaxinfer.device.kv_cache import KV_DTYPES, ring_capacity
 from jaxinfer.models import get_model
 from jaxinfer.device.sampling import MAX_LOGPROBS
+from jaxinfer.structured import Grammars
 from jaxinfer.user_input import check_text
 
 
@@ -208,6 +210,8 @@ class LLM:
         if memory_left:
             self._engine.set_num_pages(self._pages_from_memory(memory_left, page_size))
         self._data_degree = data
+        self._grammars: Optional[Grammars] = None
+        self._grammars_lock = threading.Lock()
         self._ids = itertools.count()
         self._requests: dict[str, SequenceState] = {}
 
@@ -281,6 +285,23 @@ class LLM:
                              "(the prompt must leave room for at least one generated token)")
         return ids
 
+    @property
+    def grammars(self) -> Grammars:
+        """The checked grammars of structured outputs for this model's tokenizer."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = Grammars(self.tokenizer, self.model_config.vocab_size,
+                                          self._engine.eos_ids)
+            return self._grammars
+
+    def check_structured(self, params: SamplingParams) -> Optional[str]:
+        """params' structured-output grammar, checked and cached (None without one); a
+        ValueError names what is wrong. Safe from any thread (the server calls it off the
+        engine thread, so that the engine's own call finds it cached)."""
+        if params.structured_outputs is None:
+            return None
+        return self.grammars.compile(params.structured_outputs)
+
     def _make_request(self, prompt: Prompt, params: SamplingParams,
                       request_id: Optional[str] = None) -> SequenceState:
         if not isinstance(params, SamplingParams):
@@ -292,6 +313,7 @@ class LLM:
         if params.n > self.max_n:
             raise ValueError(f"n={params.n} exceeds the {self.max_n} sequences one request may "
                              "hold (max_num_seqs per data replica)")
+        grammar = self.check_structured(params)
         encoded = self.encode_prompt(prompt)
         text, ids = encoded.text, list(encoded.token_ids)
         rid = str(next(self._ids)) if request_id is None else str(request_id)
@@ -304,7 +326,8 @@ class LLM:
                                seed=(seed + i) % 2**32,
                                max_new=min(params.max_tokens, self.max_seq_len - len(ids)),
                                stream=TextStream(self.tokenizer, params.stop_strings),
-                               metrics=metrics, index=i)
+                               metrics=metrics, index=i,
+                               guide=None if grammar is None else self.grammars.guide(grammar))
                  for i in range(params.n)]
         for req in group:
             req.group = group
@@ -447,7 +470,10 @@ class LLM:
 
     def stats(self) -> dict:
         """Counters and sizes of the engine (docs/api.md, Statistics)."""
-        return self._engine.stats()
+        out = self._engine.stats()
+        if self._grammars is not None:
+            out.update(self._grammars.stats())
+        return out
 
     @property
     def params(self):

@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import time
 import uuid
 from typing import Any, Optional, Sequence
 
 from jaxinfer.engine.request import RequestOutput, SamplingParams
+from jaxinfer.structured import StructuredOutputs
+from jaxinfer.structured import tool_calls
+from jaxinfer.structured.reasoning import ReasoningParser, pick_reasoning_parser
+from jaxinfer.structured.tool_calls import ToolError, ToolRequest, check_tools
 from jaxinfer.device.sampling import MAX_LOGPROBS
 from jaxinfer.user_input import check_tree, show
 
@@ -26,12 +31,17 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 # Fields accepted and not acted on: they change nothing about the tokens generated.
 _INERT = ("user", "stream", "stream_options", "model", "metadata", "store", "service_tier")
+# vLLM's structured-output extensions, on both endpoints (docs/structured_outputs.md).
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+          "guided_grammar": "grammar"}
 _COMMON = ("max_tokens", "temperature", "top_p", "seed", "stop", "n", "presence_penalty",
            "frequency_penalty", "logit_bias", "top_k", "min_p", "repetition_penalty",
-           "ignore_eos") + _INERT
+           "ignore_eos", "structured_outputs") + tuple(GUIDED) + _INERT
 _FIELDS = {COMPLETIONS: {"prompt", "logprobs", "echo", "best_of", "suffix"} | set(_COMMON),
            CHAT: {"messages", "logprobs", "top_logprobs", "max_completion_tokens",
-                  "response_format"} | set(_COMMON)}
+                  "response_format", "tools", "tool_choice", "parallel_tool_calls"}
+           | set(_COMMON)}
+_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 class RequestError(ValueError):
@@ -68,6 +78,8 @@ class ParsedRequest:
     stream: bool
     include_usage: bool              # stream_options.include_usage
     model: Optional[str]
+    structured_param: Optional[str] = None  # the field that set params.structured_outputs
+    tools: Optional[ToolRequest] = None     # chat: tools offered (None: none, or tool_choice none)
 
     def sampling(self, max_seq_len: int) -> SamplingParams:
         """The SamplingParams to submit: max_tokens None becomes max_seq_len (the engine stops
@@ -128,7 +140,18 @@ def _messages(body: dict) -> list:
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise RequestError(f"messages[{i}] must be an object with a string role", "messages")
+        extra = {}
+        if m["role"] == "assistant" and m.get("tool_calls") is not None:
+            extra["tool_calls"] = _tool_calls(m["tool_calls"], i)
+        if m["role"] == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise RequestError(f"messages[{i}].tool_call_id must be a string (the call the "
+                                   f"result answers), got {show(m.get('tool_call_id'))}",
+                                   "messages")
+            extra["tool_call_id"] = m["tool_call_id"]
         content = m.get("content")
+        if content is None and extra.get("tool_calls"):
+            content = ""  # an assistant turn of calls alone
         if isinstance(content, list):  # content parts: only text ones
             parts = []
             for part in content:
@@ -141,8 +164,106 @@ def _messages(body: dict) -> list:
         if not isinstance(content, str):
             raise RequestError(f"messages[{i}].content must be a string or a list of text "
                                f"parts, got {show(content)}", "messages")
-        out.append({"role": m["role"], "content": content})
+        out.append({"role": m["role"], "content": content, **extra})
     return out
+
+
+def _tool_calls(calls: Any, i: int) -> list:
+    """An assistant message's tool_calls, checked: [{id, type: function, function: {name,
+    arguments (a JSON string)}}]."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise RequestError(f"{where} must be a list, got {show(calls)}", "messages")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
+                or not isinstance(fn.get("arguments"), str) \
+                or call.get("type", "function") != "function":
+            raise RequestError(f"{where}[{j}] must be {{\"id\", \"type\": \"function\", "
+                               f"\"function\": {{\"name\", \"arguments\"}}}} with string name "
+                               f"and arguments, got {show(call)}", "messages")
+        out.append({"id": str(call.get("id", "")), "type": "function",
+                    "function": {"name": fn["name"], "arguments": fn["arguments"]}})
+    return out
+
+
+def _tools(body: dict) -> Optional[ToolRequest]:
+    """tools, tool_choice and parallel_tool_calls checked (tool_calls.check_tools); None when
+    no tool may be called."""
+    try:
+        req = check_tools(body.get("tools"), body.get("tool_choice"),
+                          body.get("parallel_tool_calls"))
+    except ToolError as e:
+        raise RequestError(str(e), e.param) from None
+    return req if req.tools and req.choice != "none" else None
+
+
+def _structured(body: dict) -> tuple[Optional[StructuredOutputs], Optional[str]]:
+    """The output constraint of response_format, a guided_* field or structured_outputs (at
+    most one of them) and the field that gave it. RequestError naming the field."""
+    given = {}
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        given["response_format"] = _response_format(fmt)
+    for name, kind in GUIDED.items():
+        if body.get(name) is not None:
+            given[name] = {kind: body[name]}
+    extra = body.get("structured_outputs")
+    if extra is not None:
+        if not isinstance(extra, dict) or not extra:
+            raise RequestError(f"structured_outputs must be an object with one of "
+                               f"{_STRUCTURED_KEYS}, got {show(extra)}", "structured_outputs")
+        unknown = sorted(set(extra) - set(_STRUCTURED_KEYS))
+        if unknown:
+            raise RequestError(f"structured_outputs.{show(unknown[0])} is not supported; "
+                               f"supported: {_STRUCTURED_KEYS}", "structured_outputs")
+        given["structured_outputs"] = {k: v for k, v in extra.items() if v is not None}
+    if not given:
+        return None, None
+    if len(given) > 1:
+        raise RequestError(f"at most one output constraint per request; got {sorted(given)}",
+                           sorted(given)[1])
+    (param, kw), = given.items()
+    try:
+        return StructuredOutputs(**kw), param
+    except ValueError as e:
+        raise RequestError(f"{param}: {e}", param) from None
+
+
+_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object",
+                    "disable_any_whitespace")
+
+
+def _response_format(fmt: Any) -> dict:
+    """OpenAI's response_format as StructuredOutputs arguments."""
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "json_object" and set(fmt) == {"type"}:
+        return {"json_object": True}
+    if kind != "json_schema":
+        raise RequestError(f"response_format must be {{\"type\": \"text\"}}, {{\"type\": "
+                           f"\"json_object\"}} or {{\"type\": \"json_schema\", "
+                           f"\"json_schema\": {{...}}}}, got {show(fmt)}", "response_format")
+    spec = fmt.get("json_schema")
+    if set(fmt) != {"type", "json_schema"} or not isinstance(spec, dict):
+        raise RequestError(f"response_format json_schema needs a json_schema object (name, "
+                           f"schema, strict, description), got {show(fmt)}", "response_format")
+    unknown = sorted(set(spec) - {"name", "schema", "strict", "description"})
+    if unknown:
+        raise RequestError(f"response_format.json_schema.{show(unknown[0])} is not supported",
+                           "response_format")
+    name = spec.get("name")
+    if not isinstance(name, str) or not _SCHEMA_NAME.fullmatch(name):
+        raise RequestError(f"response_format.json_schema.name must be 1-64 letters, digits, "
+                           f"_ or -, got {show(name)}", "response_format")
+    if spec.get("strict") not in (None, True, False):
+        raise RequestError(f"response_format.json_schema.strict must be a boolean, got "
+                           f"{show(spec['strict'])}", "response_format")
+    schema = spec.get("schema", {})  # OpenAI: no schema is any JSON object's
+    if not isinstance(schema, dict):
+        raise RequestError(f"response_format.json_schema.schema must be an object, got "
+                           f"{show(schema)}", "response_format")
+    return {"json": schema} if schema else {"json_object": True}
 
 
 def _prompt(body: dict):
@@ -187,10 +308,12 @@ def parse_request(endpoint: str, body: Any, *, max_n: int = 1) -> ParsedRequest:
         raise RequestError("suffix is not supported", "suffix")
     if body.get("best_of") not in (None, 1):
         raise RequestError(f"best_of must be 1, got {show(body['best_of'])}", "best_of")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise RequestError(f"response_format {show(fmt)} is not supported (only text)",
-                           "response_format")
+    structured, structured_param = _structured(body)
+    tools = _tools(body) if endpoint == CHAT else None
+    if tools is not None and tools.forced and structured is not None:
+        raise RequestError(f"tool_choice {show(body.get('tool_choice'))} constrains the output "
+                           f"to tool calls; it cannot be combined with {structured_param}",
+                           "tool_choice")
     if body.get("model") is not None and not isinstance(body["model"], str):
         raise RequestError(f"model must be a string, got {show(body['model'])}", "model")
 
@@ -234,7 +357,8 @@ def parse_request(endpoint: str, body: Any, *, max_n: int = 1) -> ParsedRequest:
                                        default=1.0), n=n,
             seed=_number(body, "seed", 0, 2**32 - 1, integer=True),
             stop=_stop(body), ignore_eos=_bool(body, "ignore_eos"), logprobs=logprobs,
-            prompt_logprobs=logprobs if echo and logprobs is not None else None)
+            prompt_logprobs=logprobs if echo and logprobs is not None else None,
+            structured_outputs=structured)
     except RequestError:
         raise
     except ValueError as e:  # SamplingParams' own limits (min_p < 1, ...)
@@ -243,7 +367,100 @@ def parse_request(endpoint: str, body: Any, *, max_n: int = 1) -> ParsedRequest:
     return ParsedRequest(endpoint=endpoint, prompt=None if chat else _prompt(body),
                          messages=_messages(body) if chat else None, params=params,
                          max_tokens=max_tokens, n=n, echo=echo, logprobs=logprobs,
-                         stream=stream, include_usage=include_usage, model=body.get("model"))
+                         stream=stream, include_usage=include_usage, model=body.get("model"),
+                         structured_param=structured_param, tools=tools)
+
+
+# ---- from a checked request to a prompt --------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ChatFormats:
+    """How a model's chat turns are written and read: its tool-call format (tool_calls.FORMATS,
+    the model's own where its template shows it, else hermes), the tool-call markers that are
+    single tokens of its vocabulary, and whether it thinks in <think>...</think> (templates
+    that mention it; then the thinking goes to reasoning_content)."""
+
+    tool_format: str = tool_calls.DEFAULT_FORMAT
+    special_markers: tuple = ()
+    reasoning: Optional[str] = None  # a reasoning parser's name, None: none
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer, tool_format: Optional[str] = None,
+                      reasoning: Optional[str] = None) -> "ChatFormats":
+        template = getattr(tokenizer, "chat_template", None)
+        fmt = tool_calls.pick_format(template, tool_format)
+        markers = tuple(m for m in tool_calls.grammar_markers(fmt)
+                        if tokenizer is not None and tokenizer.is_added_token(m))
+        parser = pick_reasoning_parser(template, reasoning)
+        return cls(tool_format=fmt, special_markers=markers,
+                   reasoning=None if parser is None else (reasoning or "think"))
+
+    def reasoning_parser(self, prompt: Optional[str]) -> Optional[ReasoningParser]:
+        """A fresh parser for one sequence (started when the prompt leaves <think> open)."""
+        if self.reasoning is None:
+            return None
+        return ReasoningParser().for_prompt(prompt or "")
+
+
+def _with_system(messages: list, text: str) -> list:
+    """messages with `text` leading the system message (one is added when there is none)."""
+    if messages and messages[0]["role"] == "system":
+        first = dict(messages[0], content=text + "\n\n" + messages[0]["content"])
+        return [first] + messages[1:]
+    return [{"role": "system", "content": text}] + messages
+
+
+def chat_prompt(tokenizer, req: ParsedRequest, formats: ChatFormats) -> str:
+    """The chat request's prompt: its messages through the model's template, with the tools
+    (the template's own way when it takes `tools`, else a system prompt stating the format),
+    earlier calls and tool results as the template can render them."""
+    template = tokenizer.chat_template
+    takes = tool_calls.template_takes_tools(template)
+    messages, kwargs = req.messages, {}
+    if any("tool_calls" in m or m["role"] == "tool" for m in messages):
+        messages = tool_calls.tool_messages_for_template(messages, takes, formats.tool_format)
+    if req.tools is not None:
+        if takes:
+            kwargs["tools"] = [{"type": "function", "function": t} for t in req.tools.tools]
+        else:
+            messages = _with_system(messages, tool_calls.default_tools_system_prompt(
+                req.tools.tools, formats.tool_format))
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+
+
+def prepare(llm, req: ParsedRequest, formats: ChatFormats):
+    """A checked request made ready to submit, on any thread: the prompt rendered (chat) and
+    tokenized, the tool-call grammar where tool_choice forces a call, and the output
+    constraint checked against the tokenizer. Returns (EncodedPrompt, SamplingParams);
+    RequestError naming the field (messages, prompt, the constraint's) otherwise."""
+    chat = req.endpoint == CHAT
+    param = "messages" if chat else "prompt"
+    params = req.sampling(llm.max_seq_len)
+    prompt = req.prompt
+    if chat:
+        if llm.tokenizer is None:
+            raise RequestError("this model has no tokenizer, so it cannot chat", param)
+        try:
+            prompt = chat_prompt(llm.tokenizer, req, formats)
+        except Exception as e:  # noqa: BLE001 - the template's own checks (roles, order)
+            raise RequestError(f"messages: the model's chat template refused them: "
+                               f"{show(str(e))}", param) from None
+    try:
+        encoded = llm.encode_prompt(prompt)
+    except ValueError as e:  # too long, lone surrogates, ids outside the vocabulary
+        raise RequestError(f"{param}: {e}" if chat else str(e), param) from None
+    where = req.structured_param
+    if req.tools is not None and req.tools.forced:
+        grammar = tool_calls.call_grammar(req.tools, formats.tool_format,
+                                          formats.special_markers)
+        params = dataclasses.replace(params, structured_outputs=StructuredOutputs(
+            grammar=grammar))
+        where = "tools"
+    try:
+        llm.check_structured(params)
+    except ValueError as e:
+        raise RequestError(f"{where}: {e}", where) from None
+    return encoded, params
 
 
 # ---- responses -------------------------------------------------------------------------------
@@ -304,13 +521,68 @@ def completion_logprobs(tokenizer, token_ids: Sequence[int], logprobs: Sequence[
             "text_offset": offsets}
 
 
-def _choice(req: ParsedRequest, tokenizer, out: RequestOutput, seq, index: int) -> dict:
+def assistant_message(req: ParsedRequest, formats: ChatFormats, prompt: Optional[str],
+                      text: str, finish_reason: Optional[str]) -> tuple[dict, Optional[str]]:
+    """A chat answer's message and finish_reason: its thinking split into reasoning_content,
+    its tool calls (when tools were offered) parsed into tool_calls, finish_reason
+    "tool_calls" when it made some."""
+    message = {"role": "assistant"}
+    parser = formats.reasoning_parser(prompt)
+    if parser is not None:
+        reasoning, text = parser.split(text)
+        message["reasoning_content"] = reasoning
+        text = text or ""
+    content, calls = (text, []) if req.tools is None else \
+        tool_calls.parse_tool_calls(text, formats.tool_format)
+    message["content"] = content
+    if calls:
+        message["tool_calls"] = calls
+        if finish_reason == "stop":
+            finish_reason = "tool_calls"
+    return message, finish_reason
+
+
+class ChatStream:
+    """assistant_message for a stream: each text delta of a chat answer as chunk deltas
+    ({"content"}, {"reasoning_content"}, {"tool_calls": [...]}, as OpenAI and vLLM stream
+    them); the deltas add up to the whole answer's message."""
+
+    def __init__(self, req: ParsedRequest, formats: ChatFormats, prompt: Optional[str]):
+        self.reasoning = formats.reasoning_parser(prompt)
+        self.calls = None if req.tools is None else tool_calls.ToolCallStream(
+            formats.tool_format)
+
+    @staticmethod
+    def wanted(req: ParsedRequest, formats: ChatFormats) -> bool:
+        return req.endpoint == CHAT and (req.tools is not None or formats.reasoning is not None)
+
+    def add(self, text: str, final: bool = False) -> list[dict]:
+        reasoning, content = ("", text) if self.reasoning is None else self.reasoning.add(text)
+        if final and self.reasoning is not None:
+            more = self.reasoning.finish()
+            reasoning, content = reasoning + more[0], content + more[1]
+        deltas = [{"reasoning_content": reasoning}] if reasoning else []
+        if self.calls is None:
+            deltas += [{"content": content}] if content else []
+        else:
+            deltas += self.calls.add(content) if content else []
+            deltas += self.calls.finish() if final else []
+        return deltas
+
+    def finish_reason(self, reason: Optional[str]) -> Optional[str]:
+        made_calls = self.calls is not None and self.calls.calls > 0
+        return "tool_calls" if made_calls and reason == "stop" else reason
+
+
+def _choice(req: ParsedRequest, tokenizer, out: RequestOutput, seq, index: int,
+            formats: ChatFormats) -> dict:
     """The choice of sequence `seq` (a CompletionOutput, or out itself) of request `out`."""
     if req.endpoint == CHAT:
         lp = None if req.logprobs is None else chat_logprobs(
             tokenizer, seq.token_ids, seq.logprobs or [], req.logprobs)
-        return {"index": index, "message": {"role": "assistant", "content": seq.text},
-                "logprobs": lp, "finish_reason": seq.finish_reason}
+        message, finish = assistant_message(req, formats, out.prompt, seq.text,
+                                            seq.finish_reason)
+        return {"index": index, "message": message, "logprobs": lp, "finish_reason": finish}
     text, lp = seq.text, None
     if req.echo:
         prompt_text = out.prompt if out.prompt is not None else tokenizer.decode(
@@ -327,35 +599,37 @@ def _choice(req: ParsedRequest, tokenizer, out: RequestOutput, seq, index: int) 
 
 def response_body(req: ParsedRequest, tokenizer, outputs: Sequence[RequestOutput], *,
                   model: str, response_id: Optional[str] = None,
-                  created: Optional[int] = None) -> dict:
+                  created: Optional[int] = None, formats: Optional[ChatFormats] = None) -> dict:
     """A whole (non-streamed) chat.completion or text_completion: one choice per sequence of
     each output (n per request), indexed in order."""
     seqs = [(o, c) for o in outputs for c in _completions(o)]
     return {"id": response_id or new_id(req.endpoint),
             "object": "chat.completion" if req.endpoint == CHAT else "text_completion",
             "created": int(time.time()) if created is None else created, "model": model,
-            "choices": [_choice(req, tokenizer, o, c, i) for i, (o, c) in enumerate(seqs)],
+            "choices": [_choice(req, tokenizer, o, c, i, formats or ChatFormats())
+                        for i, (o, c) in enumerate(seqs)],
             "usage": usage(outputs)}
 
 
 def stream_chunk(req: ParsedRequest, *, response_id: str, created: int, model: str,
                  index: int = 0, text: Optional[str] = None, role: bool = False,
                  finish: Optional[str] = None, logprobs: Optional[dict] = None,
-                 usage_: Optional[dict] = None) -> dict:
-    """One server-sent event's payload. Chat: a delta (the role first, then content); the last
-    chunk of a choice carries its finish_reason. With usage_ (include_usage), the final chunk
-    with no choices."""
+                 usage_: Optional[dict] = None, delta: Optional[dict] = None) -> dict:
+    """One server-sent event's payload. Chat: a delta (the role first, then content, or the
+    given delta's fields: reasoning_content, tool_calls); the last chunk of a choice carries
+    its finish_reason. With usage_ (include_usage), the final chunk with no choices."""
     obj = "chat.completion.chunk" if req.endpoint == CHAT else "text_completion"
     chunk = {"id": response_id, "object": obj, "created": created, "model": model}
     if usage_ is not None:
         chunk["choices"], chunk["usage"] = [], usage_
         return chunk
     if req.endpoint == CHAT:
-        delta = {}
+        given, delta = delta, {}
         if role:
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
+        delta.update(given or {})
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     else:
         choice = {"index": index, "text": text or "", "logprobs": logprobs,

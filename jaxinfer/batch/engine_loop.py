@@ -11,8 +11,8 @@ from typing import Any, Optional
 from jaxinfer.batch import records
 from jaxinfer.batch.inputs import Work
 from jaxinfer.batch.records import Result
-from jaxinfer.openai_api import CHAT, RequestError, response_body
-from jaxinfer.user_input import show
+from jaxinfer.openai_api import CHAT, ChatFormats, RequestError, prepare, response_body
+from jaxinfer.responses_api import response_object
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +26,7 @@ class EngineFeeder:
             raise ValueError(f"model {model_name!r} has no tokenizer: a batch job's responses "
                              "hold text, so it needs one")
         self.llm, self.model_name, self.job_seed = llm, model_name, job_seed
+        self.formats = ChatFormats.for_tokenizer(llm.tokenizer)
         self._running: dict[str, tuple[Work, Any]] = {}
 
     @property
@@ -54,22 +55,19 @@ class EngineFeeder:
                 records.INVALID_REQUEST)
         field = "messages" if req.endpoint == CHAT else "prompt"
         try:
-            prompt = self.llm.tokenizer.apply_chat_template(
-                req.messages, add_generation_prompt=True) if req.endpoint == CHAT else req.prompt
-        except Exception as e:  # noqa: BLE001 - a template's own error, about this request
-            return records.request_error(work.line, work.custom_id, RequestError(
-                f"messages: the chat template refused them: {show(str(e))}", field),
-                records.INVALID_PROMPT)
-        params = req.sampling(self.llm.max_seq_len)
+            prompt, params = prepare(self.llm, req, self.formats)
+        except RequestError as e:
+            kind = records.INVALID_REQUEST if e.param != field else \
+                records.PROMPT_TOO_LONG if "max_seq_len" in e.message else records.INVALID_PROMPT
+            return records.request_error(work.line, work.custom_id, e, kind)
         if params.seed is None:
             params = dataclasses.replace(
                 params, seed=records.derive_seed(self.job_seed, work.custom_id))
         try:
-            self.llm.add_request(self.llm.encode_prompt(prompt), params, request_id=rid)
+            self.llm.add_request(prompt, params, request_id=rid)
         except ValueError as e:
-            kind = records.PROMPT_TOO_LONG if "max_seq_len" in str(e) else records.INVALID_PROMPT
             return records.request_error(work.line, work.custom_id, RequestError(str(e), field),
-                                         kind)
+                                         records.INVALID_PROMPT)
         self._running[rid] = (work, tag)
         return None
 
@@ -89,7 +87,10 @@ class EngineFeeder:
             return records.internal_error(work.line, work.custom_id,
                                           "the engine failed on this request")
         try:
-            body = response_body(work.request, self.llm.tokenizer, [out], model=self.model_name)
+            body = response_body(work.request, self.llm.tokenizer, [out], model=self.model_name,
+                                 formats=self.formats)
+            if work.responses_body is not None:
+                body = response_object(body, request_body=work.responses_body)
             return records.success(work.line, work.custom_id, body)
         except Exception:  # noqa: BLE001 - a bug, but one request's: the others go on
             logger.exception("line %d: building the response failed", work.line + 1)

@@ -19,6 +19,7 @@ from jaxinfer.batch import records
 from jaxinfer.batch.records import Blank, Result
 from jaxinfer.engine.request import SamplingParams
 from jaxinfer.openai_api import CHAT, COMPLETIONS, ParsedRequest, RequestError, parse_request
+from jaxinfer.responses_api import RESPONSES, to_chat_body
 from jaxinfer.user_input import InputError, check_text, loads_json, show
 
 FORMATS = ("auto", "jsonl", "text")
@@ -48,6 +49,7 @@ class Work:
     line: int                  # 0-based input line
     custom_id: str
     request: ParsedRequest
+    responses_body: Optional[dict] = None  # a /v1/responses line's body (answered in its form)
 
 
 Item = Union[Work, Result, Blank]
@@ -202,19 +204,22 @@ def parse_line(line: int, raw: RawLine, fmt: str, text: Optional[TextDefaults]) 
     url = obj.get("url")
     if not isinstance(url, str):
         return records.line_error(line, cid, records.INVALID_LINE,
-                                  f"url must be one of {list((CHAT, COMPLETIONS))}, got "
-                                  f"{show(url)}")
+                                  f"url must be one of {list((CHAT, COMPLETIONS, RESPONSES))}, "
+                                  f"got {show(url)}")
     if "body" not in obj:
         return records.line_error(line, cid, records.INVALID_LINE, "missing body")
     try:
         # n is checked against the engine's limit when the request is submitted.
-        request = parse_request(url, obj["body"], max_n=2**31 - 1)
+        responses = url == RESPONSES
+        request = parse_request(CHAT if responses else url,
+                                to_chat_body(obj["body"]) if responses else obj["body"],
+                                max_n=2**31 - 1)
         if request.stream:
             raise RequestError("stream is not supported in a batch job", "stream")
     except RequestError as e:
         kind = records.UNKNOWN_URL if e.status == 404 else records.INVALID_REQUEST
         return records.request_error(line, cid, e, kind)
-    return Work(line, cid, request)
+    return Work(line, cid, request, obj["body"] if responses else None)
 
 
 _REFUSED = object()  # a number the strict parse refuses (NaN, Infinity, out of range)

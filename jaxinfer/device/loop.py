@@ -19,7 +19,8 @@ from jaxinfer.backends.tuning import loop_jit
 from jaxinfer.config import ModelConfig
 from jaxinfer.device.drafting import draw_draft, ngram_propose, verify
 from jaxinfer.device.kv_cache import PagedKVCache
-from jaxinfer.device.sampling import SamplingArrays, mark_seen, maybe_top_logprobs, no_logprobs
+from jaxinfer.device.sampling import (ALL_TOKENS, SamplingArrays, mark_seen, maybe_top_logprobs,
+                                     no_logprobs)
 from jaxinfer.device.state import DecodeState, _put, _take, advance_rows
 from jaxinfer.device.step import sample_rows
 from jaxinfer.models import get_model
@@ -86,10 +87,10 @@ class SpecCounts:
                                     "backend", "draft_cfg"),
                    donate_argnums=(1,))
 def decode_loop(params, state: DecodeState, rows: jax.Array, draft_on: jax.Array | None = None,
-                *, cfg: ModelConfig, num_steps: int, num_draft: int = 0, ngram_max: int = 3,
-                ngram_min: int = 1, backend: Backend | None = None,
-                exit_on_stop: jax.Array | bool = False, draft_params=None,
-                draft_cfg: ModelConfig | None = None):
+                allowed: jax.Array | None = None, *, cfg: ModelConfig, num_steps: int,
+                num_draft: int = 0, ngram_max: int = 3, ngram_min: int = 1,
+                backend: Backend | None = None, exit_on_stop: jax.Array | bool = False,
+                draft_params=None, draft_cfg: ModelConfig | None = None):
     """Up to num_steps decode steps of the listed rows [R] (B: empty) in one lax.while_loop,
     each emitting 1 to num_draft + 1 tokens per row.
 
@@ -100,6 +101,11 @@ def decode_loop(params, state: DecodeState, rows: jax.Array, draft_on: jax.Array
     with no drafts is a plain step. advance_rows books every step and decides the stops. The
     loop ends when every row is done, after num_steps, or (exit_on_stop: a request waits for a
     slot) when any row is done.
+
+    allowed [R, ceil(V/32)] int32: packed token masks of the listed rows' first step
+    (structured outputs, sampling.apply_token_mask; -1 words: unconstrained). A row's later
+    tokens depend on its first, so a dispatch with a constrained row runs that one step (rows
+    that may draft must not be constrained: verification does not apply masks).
 
     Returns (state, out_tokens [B, W] int32 (row b's: the first num_out[b]; W = num_steps *
     (k + 1)), num_out [B] int32, done [B] bool, logprobs (ids [B, W, K], values [B, W, K],
@@ -122,10 +128,13 @@ def decode_loop(params, state: DecodeState, rows: jax.Array, draft_on: jax.Array
     zeros_r = jnp.zeros((R,), jnp.int32)
     none = (jnp.zeros((R, k), jnp.int32), zeros_r, zeros_r, no_logprobs((R, k + 1)))
 
+    constrained = jnp.bool_(False) if allowed is None else jnp.any(allowed != ALL_TOKENS)
+    last_step = jnp.where(constrained, 1, num_steps)
+
     def cond(carry):
         i, _, stopped, *_ = carry
         freed = exit_on_stop & jnp.any(stopped & ~stopped_before)
-        return (i < num_steps) & ~jnp.all(stopped) & ~freed
+        return (i < last_step) & ~jnp.all(stopped) & ~freed
 
     def body(carry):
         i, state, stopped, out, num_out, lp_out, counts = carry
@@ -146,7 +155,7 @@ def decode_loop(params, state: DecodeState, rows: jax.Array, draft_on: jax.Array
                     draft_params, draft_cfg, last_token[:, None], draft_cache, fed, rows=rows,
                     backend=backend)
             logits = model.head(params, h[:, 0], backend)                 # [R, V]
-            token = sample_rows(logits, state, rows, generated, backend)
+            token = sample_rows(logits, state, rows, generated, backend, allowed)
             lp = maybe_top_logprobs(want_lp, lambda x: x, logits, token, backend)
             lp = jax.tree.map(lambda x: jnp.pad(x[:, None], [(0, 0), (0, k)] +
                                                 [(0, 0)] * (x.ndim - 1)), lp)

@@ -215,11 +215,32 @@ def uniforms(seed: jax.Array, token_index: jax.Array, stream: int | None = None)
     return jax.vmap(one)(seed, token_index)
 
 
+ALL_TOKENS = -1  # a mask word with every bit set: the row is not constrained
+
+
+def apply_token_mask(logits: jax.Array, allowed: jax.Array) -> jax.Array:
+    """logits [B, V] with the tokens not allowed at -inf. allowed [B, ceil(V/32)] int32: bit j
+    of word w allows token 32 w + j (llguidance's packed layout); a row of ALL_TOKENS words is
+    unconstrained. Batches without a constrained row skip the unpacking."""
+    V = logits.shape[-1]
+
+    def masked(logits):
+        bits = jnp.right_shift(allowed.astype(jnp.uint32)[:, :, None],
+                               jnp.arange(32, dtype=jnp.uint32))
+        keep = (bits & 1).astype(bool).reshape(allowed.shape[0], -1)[:, :V]
+        return jnp.where(keep, logits, -jnp.inf)
+
+    return jax.lax.cond(jnp.any(allowed != ALL_TOKENS), masked, lambda x: x, logits)
+
+
 def sample(logits: jax.Array, sp: SamplingArrays, seen: Seen, token_index: jax.Array,
-           backend=None) -> jax.Array:
+           backend=None, allowed: jax.Array | None = None) -> jax.Array:
     """One token per row: logits [B, V]; seen [B, V] bool (or a function giving it);
-    token_index [B] int32 (the token's index in its request's output) -> [B] int32."""
+    token_index [B] int32 (the token's index in its request's output); allowed: packed token
+    masks (apply_token_mask), applied before every other step -> [B] int32."""
     backend = backend if backend is not None else backends.default()
+    if allowed is not None:
+        logits = apply_token_mask(logits.astype(jnp.float32), allowed)
     def full(logits):
         logits = apply_repetition_penalty(logits, seen, sp.repetition_penalty)
         greedy = backend.argmax(logits)

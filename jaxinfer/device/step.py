@@ -21,11 +21,12 @@ from jaxinfer.models import get_model
 
 
 def sample_rows(logits, state: DecodeState, rows: jax.Array, index: jax.Array,
-                backend: Backend):
-    """A token for each listed row [R] from logits [R, V] at token index [R]; the rows' seen
+                backend: Backend, allowed: jax.Array | None = None):
+    """A token for each listed row [R] from logits [R, V] at token index [R], within the
+    allowed tokens [R, ceil(V/32)] (sampling.apply_token_mask) when given; the rows' seen
     masks are gathered only where a repetition penalty applies."""
     sp = jax.tree.map(lambda x: _take(x, rows), state.rows.sampling)
-    return sample(logits, sp, lambda: _take(state.seen, rows), index, backend)
+    return sample(logits, sp, lambda: _take(state.seen, rows), index, backend, allowed)
 
 
 @flax.struct.dataclass
@@ -40,12 +41,15 @@ class StepOutput:
 
 
 def step(params, state: DecodeState, batch: TokenBatch, sampled: jax.Array,
-         next_tokens: jax.Array | None = None, *, cfg: ModelConfig,
-         backend: Backend | None = None, query_tile: int = 16, draft_params=None,
-         draft_cfg: ModelConfig | None = None) -> tuple[StepOutput, DecodeState]:
+         next_tokens: jax.Array | None = None, allowed: jax.Array | None = None, *,
+         cfg: ModelConfig, backend: Backend | None = None, query_tile: int = 16,
+         draft_params=None, draft_cfg: ModelConfig | None = None
+         ) -> tuple[StepOutput, DecodeState]:
     """One engine step, pure: every batch token through the model, then a token for each row in
     sampled [S] (B: empty) from its last token's logits. next_tokens [T] int32 (-1: none): the
-    prompt token after each batch token, for prompt_logprobs. backend default:
+    prompt token after each batch token, for prompt_logprobs. allowed [S, ceil(V/32)] int32:
+    the sampled rows' packed token masks (structured outputs; -1 words: unconstrained); log
+    probabilities stay the model's own. backend default:
     backends.default(). Usable inside a caller's jax.jit (the engine's: step_jit). Returns
     (StepOutput, state)."""
     backend = backend if backend is not None else backends.default()
@@ -63,7 +67,8 @@ def step(params, state: DecodeState, batch: TokenBatch, sampled: jax.Array,
     state = state.replace(seen=seen, cache=cache, draft_cache=draft_cache)
     last = _take(batch.query_start + batch.num_queries - 1, sampled)      # [S]
     logits = model.head(params, h[jnp.maximum(last, 0)], backend)         # [S, V]
-    token = sample_rows(logits, state, sampled, _take(state.num_generated, sampled), backend)
+    token = sample_rows(logits, state, sampled, _take(state.num_generated, sampled), backend,
+                        allowed)
     real = sampled < B
     lp = maybe_top_logprobs(_take(state.rows.logprobs, sampled) & real, lambda x: x, logits,
                             token, backend)

@@ -9,7 +9,7 @@ import collections
 import dataclasses
 import logging
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import jax
 import numpy as np
@@ -57,6 +57,7 @@ class SequenceState:
     # it has all but the last prompt token in the cache, then share those pages.
     forks: list = dataclasses.field(default_factory=list)   # sequence 0: sequences waiting
     waiting_fork: bool = False                               # a sequence waiting for its fork
+    guide: Optional[Any] = None  # structured.Guide: the grammar its output must match
 
     def __post_init__(self):
         if self.params.logprobs is not None:
@@ -214,6 +215,8 @@ class Engine:
         """A multi-step dispatch's tokens per row (pages are reserved for them) and, with
         speculation, which rows draft."""
         steps = self.engine_cfg.decode_steps
+        if any(r.guide is not None for r in decoding):
+            return 1, None if self.spec is None else np.zeros(len(self.slots), bool)
         if self.spec is None:
             return steps, None
         draft_on = np.zeros(len(self.slots), bool)
@@ -239,7 +242,11 @@ class Engine:
                 nexts.append(following + [-1] * (n - len(following)))
         sampling = plan.decode + completes
         want_lp = any(r.logprobs is not None for r in sampling)
-        result = self.runner.step(segments, [r.slot for r in sampling], nexts, want_lp)
+        guides = {r.slot: r.guide for r in sampling if r.guide is not None}
+        t0 = time.perf_counter()
+        result = self.runner.step(segments, [r.slot for r in sampling], nexts, want_lp, guides)
+        if guides:
+            self._count_guided(guides, t0)
         self.stats_counters["prompt_tokens"] += sum(n for _, n in plan.prefill)
         if want_prompt:
             self._book_prompt_logprobs(plan, result.prompt_logprobs)
@@ -258,6 +265,12 @@ class Engine:
                 self._fail(req)
             progressed.append(req)
         return progressed
+
+    def _count_guided(self, guides: dict, t0: float) -> None:
+        c = self.stats_counters
+        c["guided_steps"] += 1
+        c["guided_rows"] += len(guides)
+        c["guided_step_ns"] += int((time.perf_counter() - t0) * 1e9)
 
     def _book_prompt_logprobs(self, plan, prompt_lp) -> None:
         ids, vals, chosen = prompt_lp
@@ -282,9 +295,15 @@ class Engine:
     def _decode(self, plan) -> list[SequenceState]:
         """One decode dispatch of up to decode_steps steps per row, drafting per plan.draft_on."""
         decoding, draft_on = plan.decode, plan.draft_on
+        # Each token of a constrained row needs the mask its previous token leads to: such a
+        # dispatch is one step (docs/structured_outputs.md, "One step at a time").
+        guides = {r.slot: r.guide for r in decoding if r.guide is not None}
         t0 = time.perf_counter()
         out, num_out, done, lp, counts = self.runner.decode(
-            [r.slot for r in decoding], draft_on, exit_on_stop=bool(self.waiting))
+            [r.slot for r in decoding], draft_on, exit_on_stop=bool(self.waiting),
+            guides=guides)
+        if guides:
+            self._count_guided(guides, t0)
         if counts is not None:
             self.spec_rates.record(len(decoding), bool(draft_on.any()), int(num_out.sum()),
                                    time.perf_counter() - t0)
@@ -320,7 +339,9 @@ class Engine:
             req.metrics.generated_tokens += 1
             req.metrics.token_times.append(now)
             self.stats_counters["generated_tokens"] += 1
-            if req.stream.add(tok):
+            # A complete grammar ends the output: only EOS could follow.
+            complete = req.guide is not None and req.guide.consume(tok)
+            if req.stream.add(tok) or complete:
                 self._finish(req, "stop")
                 return
         if done:
@@ -376,6 +397,10 @@ class Engine:
             "state_bytes": tree_bytes(self.state) if self.state is not None else 0,
             "model_programs": self.num_programs(),
             "ring_slots": self.runner.ring_capacity,
+            "guided_steps": c["guided_steps"],  # dispatches with constrained rows
+            "guided_rows": c["guided_rows"],    # constrained rows sampled in them
+            "guided_step_s": c["guided_step_ns"] / 1e9,  # those steps' time, masks included
+            "guided_mask_s": self.runner.mask_s,  # host time writing their token masks
             **({"spec_steps": c["spec_steps"], "draft_tokens": c["draft_tokens"],
                 "accepted_tokens": c["accepted_tokens"],
                 "acceptance_rate": c["accepted_tokens"] / max(c["draft_tokens"], 1),

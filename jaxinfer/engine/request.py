@@ -6,6 +6,7 @@ import dataclasses
 import math
 from typing import Optional, Sequence, Union
 
+from jaxinfer.structured.grammar import StructuredOutputs
 from jaxinfer.user_input import check_text, show
 
 
@@ -18,7 +19,8 @@ class SamplingParams:
     sampling (token i depends on (seed, i) alone). stop: strings that end generation (not
     included in the text). ignore_eos: keep going past EOS. logprobs / prompt_logprobs: top-k
     log-probabilities per generated / prompt token. n: sequences sampled from the prompt, which
-    is prefilled once (sequence i draws with seed + i; see docs/api.md).
+    is prefilled once (sequence i draws with seed + i; see docs/api.md). structured_outputs:
+    the output must match a JSON schema, regex, choice or grammar (docs/structured_outputs.md).
     """
 
     max_tokens: int = 64
@@ -33,6 +35,7 @@ class SamplingParams:
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
     n: int = 1
+    structured_outputs: Optional[StructuredOutputs] = None
 
     def __post_init__(self):
         def number(name, integer=False):
@@ -72,6 +75,10 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
                 raise ValueError(f"{name} must be None or an int >= 0, got {v!r}")
+        if self.structured_outputs is not None and \
+                not isinstance(self.structured_outputs, StructuredOutputs):
+            raise ValueError("structured_outputs must be None or a ji.StructuredOutputs, got "
+                             f"{type(self.structured_outputs).__name__}")
 
     @property
     def stop_strings(self) -> tuple[str, ...]:

@@ -10,6 +10,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import os
+import time
 from typing import Optional
 
 import jax
@@ -26,7 +27,9 @@ from jaxinfer.engine import buckets, programs
 from jaxinfer.engine.programs import ProgramCache
 from jaxinfer.device.kv_cache import PagedKVCache, kv_buffer, ring_tables
 from jaxinfer.sharding import Partitioner, fetch
+from jaxinfer.device.sampling import ALL_TOKENS
 from jaxinfer.device.token_batch import host_batch
+from jaxinfer.structured import fill_masks, mask_words
 
 MAX_STOP_IDS = 8
 # Programs warmup compiles at once (at most the usable CPUs); $JAXINFER_COMPILE_THREADS overrides.
@@ -77,6 +80,7 @@ class Runner:
         # Where padding costs what a real token does, prefilling steps fill buckets.
         self.fill_buckets = self.token_buckets if tune.fill_token_buckets else None
         self.state: Optional[DecodeState] = None
+        self.mask_s = 0.0  # host time writing structured outputs' token masks
         # The programs cache on one device (engine.programs); None: jit dispatches.
         root = programs.directory() if partitioner is None else None
         self.programs = ProgramCache(root, program_index) if root else None
@@ -204,23 +208,25 @@ class Runner:
     # ---- the flat step -----------------------------------------------------------------------
 
     def step(self, segments: list, sample_slots: list, next_tokens: Optional[list] = None,
-             want_logprobs: bool = False) -> StepResult:
+             want_logprobs: bool = False, guides: Optional[dict] = None) -> StepResult:
         """One flat step: segments [(slot, token ids)] in batch order; sample_slots: the slots
         that sample a token from their last one; next_tokens: per segment the prompt token
-        after each of its tokens (-1: none), when a row wants prompt logprobs."""
+        after each of its tokens (-1: none), when a row wants prompt logprobs; guides: slot ->
+        structured.Guide of the constrained rows, whose masks are written before the dispatch."""
         total = sum(len(ids) for _, ids in segments)
         T = buckets.pick(self.token_buckets, total)
         batch = host_batch(T, self.num_slots, segments)
         S = min(self.num_slots, T)
         sample_rows = np.full(S, self.num_slots, np.int32)
         sample_rows[:len(sample_slots)] = sorted(sample_slots)
+        allowed = self._fill_masks(sample_rows, guides)
         nxt = np.full(T, -1, np.int32)
         if next_tokens is not None:
             t = 0
             for (_, ids), after in zip(segments, next_tokens):
                 nxt[t:t + len(after)] = after
                 t += len(ids)
-        out, self.state = self._step(batch, sample_rows, nxt)
+        out, self.state = self._step(batch, sample_rows, nxt, allowed)
         tokens, done, lp, prompt_lp = fetch((
             out.tokens, out.done, out.logprobs if want_logprobs else None,
             out.prompt_logprobs if next_tokens is not None else None))
@@ -231,14 +237,30 @@ class Runner:
                           {s: tuple(x[i] for x in lp) for i, s in listed},
                           prompt_logprobs=prompt_lp)
 
-    def _step_call(self, state, batch, sample_rows, next_tokens) -> tuple:
+    def _masks(self, rows: int) -> np.ndarray:
+        """Packed token masks [rows, words] allowing every token (structured.fill_masks
+        writes the constrained rows')."""
+        return np.full((rows, mask_words(self.cfg.vocab_size)), ALL_TOKENS, np.int32)
+
+    def _fill_masks(self, rows: np.ndarray, guides: Optional[dict]) -> np.ndarray:
+        """The packed token masks of the listed rows [R] (slots; B: padding): each guided
+        slot's from its guide, every other row's all ones."""
+        allowed = self._masks(len(rows))
+        if guides:
+            t0 = time.perf_counter()
+            fill_masks([(guides[s], i) for i, s in enumerate(rows.tolist()) if s in guides],
+                       allowed)
+            self.mask_s += time.perf_counter() - t0
+        return allowed
+
+    def _step_call(self, state, batch, sample_rows, next_tokens, allowed) -> tuple:
         """The flat step's program and arguments: (jitted, args, kwargs)."""
-        return step_jit, (self.params, state, batch, sample_rows, next_tokens), dict(
+        return step_jit, (self.params, state, batch, sample_rows, next_tokens, allowed), dict(
             cfg=self.cfg, backend=self.backend, query_tile=self.query_tile,
             **self.draft_kw)
 
-    def _step(self, batch, sample_rows, next_tokens):
-        call = self._step_call(self.state, batch, sample_rows, next_tokens)
+    def _step(self, batch, sample_rows, next_tokens, allowed):
+        call = self._step_call(self.state, batch, sample_rows, next_tokens, allowed)
         return self._dispatch(("step", batch.tokens.shape[0]), call)
 
     def _dispatch(self, name: tuple, call: tuple):
@@ -252,23 +274,28 @@ class Runner:
 
     # ---- multi-step decode ------------------------------------------------------------------
 
-    def decode(self, slots: list, draft_on: Optional[np.ndarray], exit_on_stop: bool):
-        """One decode dispatch for the listed slots. Returns (out [B, W], num_out [B],
+    def decode(self, slots: list, draft_on: Optional[np.ndarray], exit_on_stop: bool,
+               guides: Optional[dict] = None):
+        """One decode dispatch for the listed slots (guides: slot -> structured.Guide of the
+        constrained ones; then the dispatch is one step). Returns (out [B, W], num_out [B],
         done [B], logprobs or None (fetched when asked), counts or None (without speculation))."""
         rows = np.full(buckets.pick(self.row_buckets, len(slots)), self.num_slots, np.int32)
         rows[:len(slots)] = slots
-        call = self._loop_call(self.state, rows, draft_on, exit_on_stop)
+        allowed = self._fill_masks(rows, guides)
+        call = self._loop_call(self.state, rows, draft_on, exit_on_stop, allowed)
         self.state, out, num_out, done, lp, counts = self._dispatch(("loop", len(rows)), call)
         counts = fetch(counts) if self.spec is not None else None
         return fetch((out, num_out, done)) + (lp, counts)
 
-    def _loop_call(self, state, rows, draft_on, exit_on_stop: bool) -> tuple:
-        """The decode loop's (jitted, args, kwargs); draft_on [B]: rows that may draft."""
+    def _loop_call(self, state, rows, draft_on, exit_on_stop: bool, allowed=None) -> tuple:
+        """The decode loop's (jitted, args, kwargs); draft_on [B]: rows that may draft;
+        allowed: the rows' packed token masks (all ones when None)."""
+        allowed = self._masks(len(rows)) if allowed is None else allowed
         kw = dict(cfg=self.cfg, num_steps=self.engine_cfg.decode_steps, backend=self.backend,
                   exit_on_stop=np.bool_(exit_on_stop), **self.draft_kw)
         if self.spec is None:
-            return decode_loop, (self.params, state, rows, None), kw
-        return decode_loop, (self.params, state, rows, draft_on), dict(
+            return decode_loop, (self.params, state, rows, None, allowed), kw
+        return decode_loop, (self.params, state, rows, draft_on, allowed), dict(
             kw, num_draft=self.spec.num_draft_tokens, ngram_max=self.spec.ngram_max,
             ngram_min=self.spec.ngram_min)
 
@@ -297,9 +324,11 @@ class Runner:
         jax.block_until_ready(self.state)
 
     def _idle_step_inputs(self, T: int) -> tuple:
-        """A flat step of T tokens that no row owns (batch, sample_rows, next_tokens)."""
+        """A flat step of T tokens that no row owns (batch, sample_rows, next_tokens,
+        allowed)."""
         B = self.num_slots
-        return host_batch(T, B, []), np.full(min(B, T), B, np.int32), np.full(T, -1, np.int32)
+        return (host_batch(T, B, []), np.full(min(B, T), B, np.int32), np.full(T, -1, np.int32),
+                self._masks(min(B, T)))
 
     def _model_calls(self, state) -> list:
         """Every model program as (jitted, args, kwargs) over `state`, in _model_names' order."""

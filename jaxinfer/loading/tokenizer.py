@@ -220,6 +220,14 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+    def is_added_token(self, text: str) -> bool:
+        """Whether `text` is one added token of the vocabulary (special or not)."""
+        return any(t.content == text for t in self._tok.get_added_tokens_decoder().values())
+
+    def backend_json(self) -> str:
+        """The `tokenizers` tokenizer as its JSON (what llguidance builds its view from)."""
+        return self._tok.to_str()
+
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(int(token_id))
 

@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from jaxinfer import openai_api as oa
+from jaxinfer import responses_api as ra
 from jaxinfer.serve.engine_loop import ERROR, OUTPUT, EngineLoop, EngineStopped, Submission
 from jaxinfer.serve.gate import CLOSE, ApiError, Gate, error_response, internal_error
 from jaxinfer.serve.metrics import CONTENT_TYPE, ServerMetrics
@@ -48,6 +49,10 @@ class ServeConfig:
     # Open connections, idle ones included; past them uvicorn answers 503.
     # None: 2 * (max_num_seqs + max_waiting) + CONNECTION_HEADROOM.
     max_connections: Optional[int] = None
+    # How chat answers are read (openai_api.ChatFormats): the tool-call format (None: the
+    # model's own, else hermes) and the reasoning parser (None: by the chat template).
+    tool_call_parser: Optional[str] = None
+    reasoning_parser: Optional[str] = None
 
     def __post_init__(self):
         for name in ("keep_alive_s", "read_timeout_s"):
@@ -69,6 +74,7 @@ class ServeState:
         self.cfg = cfg
         self.metrics = ServerMetrics()
         self.llm = None
+        self.formats = oa.ChatFormats()
         self.engine: Optional[EngineLoop] = None
         self.ready = False      # loaded and warmed: /health 200 and requests admitted
         self.draining = False   # shutting down: no new requests
@@ -81,6 +87,8 @@ class ServeState:
     def attach(self, llm) -> None:
         """Serves `llm` (loaded, warmed if wanted): starts the engine loop, marks ready."""
         self.llm = llm
+        self.formats = oa.ChatFormats.for_tokenizer(llm.tokenizer, self.cfg.tool_call_parser,
+                                                    self.cfg.reasoning_parser)
         self.engine = EngineLoop(llm, self.metrics).start()
         self.ready = True
 
@@ -162,31 +170,16 @@ def _failed(out) -> bool:
                                                for c in out.outputs or ())
 
 
-def _encode(llm, req: oa.ParsedRequest):
-    """The request's prompt tokenized and checked (chat: through the model's template); runs
-    on the encoder pool. RequestError naming `prompt` or `messages`."""
-    param = "messages" if req.endpoint == oa.CHAT else "prompt"
-    prompt = req.prompt
-    if req.endpoint == oa.CHAT:
-        if llm.tokenizer is None:
-            raise oa.RequestError("this model has no tokenizer, so it cannot chat", param)
-        try:
-            prompt = llm.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True)
-        except Exception as e:  # noqa: BLE001 - the template's own checks (roles, order)
-            raise oa.RequestError(f"messages: the model's chat template refused them: {e}",
-                                  param) from None
-    try:
-        return llm.encode_prompt(prompt)
-    except ValueError as e:  # too long, lone surrogates, ids outside the vocabulary
-        raise oa.RequestError(f"{param}: {e}" if req.endpoint == oa.CHAT else str(e),
-                              param) from None
-
-
 async def _generate(state: ServeState, request: Request, endpoint: str):
     _available(state)
     body = await _read_json(request, state.cfg)
-    llm, name, chat = state.llm, state.cfg.model_name, endpoint == oa.CHAT
-    req = oa.parse_request(endpoint, body, max_n=llm.max_n)
+    llm, name = state.llm, state.cfg.model_name
+    responses = endpoint == ra.RESPONSES
+    if responses:  # the Responses API, served as the chat completion it translates to
+        req = oa.parse_request(oa.CHAT, ra.to_chat_body(body), max_n=llm.max_n)
+    else:
+        req = oa.parse_request(endpoint, body, max_n=llm.max_n)
+    chat = req.endpoint == oa.CHAT
     if req.model is not None and req.model != name:
         raise oa.RequestError(f"model {show(req.model)} is not served here; this server "
                               f"serves {name!r}", "model", code="model_not_found")
@@ -204,8 +197,9 @@ async def _generate(state: ServeState, request: Request, endpoint: str):
                 state.engine.abort(rid)
 
     try:
-        prompt = await loop.run_in_executor(state.encoder, _encode, llm, req)
-        sub = Submission(rid, prompt, req.sampling(llm.max_seq_len), loop)
+        prompt, params = await loop.run_in_executor(state.encoder, oa.prepare, llm, req,
+                                                    state.formats)
+        sub = Submission(rid, prompt, params, loop)
         state.engine.submit(sub)
         submitted.append(True)
         error = await sub.admitted()
@@ -213,9 +207,13 @@ async def _generate(state: ServeState, request: Request, endpoint: str):
             close(True)
             raise _engine_error(error, param)
         deltas = [Deltas(req, llm.tokenizer, response_id=rid, created=created, model=name,
-                         index=i) for i in range(req.n)]
+                         index=i, formats=state.formats) for i in range(req.n)]
         if req.stream:
-            return SSEResponse(_stream(sub, deltas, close), close)
+            chunks = _stream(sub, deltas, close)
+            if responses:
+                events = ra.ResponseStream(body, ra.new_response_id(), created, name)
+                return SSEResponse(_response_events(chunks, events), close)
+            return SSEResponse(_chat_sse(chunks), close)
         kind, out = await _final(sub, request)
         close(kind != ERROR and out is not None and out.finish_reason != "abort")
     except BaseException:
@@ -228,8 +226,9 @@ async def _generate(state: ServeState, request: Request, endpoint: str):
                        "service_unavailable")
     if _failed(out):
         raise internal_error()
-    return JSONResponse(oa.response_body(req, llm.tokenizer, [out], model=name,
-                                         response_id=rid, created=created))
+    answer = oa.response_body(req, llm.tokenizer, [out], model=name, response_id=rid,
+                              created=created, formats=state.formats)
+    return JSONResponse(ra.response_object(answer, request_body=body) if responses else answer)
 
 
 async def _final(sub: Submission, request: Request):
@@ -255,34 +254,56 @@ def _stream_error(e: Optional[BaseException]) -> dict:
 
 
 async def _stream(sub: Submission, deltas: list, close):
-    """The stream of one request: a Deltas per sequence (choice index). Always ends with
-    `data: [DONE]`, after an error event if the request failed."""
+    """The chat or completion chunks of one request, a Deltas per sequence (choice index), as
+    (chunk, None); a failure ends it with (None, error body)."""
     try:
         for d in deltas:
             for chunk in d.first():
-                yield sse(chunk)
+                yield chunk, None
         while True:
             kind, out = await sub.next()
             if kind == ERROR or (out is not None and _failed(out)):
-                yield sse(_stream_error(out if kind == ERROR else None))
+                yield None, _stream_error(out if kind == ERROR else None)
                 break
             if out is None:  # aborted before any output
                 for d in deltas:
-                    yield sse(oa.stream_chunk(d.req, text="", finish="abort", **d.kw))
+                    yield oa.stream_chunk(d.req, text="", finish="abort", **d.kw), None
                 break
             for d in deltas:
                 for chunk in d.update(SequenceView(out, d.index)):
-                    yield sse(chunk)
+                    yield chunk, None
             if out.finished:
                 usage = deltas[0].usage()
                 if usage is not None:
-                    yield sse(usage)
+                    yield usage, None
                 break
     except Exception:  # noqa: BLE001 - a fault here ends this stream only, with an event
         log.exception("stream %s failed", sub.request_id)
         close(False)  # the request may still be running: abort it
-        yield sse(internal_error().body)
+        yield None, internal_error().body
+
+
+async def _chat_sse(chunks):
+    """Chat and completions streams: each chunk (or the error) as `data:`; always ends with
+    `data: [DONE]`."""
+    async for chunk, error in chunks:
+        yield sse(chunk if error is None else error)
     yield sse("[DONE]")
+
+
+async def _response_events(chunks, events: "ra.ResponseStream"):
+    """A Responses stream: the chat chunks as its typed events (`event:` and `data:`), ending
+    with response.completed (or .incomplete), or an error event."""
+    for ev in events.start():
+        yield ra.sse_event(ev)
+    async for chunk, error in chunks:
+        if error is not None:
+            yield ra.sse_event(events.error_event(error["error"]["message"]))
+            return
+        for ev in events.chunk(chunk):
+            yield ra.sse_event(ev)
+    for ev in events.finish():
+        yield ra.sse_event(ev)
 
 
 def create_app(state: ServeState) -> FastAPI:
@@ -308,6 +329,10 @@ def create_app(state: ServeState) -> FastAPI:
     @app.post(oa.CHAT)
     async def chat_completions(request: Request):
         return await _generate(state, request, oa.CHAT)
+
+    @app.post(ra.RESPONSES)
+    async def responses(request: Request):
+        return await _generate(state, request, ra.RESPONSES)
 
     @app.get(MODELS)
     async def models():

@@ -35,8 +35,10 @@ class Deltas:
     SequenceViews)."""
 
     def __init__(self, req: oa.ParsedRequest, tokenizer, *, response_id: str, created: int,
-                 model: str, index: int = 0):
+                 model: str, index: int = 0, formats: Optional[oa.ChatFormats] = None):
         self.req, self.tok, self.index = req, tokenizer, index
+        self.formats = formats or oa.ChatFormats()
+        self.chat = None  # oa.ChatStream, made at the first output (it needs the prompt)
         self.kw = dict(response_id=response_id, created=created, model=model, index=index)
         stops = req.params.stop_strings
         self.matcher = StopMatcher(stops) if stops else None
@@ -94,10 +96,25 @@ class Deltas:
             text = out.text[self.chars:end]
             lp = self._logprobs(out, upto)
             self.chars, self.tokens = max(self.chars, end), upto
-            if text or lp is not None or out.finished:
+            if self.chat is None and oa.ChatStream.wanted(self.req, self.formats):
+                self.chat = oa.ChatStream(self.req, self.formats, out.prompt)
+            if self.chat is not None:
+                chunks += self._chat_chunks(text, lp, out)
+            elif text or lp is not None or out.finished:
                 chunks.append(oa.stream_chunk(self.req, text=text, logprobs=lp,
                                               finish=out.finish_reason, **self.kw))
         return chunks
+
+    def _chat_chunks(self, text: str, lp: Optional[dict], out) -> list[dict]:
+        """Chunks of new text read as reasoning, content and tool calls: the logprobs with the
+        first, the finish_reason with the last."""
+        deltas = self.chat.add(text, final=out.finished)
+        if not deltas and (lp is not None or out.finished):
+            deltas = [{}]
+        finish = self.chat.finish_reason(out.finish_reason) if out.finished else None
+        return [oa.stream_chunk(self.req, delta=d, logprobs=lp if i == 0 else None,
+                                finish=finish if i == len(deltas) - 1 else None, **self.kw)
+                for i, d in enumerate(deltas)]
 
     def usage(self) -> Optional[dict]:
         if not self.req.include_usage or self.last is None:
