@@ -395,6 +395,12 @@ class ChatFormats:
         return cls(tool_format=fmt, special_markers=markers,
                    reasoning=None if parser is None else (reasoning or "think"))
 
+    @staticmethod
+    def check(tool_format: Optional[str], reasoning: Optional[str]) -> None:
+        """ValueError for a tool-call format or reasoning parser name that is not known."""
+        tool_calls.pick_format(None, tool_format)
+        pick_reasoning_parser(None, reasoning)
+
     def reasoning_parser(self, prompt: Optional[str]) -> Optional[ReasoningParser]:
         """A fresh parser for one sequence (started when the prompt leaves <think> open)."""
         if self.reasoning is None:

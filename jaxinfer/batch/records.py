@@ -93,11 +93,14 @@ def _request_id() -> str:
 
 def success(line: int, custom_id: str, body: dict) -> Result:
     """A completed request: `body` is openai_api.response_body's chat.completion or
-    text_completion."""
+    text_completion, or responses_api.response_object's response."""
     record = {"id": _record_id(), "custom_id": custom_id,
               "response": {"status_code": 200, "request_id": body["id"], "body": body},
               "error": None}
     usage = body["usage"]
+    if "input_tokens" in usage:  # a Responses object's names
+        return _result(line, custom_id, record, None, usage["input_tokens"],
+                       usage["output_tokens"])
     return _result(line, custom_id, record, None, usage["prompt_tokens"],
                    usage["completion_tokens"])
 

@@ -43,6 +43,12 @@ _MAX_CONNECTIONS = flags.DEFINE_integer("max_connections", None, "Open connectio
 _NAME = flags.DEFINE_string("served_model_name", None, "The model name clients send and "
                             "/v1/models lists (default: --model).")
 _WARMUP = flags.DEFINE_bool("warmup", True, "Compile every shape before reporting healthy.")
+_TOOL_PARSER = flags.DEFINE_enum("tool_call_parser", None, ["hermes", "llama3_json"],
+                                 "How the model writes tool calls (default: llama3_json for "
+                                 "Llama 3 chat templates, else hermes).")
+_REASONING = flags.DEFINE_enum("reasoning_parser", None, ["deepseek_r1", "qwen3", "none"],
+                               "Split <think>...</think> into reasoning_content (default: "
+                               "when the chat template mentions <think>).")
 
 FLAGS = flags.FLAGS
 
@@ -72,7 +78,8 @@ def run() -> int:
                       api_key=_API_KEY.value or os.environ.get("JAXINFER_API_KEY") or None,
                       max_waiting=_MAX_WAITING.value, max_body_bytes=_MAX_BODY.value,
                       keep_alive_s=_KEEP_ALIVE.value, read_timeout_s=_READ_TIMEOUT.value,
-                      max_connections=_MAX_CONNECTIONS.value)
+                      max_connections=_MAX_CONNECTIONS.value,
+                      tool_call_parser=_TOOL_PARSER.value, reasoning_parser=_REASONING.value)
 
     def load():
         import jax

@@ -60,6 +60,7 @@ class ServeConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_connections is not None and self.max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+        oa.ChatFormats.check(self.tool_call_parser, self.reasoning_parser)
 
     def connection_limit(self, max_num_seqs: int) -> int:
         if self.max_connections is not None:

@@ -58,15 +58,26 @@ def write_lines(path, lines):
     return str(path)
 
 
+_FRESH = ("id", "call_id", "created", "created_at", "completed_at")
+
+
+def _without_fresh(x):
+    """x without the keys that are fresh per response (ids of it, its items and its tool calls,
+    and its times)."""
+    if isinstance(x, dict):
+        return {k: _without_fresh(v) for k, v in x.items() if k not in _FRESH}
+    if isinstance(x, list):
+        return [_without_fresh(v) for v in x]
+    return x
+
+
 def strip_ids(record):
-    """A record without the fields that differ between runs by design: ids and `created`."""
+    """A record without the fields that differ between runs by design: ids and times."""
     record = json.loads(json.dumps(record))
     record.pop("id")
     if record["response"] is not None:
         record["response"].pop("request_id")
-        body = record["response"]["body"]
-        body.pop("id", None)
-        body.pop("created", None)
+        record["response"]["body"] = _without_fresh(record["response"]["body"])
     return record
 
 

@@ -289,3 +289,19 @@ def test_token_mask_matches_llguidance_reference():
         free = np.full_like(mask, ALL_TOKENS)
         np.testing.assert_array_equal(np.asarray(jax.jit(apply_token_mask)(logits, free)),
                                       logits)
+
+
+def test_constrained_requests_compile_nothing(llm, compile_recorder):
+    """After warmup, constrained and free rows together (flat steps and decode dispatches,
+    greedy and sampled, every kind of constraint) run the warmed programs only."""
+    import jaxinfer as ji
+
+    kinds = [ji.StructuredOutputs(json=SCHEMAS["person"]), ji.StructuredOutputs(regex="[0-9]{4}"),
+             ji.StructuredOutputs(choice=["a", "b"]), ji.StructuredOutputs(grammar=ARITHMETIC),
+             ji.StructuredOutputs(json_object=True), None]
+    prompts = [_chat(llm, PROMPTS["person"])] * len(kinds)
+    with compile_recorder() as rec:
+        llm.generate(prompts, [ji.SamplingParams(max_tokens=24, temperature=t, seed=i,
+                                                 structured_outputs=k)
+                               for i, (k, t) in enumerate(zip(kinds, [0, 0.7] * 3))])
+    assert rec.logs == [] and rec.events == []
