@@ -244,7 +244,7 @@ def test_malformed_constraints_are_refused(kw):
         ji.StructuredOutputs(**kw)
 
 
-def test_speculation_leaves_constrained_rows_undrafted():
+def test_speculation_leaves_constrained_rows_undrafted(llm):
     """With n-gram speculation on, a constrained row never drafts (verification applies no
     mask) and gets the tokens it gets without speculation; free rows still draft."""
     import jaxinfer as ji
@@ -259,9 +259,8 @@ def test_speculation_leaves_constrained_rows_undrafted():
     assert outs[0].metrics.draft_tokens == 0
     assert outs[1].metrics.draft_tokens > 0
     _validate("object_with_array", outs[0].text)
-    plain = ji.LLM(MODEL, max_num_seqs=2, max_seq_len=512)
-    ref = plain.generate(prompt, ji.SamplingParams(max_tokens=MAX_TOKENS,
-                                                   structured_outputs=spec))[0]
+    ref = llm.generate(prompt, ji.SamplingParams(max_tokens=MAX_TOKENS,
+                                                 structured_outputs=spec))[0]
     assert ref.token_ids == outs[0].token_ids
 
 
