@@ -25,7 +25,7 @@ from typing import Optional
 PARSERS = ("deepseek_r1", "qwen3", "none")
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """Length of the longest end of `text` that is a proper prefix of `marker`."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-n:]):
@@ -129,7 +129,7 @@ class ReasoningParser:
                     self._buf = buf[i + len(self.start):]
                     self._state, self._held, self._begun = "reasoning", "", False
                     continue
-                keep = 0 if final else _partial_suffix(buf, self.start)
+                keep = 0 if final else partial_suffix(buf, self.start)
                 content.append(self._emit(buf[:len(buf) - keep], drop_leading=False))
                 self._buf = buf[len(buf) - keep:]
                 if final:
@@ -151,7 +151,7 @@ class ReasoningParser:
                     self._buf = buf[j + len(self.end):]
                     self._state, self._held, self._begun = "content", "", False
                     continue
-                keep = 0 if final else _partial_suffix(buf, self.end)
+                keep = 0 if final else partial_suffix(buf, self.end)
                 reasoning.append(self._emit(buf[:len(buf) - keep], drop_leading=True))
                 self._buf = buf[len(buf) - keep:]
                 if final:

@@ -31,6 +31,7 @@ import re
 import secrets
 from typing import Any, Collection, Iterable, Optional, Sequence
 
+from jaxinfer.structured.reasoning import partial_suffix
 from jaxinfer.user_input import show
 
 FORMATS = ("hermes", "llama3_json")
@@ -417,14 +418,6 @@ def _as_call(raw: str, fmt: str) -> Optional[tuple]:
     return (obj["name"], args) if isinstance(args, dict) else None
 
 
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest end of `text` that is a proper prefix of `marker`."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
-
-
 class _Scanner:
     """Splits model output into ("text", str) and ("call", name, arguments) events as it
     arrives, holding back only what may still turn out to be part of a call.
@@ -494,7 +487,7 @@ class _Scanner:
         if i == 0:
             return self._attempt(out, len(HERMES_OPEN), len(HERMES_OPEN), HERMES_CLOSE, final)
         if i < 0:
-            i = len(self.buf) - (0 if final else _partial_suffix(self.buf, HERMES_OPEN))
+            i = len(self.buf) - (0 if final else partial_suffix(self.buf, HERMES_OPEN))
         if i == 0:
             return False
         self._text(out, i)
