@@ -53,6 +53,10 @@ class Compiles(logging.Handler):
             self.seen.append(record.getMessage()[:120])
 
 
+STRUCTURED_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["n"],
+                     "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}}}
+
+
 def meshes() -> dict:
     import jaxinfer as ji
 
@@ -96,10 +100,14 @@ def meshes() -> dict:
     mixed = [ji.SamplingParams(max_tokens=n, temperature=temp, top_k=k, seed=seed)
              for n, temp, k, seed in [(5, 0.0, 0, None), (9, 0.8, 20, 1), (3, 1.0, 0, 2),
                                       (12, 0.5, 5, 3), (7, 0.0, 0, None)]]
-    llm.generate([[1, 2, 3], list(range(10, 50)), [5] * 70, [7, 8], list(range(100, 117))],
-                 mixed)
+    # One constrained row (structured outputs: the decode dispatches with it run one step).
+    mixed.append(ji.SamplingParams(max_tokens=40, structured_outputs=ji.StructuredOutputs(
+        json=STRUCTURED_SCHEMA)))
+    outs = llm.generate([[1, 2, 3], list(range(10, 50)), [5] * 70, [7, 8],
+                         list(range(100, 117)), [1, 28, 1]], mixed)
     jax.config.update("jax_log_compiles", False)
     out["compiles_after_warmup"] = handler.seen
+    out["structured"] = {"text": outs[-1].text, "finish": outs[-1].finish_reason}
     return out
 
 

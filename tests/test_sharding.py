@@ -154,7 +154,10 @@ def test_kv_heads_fewer_than_the_tensor_degree_are_replicated():
 def test_meshes_give_the_golden_greedy_tokens(data_dir):
     """SmolLM2 (9 query heads, 3 kv heads) on (data, tensor, sequence) = (2,3,1) and (2,1,2):
     the 15 HF greedy goldens, parameters split 3 ways under tensor=3, the pool split over data
-    and sequence, and nothing compiled after warmup on a (2,3,1) mesh."""
+    and sequence, and nothing compiled after warmup on a (2,3,1) mesh, a row under a JSON
+    schema included."""
+    import jsonschema
+
     with open(os.path.join(data_dir, "smollm2_greedy.json")) as f:
         cases = json.load(f)["cases"]
     got = run_worker("meshes")
@@ -180,6 +183,11 @@ def test_meshes_give_the_golden_greedy_tokens(data_dir):
         assert _spec(run["rows_spec"]) == _spec("P('data',)" if d == 2 else "P(None,)")
     assert got["bad_tensor"] == "tensor degree 2 does not divide the 9 query heads"
     assert got["compiles_after_warmup"] == []
+    # A row under a JSON schema beside the others on the (2,3,1) mesh.
+    from multidevice_worker import STRUCTURED_SCHEMA
+
+    assert got["structured"]["finish"] == "stop", got["structured"]
+    jsonschema.validate(json.loads(got["structured"]["text"]), STRUCTURED_SCHEMA)
 
 
 def test_pallas_kernels_run_under_shard_map_on_a_mesh():
