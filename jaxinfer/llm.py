@@ -73,7 +73,9 @@ class LLM:
                  kv_cache_dtype: Optional[str] = None, speculative=None,
                  mesh: Optional[MeshConfig] = None, attention: str = "auto",
                  prefill_chunk: int = 128, decode_steps: int = 8,
-                 max_num_batched_tokens: int = 512, hybrid_kv_cache: bool = True):
+                 max_num_batched_tokens: int = 512, hybrid_kv_cache: bool = True,
+                 max_loras: int = 0, max_lora_rank: int = 16,
+                 max_cpu_loras: Optional[int] = None):
         # Before anything starts a jax backend: XLA reads its flags once, when the first starts.
         backends.set_xla_flags()
         if quantization is not None and quantization not in quant.MODES:
@@ -108,6 +110,13 @@ class LLM:
                 raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
         if not isinstance(hybrid_kv_cache, bool):
             raise ValueError(f"hybrid_kv_cache must be a bool, got {hybrid_kv_cache!r}")
+        for name, v, lo in (("max_loras", max_loras, 0), ("max_lora_rank", max_lora_rank, 1)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+        if max_cpu_loras is not None and (isinstance(max_cpu_loras, bool) or not isinstance(
+                max_cpu_loras, int) or max_cpu_loras < max(max_loras, 1)):
+            raise ValueError(f"max_cpu_loras must be None or an int >= max_loras "
+                             f"({max(max_loras, 1)}), got {max_cpu_loras!r}")
         if max_seq_len is not None and (isinstance(max_seq_len, bool)
                                         or not isinstance(max_seq_len, int) or max_seq_len < 2):
             raise ValueError(f"max_seq_len must be an int >= 2, got {max_seq_len!r}")
@@ -124,7 +133,7 @@ class LLM:
             program_index = programs.startup_key(
                 (model, dtype, max_seq_len, max_num_seqs, page_size, num_pages, quantization,
                  kv_cache_dtype, speculative, attention, prefill_chunk, decode_steps,
-                 max_num_batched_tokens, hybrid_kv_cache))
+                 max_num_batched_tokens, hybrid_kv_cache, max_loras, max_lora_rank))
             programs.prefetch(program_root, program_index)
         loaded = load_model(model, dtype=_DTYPES[dtype], partitioner=partitioner,
                             quantization=quantization)
@@ -206,7 +215,10 @@ class LLM:
                               num_pages=num_pages or 0, draft=draft, partitioner=partitioner,
                               kv_dtype=KV_DTYPES.get(kv_cache_dtype, _DTYPES[dtype]),
                               ring_capacity=ring, program_index=program_index,
-                              backend=self.backend)
+                              backend=self.backend,
+                              lora=None if not max_loras else dict(
+                                  max_loras=max_loras, max_lora_rank=max_lora_rank,
+                                  max_cpu_loras=max_cpu_loras))
         if memory_left:
             self._engine.set_num_pages(self._pages_from_memory(memory_left, page_size))
         self._data_degree = data
@@ -302,10 +314,63 @@ class LLM:
             return None
         return self.grammars.compile(params.structured_outputs)
 
+    # ---- LoRA adapters ------------------------------------------------------------------------
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Loads the PEFT adapter saved in directory `path` (adapter_config.json and
+        adapter_model.safetensors) under `name`, checked against the model (shapes, target
+        modules, rank <= max_lora_rank): a ValueError names what does not fit. It takes a
+        device slot when a request first uses it (docs/lora.md)."""
+        from jaxinfer.lora.adapters import read_peft
+
+        self._check_lora_name(name)
+        adapter = read_peft(name, path, family=get_model(self.model_config.architecture),
+                            cfg=self.model_config, max_rank=self._engine.loras.max_rank)
+        self._engine.loras.add(adapter)
+
+    def add_lora(self, adapter) -> None:
+        """Loads an adapter already read (jaxinfer.lora.adapters.Adapter, e.g. from
+        adapters.from_peft_arrays)."""
+        self._check_lora_name(adapter.name)
+        if adapter.rank > self._engine.loras.max_rank:
+            raise ValueError(f"adapter {adapter.name!r} has rank {adapter.rank}; max_lora_rank "
+                             f"is {self._engine.loras.max_rank}")
+        self._engine.loras.add(adapter)
+
+    def unload_lora(self, name: str) -> None:
+        """Drops a loaded adapter (ValueError while running requests use it)."""
+        self._loras()
+        if name not in self._engine.loras.adapters:
+            raise ValueError(f"no LoRA adapter named {name!r} is loaded")
+        self._engine.loras.remove(name)
+
+    def list_loras(self) -> list[dict]:
+        """The loaded adapters: name, rank, scale, path and device slot (None: host only)."""
+        if self._engine.loras is None:
+            return []
+        m = self._engine.loras
+        return [{"name": a.name, "rank": a.rank, "scale": a.scale, "path": a.path,
+                 "slot": m.slot_of(a.name)} for a in m.adapters.values()]
+
+    def _loras(self):
+        if self._engine.loras is None:
+            raise ValueError("LoRA adapters need LLM(..., max_loras=N) (N device slots)")
+        return self._engine.loras
+
+    def _check_lora_name(self, name) -> None:
+        self._loras()
+        if not isinstance(name, str) or not name or len(name) > 256:
+            raise ValueError(f"a LoRA adapter's name must be a non-empty string of at most 256 "
+                             f"characters, got {name!r}")
+        check_text(name, "lora name")
+
     def _make_request(self, prompt: Prompt, params: SamplingParams,
-                      request_id: Optional[str] = None) -> SequenceState:
+                      request_id: Optional[str] = None,
+                      lora: Optional[str] = None) -> SequenceState:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
+        if lora is not None and lora not in self._loras().adapters:
+            raise ValueError(f"no LoRA adapter named {lora!r} is loaded")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
             if k is not None and k > MAX_LOGPROBS:
@@ -327,7 +392,9 @@ class LLM:
                                max_new=min(params.max_tokens, self.max_seq_len - len(ids)),
                                stream=TextStream(self.tokenizer, params.stop_strings),
                                metrics=metrics, index=i,
-                               guide=None if grammar is None else self.grammars.guide(grammar))
+                               guide=None if grammar is None else self.grammars.guide(grammar),
+                               lora=lora, cache_namespace=b"" if lora is None
+                               else self._engine.loras.salt(lora))
                  for i in range(params.n)]
         for req in group:
             req.group = group
@@ -337,8 +404,10 @@ class LLM:
     # ---- request-level API -------------------------------------------------------------------
 
     def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
-                    request_id: Optional[str] = None) -> str:
-        req = self._make_request(prompt, params or SamplingParams(), request_id)
+                    request_id: Optional[str] = None, lora: Optional[str] = None) -> str:
+        """Queues a request (under LoRA adapter `lora`, None: the base model); returns its
+        id."""
+        req = self._make_request(prompt, params or SamplingParams(), request_id, lora)
         self._requests[req.request_id] = req
         self._engine.add(req)
         return req.request_id
@@ -363,10 +432,12 @@ class LLM:
     # ---- batch API ---------------------------------------------------------------------------
 
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
-                 params: Union[SamplingParams, Sequence[SamplingParams], None] = None
+                 params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+                 lora: Union[str, Sequence[Optional[str]], None] = None
                  ) -> list[RequestOutput]:
-        """Generates for each prompt (str: encoded as is; list[int]: token ids). Outputs come
-        back in prompt order."""
+        """Generates for each prompt (str: encoded as is; list[int]: token ids), under LoRA
+        adapter `lora` (a name for every prompt, or one per prompt; None: the base model).
+        Outputs come back in prompt order."""
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
                                         and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
@@ -380,8 +451,11 @@ class LLM:
         params = list(params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        loras = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} LoRA names for {len(prompts)} prompts")
         # Validate every request before any of them touches the device.
-        reqs = [self._make_request(p, sp) for p, sp in zip(prompts, params)]
+        reqs = [self._make_request(p, sp, lora=a) for p, sp, a in zip(prompts, params, loras)]
         for req in reqs:
             self._requests[req.request_id] = req
             self._engine.add(req)
@@ -397,7 +471,8 @@ class LLM:
             raise
         return [r.output() for r in reqs]
 
-    def chat(self, messages, params: Optional[SamplingParams] = None):
+    def chat(self, messages, params: Optional[SamplingParams] = None,
+             lora: Optional[str] = None):
         """One conversation (a list of {"role", "content"} dicts) -> one RequestOutput; a list of
         conversations -> a list of them."""
         if self.tokenizer is None:
@@ -405,16 +480,17 @@ class LLM:
         single = bool(messages) and isinstance(messages[0], dict)
         convs = [messages] if single else list(messages)
         texts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in convs]
-        outs = self.generate(texts, params)
+        outs = self.generate(texts, params, lora)
         return outs[0] if single else outs
 
-    def stream(self, prompt: Prompt, params: Optional[SamplingParams] = None) -> Iterator[str]:
+    def stream(self, prompt: Prompt, params: Optional[SamplingParams] = None,
+               lora: Optional[str] = None) -> Iterator[str]:
         """Yields text deltas as they are produced; closing the generator aborts the request.
         One sequence (n = 1); add_request and step serve n > 1."""
         if params is not None and params.n != 1:
             raise ValueError(f"stream() yields one sequence, got n={params.n}; use "
                              "add_request() and step() for n > 1")
-        rid = self.add_request(prompt, params)
+        rid = self.add_request(prompt, params, lora=lora)
         req = self._requests[rid]
         try:
             while req.finish_reason is None:

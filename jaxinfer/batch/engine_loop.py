@@ -63,8 +63,10 @@ class EngineFeeder:
         if params.seed is None:
             params = dataclasses.replace(
                 params, seed=records.derive_seed(self.job_seed, work.custom_id))
+        # A line's `model` naming a loaded LoRA adapter runs under it; any other is the model.
+        lora = req.model if req.model in {a["name"] for a in self.llm.list_loras()} else None
         try:
-            self.llm.add_request(prompt, params, request_id=rid)
+            self.llm.add_request(prompt, params, request_id=rid, lora=lora)
         except ValueError as e:
             return records.request_error(work.line, work.custom_id, RequestError(str(e), field),
                                          records.INVALID_PROMPT)

@@ -52,6 +52,8 @@ class JobSpec:
     max_in_flight: Optional[int] = None    # requests in the engine (None: 2 x max_num_seqs)
     progress: bool = True
     max_line_bytes: int = inputs.MAX_LINE_BYTES  # a longer line is answered line_too_long
+    # LoRA adapters lines may name as `model`: {name: PEFT directory} (the LLM needs max_loras).
+    lora_modules: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         self.model_name = self.model_name or str(self.llm_kwargs.get("model"))
@@ -81,6 +83,9 @@ class JobSpec:
             fp["speculative"] = dataclasses.asdict(fp["speculative"])
         fp.update(format=fmt, seed=self.seed, mesh=list(self.mesh) if self.mesh else None,
                   max_line_bytes=self.max_line_bytes)
+        if self.lora_modules:  # an adapter is part of the model its lines run
+            fp["lora_modules"] = {n: model_sha256(p) for n, p in sorted(
+                self.lora_modules.items())}
         if fmt == "text":  # JSONL lines carry their own sampling fields
             fp.update(sampling={k: list(v) if isinstance(v, tuple) else v
                                 for k, v in sorted(self.sampling.items())}, chat=self.chat)
@@ -90,7 +95,7 @@ class JobSpec:
 # Files of an HF model directory that decide what it generates (besides *.safetensors).
 _HF_FILES = ("config.json", "model.safetensors.index.json", "tokenizer.json",
              "tokenizer_config.json", "generation_config.json", "chat_template.jinja",
-             "special_tokens_map.json")
+             "special_tokens_map.json", "adapter_config.json")
 FRESH_S = 2.0  # a file changed this recently may change again within its timestamp's tick
 
 
@@ -245,6 +250,10 @@ def run_local(llm, spec: JobSpec, *, writer: bool = True,
               on_commit: Callable[[dict], None] = lambda e: None) -> dict:
     """Runs (or resumes) one shard of the job on `llm`; returns its summary (a one-shard job's
     merged one). `on_commit` sees each manifest entry once it is durable."""
+    loaded = {a["name"] for a in llm.list_loras()}
+    for name, path in spec.lora_modules.items():
+        if name not in loaded:
+            llm.load_lora(name, path)
     feeder = EngineFeeder(llm, spec.model_name, spec.seed)  # checks the model first
     with shard_lock(spec) if writer else contextlib.nullcontext():
         return _run_local(llm, spec, feeder, writer, on_commit)

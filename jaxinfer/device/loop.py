@@ -22,7 +22,7 @@ from jaxinfer.device.kv_cache import PagedKVCache
 from jaxinfer.device.sampling import (ALL_TOKENS, SamplingArrays, mark_seen, maybe_top_logprobs,
                                      no_logprobs)
 from jaxinfer.device.state import DecodeState, _put, _take, advance_rows
-from jaxinfer.device.step import sample_rows
+from jaxinfer.device.step import lora_step, sample_rows
 from jaxinfer.models import get_model
 
 
@@ -87,7 +87,8 @@ class SpecCounts:
                                     "backend", "draft_cfg"),
                    donate_argnums=(1,))
 def decode_loop(params, state: DecodeState, rows: jax.Array, draft_on: jax.Array | None = None,
-                allowed: jax.Array | None = None, *, cfg: ModelConfig, num_steps: int,
+                allowed: jax.Array | None = None, lora=None, *, cfg: ModelConfig,
+                num_steps: int,
                 num_draft: int = 0, ngram_max: int = 3, ngram_min: int = 1,
                 backend: Backend | None = None, exit_on_stop: jax.Array | bool = False,
                 draft_params=None, draft_cfg: ModelConfig | None = None):
@@ -105,7 +106,8 @@ def decode_loop(params, state: DecodeState, rows: jax.Array, draft_on: jax.Array
     allowed [R, ceil(V/32)] int32: packed token masks of the listed rows' first step
     (structured outputs, sampling.apply_token_mask; -1 words: unconstrained). A row's later
     tokens depend on its first, so a dispatch with a constrained row runs that one step (rows
-    that may draft must not be constrained: verification does not apply masks).
+    that may draft must not be constrained: verification does not apply masks). lora: adapter
+    slots (jaxinfer.lora) for the target's forwards, each row's slot in state.lora_slot.
 
     Returns (state, out_tokens [B, W] int32 (row b's: the first num_out[b]; W = num_steps *
     (k + 1)), num_out [B] int32, done [B] bool, logprobs (ids [B, W, K], values [B, W, K],
@@ -149,7 +151,7 @@ def decode_loop(params, state: DecodeState, rows: jax.Array, draft_on: jax.Array
             cache, draft_cache = caches
             fed = running.astype(jnp.int32)
             h, cache = model.forward(params, cfg, last_token[:, None], cache, fed, rows=rows,
-                                     backend=backend)
+                                     backend=backend, lora=lora_step(lora, state))
             if draft_cfg is not None:
                 _, draft_cache = get_model(draft_cfg.architecture).forward(
                     draft_params, draft_cfg, last_token[:, None], draft_cache, fed, rows=rows,
@@ -186,7 +188,7 @@ def decode_loop(params, state: DecodeState, rows: jax.Array, draft_on: jax.Array
                 tokens = jnp.concatenate([last_token[:, None], drafts], axis=1)  # [R, k+1]
                 h, cache = model.forward(params, cfg, tokens, cache,
                                          jnp.where(running, 1 + num, 0), rows=rows,
-                                         backend=backend)
+                                         backend=backend, lora=lora_step(lora, state))
                 logits = model.head(params, h, backend)                   # [R, k+1, V]
                 accepted, token = verify(logits, drafts, num, sp, seen, generated, backend,
                                          draft_probs)

@@ -54,11 +54,12 @@ class DecodeState:
     rows: RowParams           # [B] request parameters
     history: jax.Array | None = None       # [B, L] int32 prompt + output (n-gram drafting)
     draft_cache: PagedKVCache | None = None  # a draft model's ring (speculative decoding)
+    lora_slot: jax.Array | None = None     # [B] int32 each row's adapter slot, -1 none (LoRA)
 
     @classmethod
     def create(cls, cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.float32,
                cache=None, draft_cfg: ModelConfig | None = None, draft_capacity: int = 0,
-               history: int = 0, num_stop_ids: int = 8, xp=jnp):
+               history: int = 0, num_stop_ids: int = 8, lora: bool = False, xp=jnp):
         """A ring cache of `capacity` slots per row, or the given cache; with draft_cfg a draft
         ring of draft_capacity slots; history > 0: that many positions of token history.
         xp=numpy builds it on the host, for one device_put that compiles nothing."""
@@ -74,7 +75,8 @@ class DecodeState:
                    seen=xp.zeros((batch, cfg.vocab_size), bool),
                    rows=jax.tree.map(xp.asarray, RowParams.empty(batch, num_stop_ids)),
                    history=xp.zeros((batch, history), xp.int32) if history else None,
-                   draft_cache=draft)
+                   draft_cache=draft,
+                   lora_slot=xp.full((batch,), -1, xp.int32) if lora else None)
 
     def logical_axes(self) -> "DecodeState":
         """Each array's logical axes (jaxinfer.sharding), in the state's own structure."""
@@ -83,7 +85,8 @@ class DecodeState:
                            num_generated=("batch",), seen=("batch", "vocab"), rows=row_axes,
                            history=None if self.history is None else ("batch", None),
                            draft_cache=None if self.draft_cache is None
-                           else self.draft_cache.logical_axes())
+                           else self.draft_cache.logical_axes(),
+                           lora_slot=None if self.lora_slot is None else ("batch",))
 
     def constrained(self) -> "DecodeState":
         """The state pinned to its sharding on the context mesh, so a step's output sharding
@@ -94,11 +97,12 @@ class DecodeState:
 @functools.partial(program_jit, donate_argnums=(0,))
 def admit_rows(state: DecodeState, mask: jax.Array, start: jax.Array, generated: jax.Array,
                rows: RowParams, history: jax.Array | None = None,
-               block_tables: jax.Array | None = None) -> DecodeState:
+               block_tables: jax.Array | None = None,
+               lora_slot: jax.Array | None = None) -> DecodeState:
     """Starts requests in the rows where mask [B] is set: the cache row restarts at start [B]
     (prefix-cache hits), num_generated at generated [B] (a preempted request's), with rows'
     parameters and history [B, L]. K/V stay in place (past a row's length, never attended).
-    block_tables [B, M]: a paged cache's new tables."""
+    block_tables [B, M]: a paged cache's new tables; lora_slot [B]: the rows' adapter slots."""
     cache = state.cache.reset_rows(mask, start)
     if block_tables is not None:
         cache = cache.replace(block_tables=block_tables)
@@ -108,6 +112,8 @@ def admit_rows(state: DecodeState, mask: jax.Array, start: jax.Array, generated:
         state = state.replace(draft_cache=state.draft_cache.reset_rows(mask, start))
     if state.history is not None and history is not None:
         state = state.replace(history=pick(history, state.history))
+    if state.lora_slot is not None and lora_slot is not None:
+        state = state.replace(lora_slot=pick(lora_slot, state.lora_slot))
     return state.replace(cache=cache,
                          last_token=jnp.where(mask, 0, state.last_token),
                          num_generated=jnp.where(mask, generated, state.num_generated),

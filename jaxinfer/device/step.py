@@ -17,6 +17,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.device.sampling import maybe_top_logprobs, no_logprobs, sample
 from jaxinfer.device.state import DecodeState, _take, advance_rows
 from jaxinfer.device.token_batch import TokenBatch
+from jaxinfer.lora.weights import LoraSlots, LoraStep
 from jaxinfer.models import get_model
 
 
@@ -27,6 +28,11 @@ def sample_rows(logits, state: DecodeState, rows: jax.Array, index: jax.Array,
     masks are gathered only where a repetition penalty applies."""
     sp = jax.tree.map(lambda x: _take(x, rows), state.rows.sampling)
     return sample(logits, sp, lambda: _take(state.seen, rows), index, backend, allowed)
+
+
+def lora_step(lora: LoraSlots | None, state: DecodeState) -> LoraStep | None:
+    """The forward's LoRA input: the slots and the rows' slots (None without adapters)."""
+    return None if lora is None else LoraStep(slots=lora, row_slot=state.lora_slot)
 
 
 @flax.struct.dataclass
@@ -41,7 +47,8 @@ class StepOutput:
 
 
 def step(params, state: DecodeState, batch: TokenBatch, sampled: jax.Array,
-         next_tokens: jax.Array | None = None, allowed: jax.Array | None = None, *,
+         next_tokens: jax.Array | None = None, allowed: jax.Array | None = None,
+         lora: LoraSlots | None = None, *,
          cfg: ModelConfig, backend: Backend | None = None, query_tile: int = 16,
          draft_params=None, draft_cfg: ModelConfig | None = None
          ) -> tuple[StepOutput, DecodeState]:
@@ -49,14 +56,15 @@ def step(params, state: DecodeState, batch: TokenBatch, sampled: jax.Array,
     sampled [S] (B: empty) from its last token's logits. next_tokens [T] int32 (-1: none): the
     prompt token after each batch token, for prompt_logprobs. allowed [S, ceil(V/32)] int32:
     the sampled rows' packed token masks (structured outputs; -1 words: unconstrained); log
-    probabilities stay the model's own. backend default:
+    probabilities stay the model's own. lora: adapter slots (jaxinfer.lora), each row's slot
+    in state.lora_slot. backend default:
     backends.default(). Usable inside a caller's jax.jit (the engine's: step_jit). Returns
     (StepOutput, state)."""
     backend = backend if backend is not None else backends.default()
     B = state.last_token.shape[0]
     model = get_model(cfg.architecture)
     h, cache = model.forward_tokens(params, cfg, batch, state.cache, backend=backend,
-                                    query_tile=query_tile)
+                                    query_tile=query_tile, lora=lora_step(lora, state))
     draft_cache = state.draft_cache
     if draft_cfg is not None:
         _, draft_cache = get_model(draft_cfg.architecture).forward_tokens(

@@ -22,6 +22,7 @@ from jaxinfer.engine.request import (CompletionOutput, RequestMetrics, RequestOu
 from jaxinfer.engine.runner import MAX_STOP_IDS, Runner
 from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.engine.textstream import TextStream
+from jaxinfer.lora.manager import LoraManager
 from jaxinfer.sharding import Partitioner, fetch
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,9 @@ class SequenceState:
     forks: list = dataclasses.field(default_factory=list)   # sequence 0: sequences waiting
     waiting_fork: bool = False                               # a sequence waiting for its fork
     guide: Optional[Any] = None  # structured.Guide: the grammar its output must match
+    lora: Optional[str] = None   # the LoRA adapter it runs under (None: the base model)
+    lora_slot: int = -1          # that adapter's device slot while the sequence is admitted
+    cache_namespace: bytes = b""  # prefix-cache namespace (its adapter's)
 
     def __post_init__(self):
         if self.params.logprobs is not None:
@@ -116,7 +120,7 @@ class Engine:
                  num_pages: int = 0, draft: Optional[tuple] = None,
                  partitioner: Optional[Partitioner] = None, kv_dtype=None,
                  ring_capacity: int = 0, program_index: Optional[str] = None,
-                 backend=None):
+                 backend=None, lora: Optional[dict] = None):
         self.engine_cfg = engine_cfg
         # The KV cache's storage dtype: the model's, or int8 / float8 codes (QuantizedKV).
         self.kv_dtype = dtype if kv_dtype is None else kv_dtype
@@ -135,11 +139,18 @@ class Engine:
                              num_pages=num_pages, paged=paged is not None, draft=draft,
                              partitioner=partitioner, eos_ids=self.eos_ids,
                              ring_capacity=ring_capacity, program_index=program_index,
-                             backend=backend)
+                             backend=backend,
+                             lora=(lora["max_loras"], lora["max_lora_rank"]) if lora else None)
+        # LoRA: adapters in host memory and their device slots (jaxinfer.lora.manager).
+        self.loras = None if not lora else LoraManager(
+            lora["max_loras"], lora["max_lora_rank"], self.runner.write_lora,
+            lora.get("max_cpu_loras"))
         self.scheduler = Scheduler(B, engine_cfg.max_num_batched_tokens,
                                    engine_cfg.prefill_chunk, paged, data,
                                    fill_buckets=self.runner.fill_buckets,
-                                   decode_plan=self._plan_decode)
+                                   decode_plan=self._plan_decode,
+                                   admit_check=self._lora_admit if lora else None,
+                                   release=self._lora_release if lora else None)
         self.spec = engine_cfg.speculative
         self.spec_rates = draft_policy.SpeculationRates()
         self.stats_counters = collections.Counter()
@@ -210,6 +221,22 @@ class Engine:
             else:
                 progressed = self._flat_step(plan)
         return list({id(req): req for req in progressed}.values())
+
+    def _lora_admit(self, req: SequenceState) -> bool:
+        """Gives an admitted request (and the sequences waiting to fork from it) its adapter's
+        slot; False (it waits) while every slot is held by other adapters' running rows."""
+        if req.lora is None:
+            return True
+        group = [req] + req.forks
+        slot = self.loras.acquire(req.lora, [r.seq_id for r in group])
+        if slot is None:
+            return False
+        for r in group:
+            r.lora_slot = slot
+        return True
+
+    def _lora_release(self, req: SequenceState) -> None:
+        self.loras.release(req.seq_id)
 
     def _plan_decode(self, decoding: list) -> tuple[int, Optional[np.ndarray]]:
         """A multi-step dispatch's tokens per row (pages are reserved for them) and, with
@@ -401,6 +428,9 @@ class Engine:
             "guided_rows": c["guided_rows"],    # constrained rows sampled in them
             "guided_step_s": c["guided_step_ns"] / 1e9,  # those steps' time, masks included
             "guided_mask_s": self.runner.mask_s,  # host time writing their token masks
+            **({"loras_loaded": len(self.loras.adapters),
+                "loras_in_slots": len(self.loras.resident()),
+                "lora_slot_writes": self.loras.writes} if self.loras is not None else {}),
             **({"spec_steps": c["spec_steps"], "draft_tokens": c["draft_tokens"],
                 "accepted_tokens": c["accepted_tokens"],
                 "acceptance_rate": c["accepted_tokens"] / max(c["draft_tokens"], 1),

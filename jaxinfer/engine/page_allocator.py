@@ -80,6 +80,7 @@ class _Seq:
     hashes: list[bytes]  # chained hash of each full, computed page, in order
     num_computed: int  # tokens whose KV is written (watermark for registering pages)
     partition: int = 0  # the pool partition (data replica) its pages come from
+    root: bytes = b""   # the parent hash of its first page (partition and namespace)
 
 
 class PageAllocator:
@@ -180,10 +181,13 @@ class PageAllocator:
             hit_rate=self._hits / self._queries if self._queries else 0.0)
 
     # ---- mutation ------------------------------------------------------------------------
-    def allocate(self, seq_id, token_ids: Sequence[int], partition: int = 0) -> int:
+    def allocate(self, seq_id, token_ids: Sequence[int], partition: int = 0,
+                 namespace: bytes = b"") -> int:
         """Admits a sequence with its prompt, its pages from `partition`; returns how many
         prompt tokens are already cached: a multiple of page_size below len(token_ids), since
-        the last token must be computed for its logits. OutOfPages (state unchanged)."""
+        the last token must be computed for its logits. Pages are shared only within a
+        namespace (b"": the base model's; a LoRA adapter's sequences have their own, their
+        keys and values being the adapter's). OutOfPages (state unchanged)."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} is already allocated")
         if not 0 <= partition < self.num_partitions:
@@ -194,8 +198,11 @@ class PageAllocator:
         ps = self.page_size
         hits: list[int] = []
         hashes: list[bytes] = []
+        root = self._root(partition)
+        if namespace:
+            root = hashlib.sha256(root + b"namespace" + namespace).digest()
         if self.enable_prefix_caching:
-            parent = self._root(partition)
+            parent = root
             for i in range((len(tokens) - 1) // ps):  # never the page holding the last token
                 h = page_hash(parent, tokens[i * ps:(i + 1) * ps])
                 page = self._hash_to_page.get(h)
@@ -218,7 +225,7 @@ class PageAllocator:
         if self.enable_prefix_caching:
             self._queries += len(tokens)
             self._hits += num_cached
-        self._seqs[seq_id] = _Seq(tokens, pages, hashes, num_cached, partition)
+        self._seqs[seq_id] = _Seq(tokens, pages, hashes, num_cached, partition, root)
         return num_cached
 
     def fork(self, source_id, seq_id, num_tokens: int) -> list[tuple[int, int]]:
@@ -241,7 +248,7 @@ class PageAllocator:
             pages += self._take(1, src.partition, seq_id)
             copies.append((src.pages[full], pages[-1]))
         self._seqs[seq_id] = _Seq(src.tokens[:num_tokens], pages, src.hashes[:full],
-                                  num_tokens, src.partition)
+                                  num_tokens, src.partition, src.root)
         return copies
 
     def ensure_capacity(self, seq_id, num_tokens: int) -> None:
@@ -281,7 +288,7 @@ class PageAllocator:
             return
         ps = self.page_size
         for i in range(len(seq.hashes), num_computed // ps):
-            parent = seq.hashes[-1] if seq.hashes else self._root(seq.partition)
+            parent = seq.hashes[-1] if seq.hashes else (seq.root or self._root(seq.partition))
             h = page_hash(parent, seq.tokens[i * ps:(i + 1) * ps])
             seq.hashes.append(h)
             page = seq.pages[i]

@@ -29,6 +29,8 @@ from jaxinfer.device.kv_cache import PagedKVCache, kv_buffer, ring_tables
 from jaxinfer.sharding import Partitioner, fetch
 from jaxinfer.device.sampling import ALL_TOKENS
 from jaxinfer.device.token_batch import host_batch
+from jaxinfer.lora.adapters import adaptable
+from jaxinfer.lora.weights import LoraSlots, write_slot
 from jaxinfer.structured import fill_masks, mask_words
 
 MAX_STOP_IDS = 8
@@ -52,7 +54,7 @@ class Runner:
                  paged: bool, draft: Optional[tuple] = None,
                  partitioner: Optional[Partitioner] = None, eos_ids: tuple = (),
                  ring_capacity: int = 0, program_index: Optional[str] = None,
-                 backend: Optional[Backend] = None):
+                 backend: Optional[Backend] = None, lora: Optional[tuple] = None):
         self.cfg, self.engine_cfg = cfg, engine_cfg
         # The ops' implementations, a static argument of every program (jaxinfer.backends).
         self.backend = backend if backend is not None else backends.resolve(
@@ -81,6 +83,8 @@ class Runner:
         self.fill_buckets = self.token_buckets if tune.fill_token_buckets else None
         self.state: Optional[DecodeState] = None
         self.mask_s = 0.0  # host time writing structured outputs' token masks
+        # LoRA: (slots, rank) -> the adapter slots on the device (jaxinfer.lora), else None.
+        self.lora = self._place_lora(*lora) if lora else None
         # The programs cache on one device (engine.programs); None: jit dispatches.
         root = programs.directory() if partitioner is None else None
         self.programs = ProgramCache(root, program_index) if root else None
@@ -98,6 +102,34 @@ class Runner:
         if self.partitioner is None:
             return jax.device_put(state, self.device)
         return self.partitioner.put_tree(state, state.logical_axes())
+
+    def _place_lora(self, num_slots: int, rank: int) -> LoraSlots:
+        from jaxinfer.models import get_model
+
+        targets = adaptable(get_model(self.cfg.architecture), self.cfg)
+        self.lora_targets = targets
+        slots = LoraSlots.zeros({f: shape for f, (shape, _) in targets.items()},
+                                self.cfg.num_layers, num_slots, rank)
+        if self.partitioner is None:
+            return jax.device_put(slots, self.device)
+        return self.partitioner.put_tree(
+            slots, slots.logical_axes({f: axes for f, (_, axes) in targets.items()}))
+
+    def write_lora(self, slot: int, adapter) -> None:
+        """Writes an adapter (jaxinfer.lora.adapters.Adapter; None: zeros) into slot `slot`:
+        its A and B padded with zeros to the slots' rank, zeros for fields it leaves alone."""
+        L, R = self.cfg.num_layers, self.lora.rank
+        a, b = {}, {}
+        for field, ((fan_in, fan_out), _) in self.lora_targets.items():
+            a[field] = np.zeros((L, fan_in, R), np.float32)
+            b[field] = np.zeros((L, R, fan_out), np.float32)
+            if adapter is not None and field in adapter.a:
+                a[field][:, :, :adapter.rank] = adapter.a[field]
+                b[field][:, :adapter.rank, :] = adapter.b[field]
+        scale = np.float32(0.0 if adapter is None else adapter.scale)
+        with self.on_mesh():
+            self.lora = self._dispatch(("lora_write",), (
+                write_slot, (self.lora, np.int32(slot), a, b, scale), {}))
 
     def on_mesh(self):
         """The context of every dispatch: the mesh its sharding constraints resolve against."""
@@ -140,7 +172,7 @@ class Runner:
         return self._place_state(DecodeState.create(
             self.cfg, B, self.capacity, self.dtype, cache=cache,
             draft_cfg=self.draft_kw["draft_cfg"], draft_capacity=self.engine_cfg.max_seq_len,
-            history=history, num_stop_ids=MAX_STOP_IDS, xp=np))
+            history=history, num_stop_ids=MAX_STOP_IDS, lora=self.lora is not None, xp=np))
 
     def ensure_state(self) -> None:
         if self.state is None:
@@ -157,6 +189,7 @@ class Runner:
         rows = RowParams.empty(B, MAX_STOP_IDS)
         history = None if self.state.history is None else \
             np.zeros(self.state.history.shape, np.int32)
+        lora_slot = None if self.lora is None else np.full(B, -1, np.int32)
         for req, cached in admitted:
             b, p = req.slot, req.params
             if b is None:  # numpy would take mask[None] as the whole array: every row
@@ -174,9 +207,11 @@ class Runner:
             if history is not None:
                 ids = req.prefill_ids[:history.shape[1]]
                 history[b, :len(ids)] = ids
+            if lora_slot is not None:
+                lora_slot[b] = req.lora_slot
         self.state = self._dispatch(("admit", tables is None), (
-            device_state.admit_rows, (self.state, mask, start, generated, rows, history, tables),
-            {}))
+            device_state.admit_rows, (self.state, mask, start, generated, rows, history, tables,
+                                      lora_slot), {}))
 
     def fork(self, rows: list, copies: list) -> None:
         """Forks rows [(source slot, slot)] with page copies [(src page, dst page)]."""
@@ -255,7 +290,8 @@ class Runner:
 
     def _step_call(self, state, batch, sample_rows, next_tokens, allowed) -> tuple:
         """The flat step's program and arguments: (jitted, args, kwargs)."""
-        return step_jit, (self.params, state, batch, sample_rows, next_tokens, allowed), dict(
+        return step_jit, (self.params, state, batch, sample_rows, next_tokens, allowed,
+                          self.lora), dict(
             cfg=self.cfg, backend=self.backend, query_tile=self.query_tile,
             **self.draft_kw)
 
@@ -294,8 +330,8 @@ class Runner:
         kw = dict(cfg=self.cfg, num_steps=self.engine_cfg.decode_steps, backend=self.backend,
                   exit_on_stop=np.bool_(exit_on_stop), **self.draft_kw)
         if self.spec is None:
-            return decode_loop, (self.params, state, rows, None, allowed), kw
-        return decode_loop, (self.params, state, rows, draft_on, allowed), dict(
+            return decode_loop, (self.params, state, rows, None, allowed, self.lora), kw
+        return decode_loop, (self.params, state, rows, draft_on, allowed, self.lora), dict(
             kw, num_draft=self.spec.num_draft_tokens, ngram_max=self.spec.ngram_max,
             ngram_min=self.spec.ngram_min)
 
@@ -314,6 +350,8 @@ class Runner:
         self.admit([], tables)
         self.set_tables(tables)
         self.fork([], [])
+        if self.lora is not None:  # compiles the slot writer (slot 0 is empty at warmup)
+            self.write_lora(0, None)
         # Compiled the largest first, then each run once in increasing size.
         self._compile_all(list(zip(self._model_names(), self._model_calls(self.state)))[::-1])
         for T in self.token_buckets:

@@ -34,7 +34,8 @@ class Scheduler:
     def __init__(self, num_slots: int, max_num_batched_tokens: int, prefill_chunk: int,
                  paged: Optional[PagedSlots] = None, data: int = 1,
                  fill_buckets: Optional[tuple[int, ...]] = None,
-                 decode_plan: Optional[Callable] = None):
+                 decode_plan: Optional[Callable] = None,
+                 admit_check: Optional[Callable] = None, release: Optional[Callable] = None):
         self.slots: list = [None] * num_slots
         self.waiting: collections.deque = collections.deque()
         self.budget = max_num_batched_tokens
@@ -44,6 +45,10 @@ class Scheduler:
         self.fill_buckets = fill_buckets
         # decode_plan(decoding) -> (tokens per row, draft_on or None) of a multi-step dispatch.
         self.decode_plan = decode_plan or (lambda decoding: (1, None))
+        # admit_check(request) -> whether it may start now (its LoRA adapter has a slot);
+        # release(request) when it leaves its slot (finished or preempted).
+        self.admit_check = admit_check or (lambda req: True)
+        self.release = release or (lambda req: None)
         self.admissions = 0
         self.preemptions = 0
 
@@ -56,6 +61,7 @@ class Scheduler:
 
     def free(self, req) -> None:
         """Releases a finished (or aborted) request's slot and pages."""
+        self.release(req)
         if self.paged is not None:
             self.paged.release(req)
         if req.slot is not None and self.slots[req.slot] is req:
@@ -139,12 +145,16 @@ class Scheduler:
             if slots is None:
                 break
             b = slots[0]
+            if not self.admit_check(req):
+                break  # waits for its adapter's slot
             # After a preemption the tokens already produced are re-prefilled, never re-sampled.
             req.prefill_ids = req.prompt_ids + req.token_ids
             cached = 0
             if self.paged is not None:
                 cached = self.paged.admit(req, b, b * self.data // len(self.slots))
                 if cached is None:
+                    for r in [req] + req.forks:
+                        self.release(r)
                     break  # wait for pages
             self.waiting.popleft()
             req.slot, req.prefilled = b, cached
@@ -198,6 +208,8 @@ class Scheduler:
         return preempted
 
     def _preempt(self, req) -> None:
+        for r in [req] + req.forks:
+            self.release(r)
         self.paged.release(req)
         self.slots[req.slot] = None
         for child in req.forks:  # not forked yet: they wait with it

@@ -42,7 +42,8 @@ class PagedSlots:
         """Takes pages for req's prefill tokens from `partition` (the slot's data replica);
         returns the tokens already cached, or None when pages are short."""
         try:
-            cached = self.allocator.allocate(req.seq_id, req.prefill_ids, partition)
+            cached = self.allocator.allocate(req.seq_id, req.prefill_ids, partition,
+                                             getattr(req, "cache_namespace", b""))
         except OutOfPages:
             return None
         req.slot = slot

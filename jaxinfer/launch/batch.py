@@ -80,7 +80,8 @@ def build_spec():
         num_shards=_NUM_SHARDS.value, shard_index=_SHARD_INDEX.value,
         max_lines=_MAX_LINES.value, commit_every=_COMMIT_EVERY.value,
         commit_interval_s=_COMMIT_INTERVAL.value, max_in_flight=_MAX_IN_FLIGHT.value,
-        progress=_PROGRESS.value, max_line_bytes=_MAX_LINE_BYTES.value)
+        progress=_PROGRESS.value, max_line_bytes=_MAX_LINE_BYTES.value,
+        lora_modules=common.lora_modules())
 
 
 def run() -> dict:

@@ -45,7 +45,7 @@ CONFIG = flags.DEFINE_string("config", None, "Preset name in jaxinfer/configs/ (
 # Model / engine (LLM kwargs).
 MODEL_FLAGS = ("model", "dtype", "max_seq_len", "max_num_seqs", "quantization",
                "kv_cache_dtype", "attention", "page_size", "num_pages", "prefill_chunk",
-               "decode_steps", "max_num_batched_tokens")
+               "decode_steps", "max_num_batched_tokens", "max_loras", "max_lora_rank")
 flags.DEFINE_string("model", LLM_DEFAULTS["model"], "Model alias, .gguf path, HF model "
                     "directory or jaxinfer checkpoint.")
 flags.DEFINE_string("dtype", LLM_DEFAULTS["dtype"], "float32 | bfloat16 | float16 (default: "
@@ -69,6 +69,25 @@ flags.DEFINE_integer("decode_steps", LLM_DEFAULTS["decode_steps"],
                      "Decode steps per dispatch when nothing waits to be scheduled.")
 flags.DEFINE_integer("max_num_batched_tokens", LLM_DEFAULTS["max_num_batched_tokens"],
                      "Tokens one step may carry.")
+flags.DEFINE_integer("max_loras", LLM_DEFAULTS["max_loras"], "LoRA adapter slots on the "
+                     "device (0: LoRA off); more adapters may be loaded and take turns.")
+flags.DEFINE_integer("max_lora_rank", LLM_DEFAULTS["max_lora_rank"],
+                     "The highest LoRA rank an adapter may have.")
+LORA_MODULES = flags.DEFINE_list("lora_modules", [], "LoRA adapters to load, name=path "
+                                 "(a PEFT directory), comma-separated; needs --max_loras.")
+
+
+def lora_modules() -> dict:
+    """--lora_modules as {name: path}; ValueError for an entry without '='."""
+    out = {}
+    for item in LORA_MODULES.value:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora_modules: {item!r} is not name=path")
+        if name in out:
+            raise ValueError(f"--lora_modules: {name!r} is given twice")
+        out[name] = path
+    return out
 # Speculative decoding (SpeculativeConfig).
 SPECULATIVE = flags.DEFINE_enum("speculative", None, ["ngram", "draft"],
                                 "Speculative decoding: ngram (prompt lookup) or draft (a draft "

@@ -46,6 +46,9 @@ _WARMUP = flags.DEFINE_bool("warmup", True, "Compile every shape before reportin
 _TOOL_PARSER = flags.DEFINE_enum("tool_call_parser", None, ["hermes", "llama3_json"],
                                  "How the model writes tool calls (default: llama3_json for "
                                  "Llama 3 chat templates, else hermes).")
+_RUNTIME_LORA = flags.DEFINE_bool("allow_runtime_lora", False, "Allow POST "
+                                  "/v1/load_lora_adapter and /v1/unload_lora_adapter (they "
+                                  "read paths on this machine).")
 _REASONING = flags.DEFINE_enum("reasoning_parser", None, ["deepseek_r1", "qwen3", "none"],
                                "Split <think>...</think> into reasoning_content (default: "
                                "when the chat template mentions <think>).")
@@ -79,7 +82,9 @@ def run() -> int:
                       max_waiting=_MAX_WAITING.value, max_body_bytes=_MAX_BODY.value,
                       keep_alive_s=_KEEP_ALIVE.value, read_timeout_s=_READ_TIMEOUT.value,
                       max_connections=_MAX_CONNECTIONS.value,
-                      tool_call_parser=_TOOL_PARSER.value, reasoning_parser=_REASONING.value)
+                      tool_call_parser=_TOOL_PARSER.value, reasoning_parser=_REASONING.value,
+                      lora_modules=common.lora_modules(),
+                      allow_runtime_lora=_RUNTIME_LORA.value)
 
     def load():
         import jax

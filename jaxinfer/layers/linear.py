@@ -4,6 +4,7 @@
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.lora.weights import LoraWeight
 from jaxinfer.quant import QuantizedWeight, matmul
 
 
@@ -16,7 +17,10 @@ def linear(x: jax.Array, w, b: jax.Array | None = None, *, backend) -> jax.Array
 
 
 def product(x: jax.Array, w, spec: str, backend) -> jax.Array:
-    """einsum(spec, x, w) for a float or quantized weight, float32 (the head, the experts)."""
+    """einsum(spec, x, w) for a float or quantized weight, float32 (the head, the experts); a
+    LoraWeight (jaxinfer.lora) adds its adapters' low-rank term (spec "...i,io->...o")."""
+    if isinstance(w, LoraWeight):
+        return product(x, w.base, spec, backend) + w.delta(x)
     if isinstance(w, QuantizedWeight):
         return matmul(x, w, spec, backend)
     return backend.dot(x, w, spec)

@@ -302,7 +302,8 @@ class Family:
     def forward_tokens(self, params: ModelParams, cfg: ModelConfig, batch: TokenBatch,
                        cache: PagedKVCache, *, backend: Optional[Backend] = None,
                        query_tile: int = 16, num_tiles: Optional[int] = None,
-                       differentiable: bool = False) -> tuple[jax.Array, PagedKVCache]:
+                       differentiable: bool = False,
+                       lora=None) -> tuple[jax.Array, PagedKVCache]:
         """A flat step's tokens through the model, their K/V appended to the cache: (final-normed
         h [T, D], the cache with lengths advanced by num_queries).
 
@@ -310,12 +311,18 @@ class Family:
         query_tile, num_tiles (static): the attention's tiles; differentiable (static): a fixed
         trip count jax.grad can go through. The layers are unrolled (on XLA:CPU a scan copies
         each layer's weights: docs/architecture.md, "Compiled shapes"), each a call of one jitted function
-        per kind (window, RoPE base), so a kind is traced once and XLA inlines the calls."""
+        per kind (window, RoPE base), so a kind is traced once and XLA inlines the calls.
+        lora: a jaxinfer.lora.LoraStep (adapter slots and each cache row's slot), whose
+        low-rank terms join the adapted linear layers."""
         ctx = self.context(cfg, batch, cache, backend=backend, query_tile=query_tile,
                            num_tiles=num_tiles, differentiable=differentiable)
         h = rows(self.embed(params, cfg, batch.tokens))
         kinds = {}
+        if lora is not None:
+            mask, active = lora.token_mask(batch.rows)
         for i, lp in enumerate(params.layers):
+            if lora is not None:
+                lp = lora.slots.attach(lp, i, mask, active)
             kind = (cfg.window(i), cfg.layer_rope_theta(i))
             if kind not in kinds:  # layer i's static properties serve its whole kind
                 kinds[kind] = jax.jit(lambda lp, h, ctx, i=i: self.layer(lp, cfg, i, h, ctx))
@@ -329,7 +336,7 @@ class Family:
     def forward(self, params: ModelParams, cfg: ModelConfig, tokens: jax.Array,
                 cache: PagedKVCache, num_new: jax.Array, *,
                 backend: Optional[Backend] = None, rows: jax.Array | None = None,
-                differentiable: bool = False) -> tuple[jax.Array, PagedKVCache]:
+                differentiable: bool = False, lora=None) -> tuple[jax.Array, PagedKVCache]:
         """forward_tokens for tokens [R, T]: row i feeds cache row rows[i] (None: i) its first
         num_new[i] tokens. Returns (h [R, T, D], cache)."""
         R, T = tokens.shape
@@ -337,7 +344,7 @@ class Family:
         tile = min(T, DENSE_QUERY_TILE)
         h, cache = self.forward_tokens(params, cfg, batch, cache, backend=backend,
                                        query_tile=tile, num_tiles=R * -(-T // tile),
-                                       differentiable=differentiable)
+                                       differentiable=differentiable, lora=lora)
         return h.reshape(R, T, -1), cache
 
 

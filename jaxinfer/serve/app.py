@@ -29,6 +29,7 @@ from jaxinfer.user_input import InputError, loads_json, show
 
 log = logging.getLogger(__name__)
 MODELS = "/v1/models"
+LOAD_LORA, UNLOAD_LORA = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
 CONNECTION_HEADROOM = 64  # connections past twice the admissible requests: probes, scrapers
 # Tokenizing takes far less time than generating: a small pool keeps the engine fed while
 # bounding the CPU requests can take.
@@ -53,6 +54,11 @@ class ServeConfig:
     # model's own, else hermes) and the reasoning parser (None: by the chat template).
     tool_call_parser: Optional[str] = None
     reasoning_parser: Optional[str] = None
+    # LoRA: adapters to load at start ({name: PEFT directory}; the LLM needs max_loras), and
+    # whether POST /v1/load_lora_adapter and /v1/unload_lora_adapter may change them (they
+    # read server paths, so they are off unless asked for, as vLLM's are).
+    lora_modules: Optional[dict] = None
+    allow_runtime_lora: bool = False
 
     def __post_init__(self):
         for name in ("keep_alive_s", "read_timeout_s"):
@@ -75,6 +81,7 @@ class ServeState:
         self.cfg = cfg
         self.metrics = ServerMetrics()
         self.llm = None
+        self.loras: dict = {}
         self.formats = oa.ChatFormats()
         self.engine: Optional[EngineLoop] = None
         self.ready = False      # loaded and warmed: /health 200 and requests admitted
@@ -87,7 +94,13 @@ class ServeState:
 
     def attach(self, llm) -> None:
         """Serves `llm` (loaded, warmed if wanted): starts the engine loop, marks ready."""
+        for name, path in (self.cfg.lora_modules or {}).items():
+            if name == self.cfg.model_name:
+                raise ValueError(f"LoRA adapter {name!r} has the served model's name")
+            llm.load_lora(name, path)
         self.llm = llm
+        # Adapter names clients may send as `model` (updated on the event-loop thread).
+        self.loras = {a["name"]: a["path"] for a in llm.list_loras()}
         self.formats = oa.ChatFormats.for_tokenizer(llm.tokenizer, self.cfg.tool_call_parser,
                                                     self.cfg.reasoning_parser)
         self.engine = EngineLoop(llm, self.metrics).start()
@@ -181,9 +194,12 @@ async def _generate(state: ServeState, request: Request, endpoint: str):
     else:
         req = oa.parse_request(endpoint, body, max_n=llm.max_n)
     chat = req.endpoint == oa.CHAT
-    if req.model is not None and req.model != name:
+    lora = req.model if req.model in state.loras else None
+    if req.model is not None and req.model != name and lora is None:
+        served = [name] + sorted(state.loras)
         raise oa.RequestError(f"model {show(req.model)} is not served here; this server "
-                              f"serves {name!r}", "model", code="model_not_found")
+                              f"serves {served}", "model", status=404,
+                              code="model_not_found")
     _admit(state)
     param = "messages" if chat else "prompt"
     rid, created, loop = oa.new_id(endpoint), int(time.time()), asyncio.get_running_loop()
@@ -200,7 +216,7 @@ async def _generate(state: ServeState, request: Request, endpoint: str):
     try:
         prompt, params = await loop.run_in_executor(state.encoder, oa.prepare, llm, req,
                                                     state.formats)
-        sub = Submission(rid, prompt, params, loop)
+        sub = Submission(rid, prompt, params, loop, lora=lora)
         state.engine.submit(sub)
         submitted.append(True)
         error = await sub.admitted()
@@ -307,6 +323,40 @@ async def _response_events(chunks, events: "ra.ResponseStream"):
         yield ra.sse_event(ev)
 
 
+async def _change_lora(state: ServeState, request: Request, load: bool):
+    """vLLM's runtime adapter API: {"lora_name", "lora_path"} loads a PEFT directory,
+    {"lora_name"} unloads; the change runs on the engine thread, between steps."""
+    _available(state)
+    if not state.cfg.allow_runtime_lora:
+        raise ApiError(403, "loading and unloading LoRA adapters at runtime is off (start the "
+                       "server with --allow_runtime_lora)", "invalid_request_error")
+    body = await _read_json(request, state.cfg)
+    fields = {"lora_name", "lora_path"} if load else {"lora_name"}
+    if not isinstance(body, dict) or set(body) - fields or not isinstance(
+            body.get("lora_name"), str) or (load and not isinstance(body.get("lora_path"), str)):
+        raise oa.RequestError(f"the body must be {sorted(fields)} (strings), got {show(body)}",
+                              "lora_name")
+    name = body["lora_name"]
+    if name == state.cfg.model_name:
+        raise oa.RequestError(f"{show(name)} is the served model's name", "lora_name")
+    if not load and name not in state.loras:
+        raise oa.RequestError(f"no LoRA adapter named {show(name)} is loaded", "lora_name",
+                              status=404, code="model_not_found")
+    fn = (lambda llm: llm.load_lora(name, body["lora_path"])) if load else \
+        (lambda llm: llm.unload_lora(name))
+    try:
+        await asyncio.wrap_future(state.engine.call(fn, between_steps=True))
+    except ValueError as e:
+        raise oa.RequestError(str(e), "lora_path" if load else "lora_name") from None
+    if load:
+        state.loras[name] = body["lora_path"]
+    else:
+        state.loras.pop(name, None)
+    verb = "added" if load else "removed"
+    return Response(f"Success: LoRA adapter '{name}' {verb} successfully.",
+                    media_type="text/plain")
+
+
 def create_app(state: ServeState) -> FastAPI:
     """The ASGI app serving `state` (attach an LLM to it to become ready)."""
     app = FastAPI(title="jaxinfer", docs_url=None, redoc_url=None, openapi_url=None)
@@ -338,9 +388,21 @@ def create_app(state: ServeState) -> FastAPI:
     @app.get(MODELS)
     async def models():
         _available(state)
+        base = state.cfg.model_name
         return {"object": "list", "data": [{
-            "id": state.cfg.model_name, "object": "model", "created": state.created,
-            "owned_by": "jaxinfer", "max_model_len": state.llm.max_seq_len}]}
+            "id": base, "object": "model", "created": state.created, "owned_by": "jaxinfer",
+            "root": base, "parent": None, "max_model_len": state.llm.max_seq_len}] + [{
+                "id": n, "object": "model", "created": state.created, "owned_by": "jaxinfer",
+                "root": path, "parent": base, "max_model_len": state.llm.max_seq_len}
+                for n, path in sorted(state.loras.items())]}
+
+    @app.post(LOAD_LORA)
+    async def load_lora_adapter(request: Request):
+        return await _change_lora(state, request, load=True)
+
+    @app.post(UNLOAD_LORA)
+    async def unload_lora_adapter(request: Request):
+        return await _change_lora(state, request, load=False)
 
     @app.get("/health")
     async def health():

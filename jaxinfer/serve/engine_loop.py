@@ -41,6 +41,7 @@ class Submission:
     prompt: Any                      # EncodedPrompt, str or list[int]
     params: Any                      # SamplingParams
     loop: asyncio.AbstractEventLoop  # the handler's event loop
+    lora: Optional[str] = None       # the LoRA adapter it runs under (None: the base model)
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
     # Engine-thread bookkeeping.
     first_time: Optional[float] = None
@@ -166,11 +167,13 @@ class EngineLoop:
         self._abort_at = deadline
         self._commands.put(("wake", None))
 
-    def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
+    def call(self, fn: Callable[[Any], Any], between_steps: bool = False
+             ) -> concurrent.futures.Future:
         """Runs fn(llm) on the engine thread once the requests before it have finished (for
-        tests and tools that need the engine to themselves)."""
+        tests and tools that need the engine to themselves), or with between_steps at the next
+        pause between two steps, requests still running (adapter loads)."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        if not self._enqueue(("call", (fn, fut))):
+        if not self._enqueue(("now" if between_steps else "call", (fn, fut))):
             fut.set_exception(self.stopped_error())
         return fut
 
@@ -239,12 +242,12 @@ class EngineLoop:
             self._add(value)
         elif kind == "abort":
             self._abort(value)
-        elif kind == "call":
+        elif kind in ("call", "now"):
             fn, fut = value
             if not fut.set_running_or_notify_cancel():
                 return
             try:
-                while self.llm.has_unfinished_requests():
+                while kind == "call" and self.llm.has_unfinished_requests():
                     self._step()
                 fut.set_result(fn(self.llm))
             except BaseException as e:  # handed to the caller
@@ -253,7 +256,7 @@ class EngineLoop:
     def _add(self, sub: Submission) -> None:
         self._count_pending(-1)
         try:
-            self.llm.add_request(sub.prompt, sub.params, sub.request_id)
+            self.llm.add_request(sub.prompt, sub.params, sub.request_id, lora=sub.lora)
         except ValueError as e:  # what only the model knows: prompt length, token ids
             sub.put(ERROR, e)
             return

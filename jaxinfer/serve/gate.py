@@ -18,7 +18,8 @@ from jaxinfer import openai_api as oa
 from jaxinfer.user_input import show
 
 log = logging.getLogger(__name__)
-COUNTED = (oa.COMPLETIONS, oa.CHAT, "/v1/responses", "/v1/models")
+COUNTED = (oa.COMPLETIONS, oa.CHAT, "/v1/responses", "/v1/models", "/v1/load_lora_adapter",
+           "/v1/unload_lora_adapter")
 INTERNAL_MESSAGE = "internal error; the server logged it"
 # For a client that stopped sending. Answers sent before a body was read keep the connection:
 # closing it with the body unread would reset it, and the client could lose the answer.
