@@ -8,10 +8,11 @@ from __future__ import annotations
 import os
 import sys
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "lora"))
-from lora_util import HF_MODULES, peft_tensors, read_weights, write_peft  # noqa: E402
+from lora_util import peft_tensors, write_peft  # noqa: E402
 
 MODEL = "smollm2-135m"
 PROMPT = "The capital of France is"
@@ -25,14 +26,13 @@ def adapters(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("adapters")
     llm = LLM(MODEL, max_seq_len=128, max_num_seqs=4, max_loras=2, max_lora_rank=8)
-    p = llm.params.layers
     shapes = {}
-    for i, lp in enumerate(p):
+    for i, lp in enumerate(llm.params.layers):
         for module, field in (("q_proj", "wq"), ("v_proj", "wv"), ("down_proj", "w_down")):
             kind = "mlp" if module == "down_proj" else "self_attn"
             fan_in, fan_out = getattr(lp, field).shape
-            shapes[f"model.layers.{i}.{kind}.{module}.weight"] = \
-                __import__("numpy").zeros((fan_out, fan_in), "float32")
+            shapes[f"model.layers.{i}.{kind}.{module}.weight"] = np.zeros((fan_out, fan_in),
+                                                                          np.float32)
     paths = {}
     for seed, name in enumerate(("french", "pirate")):
         tensors = peft_tensors(shapes, {"q_proj", "v_proj", "down_proj"}, r=8, seed=seed,
