@@ -317,16 +317,29 @@ class LLM:
     # ---- LoRA adapters ------------------------------------------------------------------------
 
     def load_lora(self, name: str, path: str) -> None:
-        """Loads the PEFT adapter saved in directory `path` (adapter_config.json and
-        adapter_model.safetensors) under `name`, checked against the model (shapes, target
-        modules, rank <= max_lora_rank): a ValueError names what does not fit. It takes a
-        device slot when a request first uses it (docs/lora.md)."""
-        from jaxinfer.lora.adapters import read_peft
+        """Loads the adapter saved in directory `path` under `name`: a PEFT adapter
+        (adapter_config.json and adapter_model.safetensors) or one save_lora wrote, checked
+        against the model (shapes, target modules, rank <= max_lora_rank): a ValueError names
+        what does not fit. It takes a device slot when a request first uses it
+        (docs/lora.md)."""
+        from jaxinfer.lora import adapters
 
         self._check_lora_name(name)
-        adapter = read_peft(name, path, family=get_model(self.model_config.architecture),
-                            cfg=self.model_config, max_rank=self._engine.loras.max_rank)
+        if name in self._engine.loras.adapters:
+            raise ValueError(f"a LoRA adapter named {name!r} is already loaded; unload it first")
+        read = adapters.read_orbax if adapters.is_orbax_adapter(path) else adapters.read_peft
+        adapter = read(name, path, family=get_model(self.model_config.architecture),
+                       cfg=self.model_config, max_rank=self._engine.loras.max_rank)
         self._engine.loras.add(adapter)
+
+    def save_lora(self, name: str, path: str) -> None:
+        """Writes loaded adapter `name` to directory `path` in jaxinfer's form (orbax arrays
+        and jaxinfer_lora.json), which load_lora reads back."""
+        from jaxinfer.lora.adapters import save_adapter
+
+        if name not in self._loras().adapters:
+            raise ValueError(f"no LoRA adapter named {name!r} is loaded")
+        save_adapter(self._engine.loras.adapters[name], path)
 
     def add_lora(self, adapter) -> None:
         """Loads an adapter already read (jaxinfer.lora.adapters.Adapter, e.g. from

@@ -346,8 +346,46 @@ def hybrid() -> dict:
     return out
 
 
+def lora() -> dict:
+    """The tiny Llama with two random LoRA adapters (every projection) and base rows mixed in
+    one batch, on one device and on (1,2,1) and (2,1,1) meshes: tokens, chosen logprobs and the
+    adapter slots' shardings."""
+    import jaxinfer as ji
+    from jaxinfer.lora.adapters import from_peft_arrays
+    from jaxinfer.models import get_model
+
+    sys.path.insert(0, os.path.join(HERE, "lora"))
+    from lora_util import HF_MODULES, peft_tensors, read_weights
+
+    path = os.path.join(ROOT, "tests", "data", "tiny_models", "llama")
+    weights = read_weights(path)
+    prompts = [[1, 5, 9, 30, 41], [2, 7, 100], [3, 3, 3, 8, 120, 64, 9], [4, 50]]
+    params = ji.SamplingParams(max_tokens=10, logprobs=1, ignore_eos=True)
+    loras = ["a", None, "b", "a"]
+    out = {}
+    for name, mesh in (("single", None), ("tensor2", ji.MeshConfig(tensor=2)),
+                       ("data2", ji.MeshConfig(data=2))):
+        llm = ji.LLM(path, dtype="float32", max_seq_len=64, max_num_seqs=4, max_loras=2,
+                     max_lora_rank=4, mesh=mesh)
+        for k, ad in enumerate(("a", "b")):
+            tensors = peft_tensors(weights, set(HF_MODULES), r=4, seed=k)
+            llm.add_lora(from_peft_arrays(ad, tensors, r=4, lora_alpha=8.0,
+                                          family=get_model("llama"), cfg=llm.model_config,
+                                          max_rank=4))
+        outs = llm.generate(prompts, params, lora=loras)
+        slots = llm._engine.runner.lora
+        out[name] = {"tokens": [o.token_ids for o in outs],
+                     "logprobs": [[lp[t] for lp, t in zip(o.logprobs, o.token_ids)]
+                                  for o in outs],
+                     "a_spec": str(getattr(slots.a["wq"].sharding, "spec", None)),
+                     "b_spec": str(getattr(slots.b["wq"].sharding, "spec", None))}
+        del llm
+        jax.clear_caches()
+    return out
+
+
 if __name__ == "__main__":
     sys.path.insert(0, ROOT)
     result = {"meshes": meshes, "kvrep": kvrep, "kernels": kernels, "big": big,
-              "context": context, "hybrid": hybrid}[sys.argv[1]]()
+              "context": context, "hybrid": hybrid, "lora": lora}[sys.argv[1]]()
     print(json.dumps(result))

@@ -42,6 +42,20 @@ def test_hybrid_cache_on_meshes():
     assert _spec(got["data2_seq2"]["ring_spec"]) == (None, ("data", "sequence"))
 
 
+@pytest.mark.slow
+def test_lora_adapters_on_meshes():
+    """Rows of two LoRA adapters and the base in one batch on (tensor 2) and (data 2) meshes:
+    one device's tokens and logprobs (1e-5); the slots' A and B split over tensor along their
+    base weight's input and output axes."""
+    got = run_worker("lora")
+    one = got["single"]
+    for name in ("tensor2", "data2"):
+        assert got[name]["tokens"] == one["tokens"], name
+        np.testing.assert_allclose(got[name]["logprobs"], one["logprobs"], atol=1e-5, rtol=0)
+    assert _spec(got["tensor2"]["a_spec"]) == ()  # wq's input (embed) is not split
+    assert _spec(got["tensor2"]["b_spec"]) == (None, None, "tensor")  # its output: q heads
+
+
 def _spec(text: str) -> tuple:
     """A printed PartitionSpec as a tuple without trailing Nones: jit outputs print their
     specs trimmed (P(None, 'data')), placed arrays in full (P(None, 'data', None))."""

@@ -183,3 +183,76 @@ def read_peft(name: str, path: str, *, family, cfg, max_rank: int) -> Adapter:
     return from_peft_arrays(name, tensors, r=r, lora_alpha=alpha, use_rslora=rslora,
                             family=family, cfg=cfg, max_rank=max_rank, target_modules=targets,
                             path=path, where=w_path)
+
+
+# ---- jaxinfer's own form: the arrays as an orbax checkpoint beside a small JSON -------------
+
+ORBAX_META = "jaxinfer_lora.json"
+ORBAX_ARRAYS = "arrays"
+FORMAT_VERSION = 1
+
+
+def is_orbax_adapter(path: str) -> bool:
+    return isinstance(path, str) and os.path.isfile(os.path.join(path, ORBAX_META))
+
+
+def save_adapter(adapter: Adapter, path: str) -> None:
+    """Writes `adapter` in jaxinfer's form (ValueError if `path` exists and is not empty): A
+    [L, in, r] and B [L, r, out] per field with orbax, rank and scale in jaxinfer_lora.json."""
+    import orbax.checkpoint as ocp
+
+    path = os.path.abspath(path)
+    if os.path.exists(path) and os.listdir(path):
+        raise ValueError(f"output directory {path!r} exists and is not empty")
+    os.makedirs(path, exist_ok=True)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(os.path.join(path, ORBAX_ARRAYS), {"a": adapter.a, "b": adapter.b})
+        ckptr.wait_until_finished()
+    meta = {"format_version": FORMAT_VERSION, "rank": adapter.rank, "scale": adapter.scale,
+            "shapes": {f: [list(adapter.a[f].shape), list(adapter.b[f].shape)]
+                       for f in adapter.a}}
+    with open(os.path.join(path, ORBAX_META), "w", encoding="utf-8") as f:
+        json.dump(meta, f, indent=1)
+
+
+def read_orbax(name: str, path: str, *, family, cfg, max_rank: int) -> Adapter:
+    """An adapter save_adapter wrote, checked against the model as PEFT ones are."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    where = os.path.join(path, ORBAX_META)
+    try:
+        with open(where, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise AdapterError(f"adapter {name!r}: cannot read {where}: {e}") from None
+    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
+        raise AdapterError(f"{where}: not a format {FORMAT_VERSION} jaxinfer adapter")
+    r, scale, shapes = meta.get("rank"), meta.get("scale"), meta.get("shapes")
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1 or not isinstance(shapes, dict) \
+            or isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise AdapterError(f"{where}: rank, scale and shapes are malformed")
+    if r > max_rank:
+        raise AdapterError(f"{where}: rank r={r} exceeds max_lora_rank={max_rank}")
+    allowed = adaptable(family, cfg)
+    L = cfg.num_layers
+    for field, shape in shapes.items():
+        if field not in allowed:
+            raise AdapterError(f"{where}: field {show(field)} is not adaptable in this model")
+        (fan_in, fan_out), _ = allowed[field]
+        if shape != [[L, fan_in, r], [L, r, fan_out]]:
+            raise AdapterError(f"{where}: {field} has shapes {show(shape)}; the model needs "
+                               f"{[[L, fan_in, r], [L, r, fan_out]]}")
+    abstract = {k: {f: jax.ShapeDtypeStruct(tuple(s[i]), np.float32)
+                    for f, s in shapes.items()} for i, k in enumerate(("a", "b"))}
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            arrays = ckptr.restore(os.path.join(path, ORBAX_ARRAYS), abstract)
+    except Exception as e:  # noqa: BLE001 - orbax's many error types: a corrupt adapter
+        raise AdapterError(f"adapter {name!r}: cannot restore {path!r}: "
+                           f"{type(e).__name__}: {e}") from None
+    a = {f: np.asarray(x, np.float32) for f, x in arrays["a"].items()}
+    b = {f: np.asarray(x, np.float32) for f, x in arrays["b"].items()}
+    if not all(np.isfinite(x).all() for x in (*a.values(), *b.values())):
+        raise AdapterError(f"adapter {name!r}: NaN or infinity in its arrays")
+    return Adapter(name=name, rank=r, scale=float(scale), a=a, b=b, path=path)

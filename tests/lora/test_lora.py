@@ -147,6 +147,18 @@ def test_unload_and_list(three):
         llm.add_lora(llm._engine.loras.adapters["a"])
 
 
+def test_save_and_load_in_jaxinfers_form(three, tmp_path):
+    """save_lora writes an adapter with orbax; loaded back under another name it gives the
+    same tokens and log-probabilities."""
+    llm, refs = three
+    llm.save_lora("c", str(tmp_path / "c_orbax"))
+    llm.load_lora("c2", str(tmp_path / "c_orbax"))
+    try:
+        _same(llm.generate(PROMPTS, _sp(), lora="c2"), refs["c"].generate(PROMPTS, _sp()))
+    finally:
+        llm.unload_lora("c2")
+
+
 def test_peft_arrays_are_read_as_written(tmp_path):
     from jaxinfer.models import get_model
 
