@@ -355,6 +355,11 @@ class LLM:
         self._loras()
         if name not in self._engine.loras.adapters:
             raise ValueError(f"no LoRA adapter named {name!r} is loaded")
+        users = [r for r in list(self._engine.waiting) + self._engine.slots
+                 if r is not None and r.lora == name]
+        if users:
+            raise ValueError(f"LoRA adapter {name!r} is in use by {len(users)} unfinished "
+                             "sequences; unload it when they finish")
         self._engine.loras.remove(name)
 
     def list_loras(self) -> list[dict]:

@@ -145,6 +145,10 @@ def test_unload_and_list(three):
         llm.generate(PROMPTS[0], _sp(), lora="zz")
     with pytest.raises(ValueError, match="already loaded"):
         llm.add_lora(llm._engine.loras.adapters["a"])
+    rid = llm.add_request(PROMPTS[0], _sp(), lora="b")  # waiting: not yet admitted
+    with pytest.raises(ValueError, match="in use by 1 unfinished"):
+        llm.unload_lora("b")
+    llm.abort(rid)
 
 
 def test_save_and_load_in_jaxinfers_form(three, tmp_path):
