@@ -102,9 +102,11 @@ def meshes() -> dict:
                                       (12, 0.5, 5, 3), (7, 0.0, 0, None)]]
     # One constrained row (structured outputs: the decode dispatches with it run one step).
     mixed.append(ji.SamplingParams(max_tokens=40, structured_outputs=ji.StructuredOutputs(
-        json=STRUCTURED_SCHEMA)))
+        json=STRUCTURED_SCHEMA, disable_any_whitespace=True)))
+    ask = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": 'Reply with JSON like {"n": 7}.'}]))
     outs = llm.generate([[1, 2, 3], list(range(10, 50)), [5] * 70, [7, 8],
-                         list(range(100, 117)), [1, 28, 1]], mixed)
+                         list(range(100, 117)), ask], mixed)
     jax.config.update("jax_log_compiles", False)
     out["compiles_after_warmup"] = handler.seen
     out["structured"] = {"text": outs[-1].text, "finish": outs[-1].finish_reason}

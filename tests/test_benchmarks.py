@@ -102,3 +102,23 @@ def test_kernels_benchmark_ragged_smoke():
     assert mixed["bytes"] == 2 * (48 + 24 + 4 * 40) * K * H * 2 + 2 * 36 * N * H * 2
     seen = sum(range(33, 49)) + sum(range(9, 25)) + 4 * 40
     assert mixed["flops"] == 4 * N * H * seen
+
+
+@pytest.mark.slow
+def test_structured_and_lora_benchmarks_run_end_to_end():
+    """benchmarks/structured.py and benchmarks/lora.py at the smallest sizes: every workload
+    generates its exact token count (asserted inside), and each ratio is the quotient of the
+    figures it is reported from."""
+    import lora
+    import structured
+
+    s = structured.main(["--rows", "3", "--output-len", "4", "--rounds", "1"])
+    assert s["json_vs_free"] == s["tok_per_s"]["json"] / s["tok_per_s"]["free"]
+    first = s["first_rows_tok_per_s"]
+    assert s["mixed_vs_free_1"] == first["mixed"] / first["free-1"]
+    assert s["schema_check"]["first_s"] > 0 and s["per_row_mask_ms"] > 0
+    r = lora.main(["--rows", "2", "--output-len", "4", "--rounds", "1", "--rank", "4",
+                   "--adapters", "2"])
+    assert r["adapters_vs_off"] == r["tok_per_s"]["adapters"] / r["tok_per_s"]["off"]
+    assert r["base_vs_off"] == r["tok_per_s"]["base"] / r["tok_per_s"]["off"]
+    assert r["load_lora_s"] > 0 and r["slot_write_s"] > 0

@@ -108,12 +108,22 @@ class Runner:
 
         targets = adaptable(get_model(self.cfg.architecture), self.cfg)
         self.lora_targets = targets
+        # The slots take the float weights' dtype (bf16 by default: half the bytes a step
+        # reads for them); the products accumulate in float32.
         slots = LoraSlots.zeros({f: shape for f, (shape, _) in targets.items()},
-                                self.cfg.num_layers, num_slots, rank)
+                                self.cfg.num_layers, num_slots, rank,
+                                dtype=self._weight_dtype())
         if self.partitioner is None:
             return jax.device_put(slots, self.device)
         return self.partitioner.put_tree(
             slots, slots.logical_axes({f: axes for f, (_, axes) in targets.items()}))
+
+    def _weight_dtype(self):
+        """The float dtype of the base weights (float32 for a quantized model)."""
+        w = self.params.layers[0].wq
+        dtype = getattr(w, "dtype", None)
+        return dtype if dtype is not None and jax.numpy.issubdtype(
+            dtype, jax.numpy.floating) else np.float32
 
     def write_lora(self, slot: int, adapter) -> None:
         """Writes an adapter (jaxinfer.lora.adapters.Adapter; None: zeros) into slot `slot`:

@@ -20,7 +20,7 @@ def product(x: jax.Array, w, spec: str, backend) -> jax.Array:
     """einsum(spec, x, w) for a float or quantized weight, float32 (the head, the experts); a
     LoraWeight (jaxinfer.lora) adds its adapters' low-rank term (spec "...i,io->...o")."""
     if isinstance(w, LoraWeight):
-        return product(x, w.base, spec, backend) + w.delta(x)
+        return product(x, w.base, spec, backend) + w.delta(x, backend)
     if isinstance(w, QuantizedWeight):
         return matmul(x, w, spec, backend)
     return backend.dot(x, w, spec)

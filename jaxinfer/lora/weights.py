@@ -13,8 +13,6 @@ term (lax.cond). docs/lora.md has the design and its cost.
 from __future__ import annotations
 
 import functools
-from typing import Optional
-
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -31,19 +29,25 @@ NO_SLOT = -1  # a row (or token) without an adapter
 @flax.struct.dataclass
 class LoraWeight:
     """A layer's weight with the step's low-rank term: linear() and gated_mlp() compute
-    x @ base + ((x @ a) * mask) @ b, the term skipped when no token uses an adapter."""
+    x @ base + ((x @ a[layer]) * mask) @ b[layer], the term skipped when no token uses an
+    adapter. a and b are the whole stacks, indexed inside the term: a step without adapter rows
+    reads none of them."""
 
     base: object            # the weight as the layer holds it (float or quantized)
-    a: jax.Array            # [in, N*R] float32
-    b: jax.Array            # [N*R, out] float32
+    a: jax.Array            # [L, in, N*R] in the weights' dtype
+    b: jax.Array            # [L, N*R, out]
+    layer: jax.Array        # [] int32: this layer's index in the stacks
     mask: jax.Array         # [T, N*R] float32: the token's adapter scale on its slot's columns
     active: jax.Array       # [] bool: some token uses an adapter
 
-    def delta(self, x: jax.Array) -> jax.Array:
-        """The low-rank term for x [T, in] -> [T, out] float32 (zeros when inactive)."""
+    def delta(self, x: jax.Array, backend) -> jax.Array:
+        """The low-rank term for x [T, in] -> [T, out] float32 (zeros when inactive), its
+        products the backend's (as the base weight's)."""
         def term(x):
-            h = jnp.dot(x.astype(jnp.float32), self.a, preferred_element_type=jnp.float32)
-            return jnp.dot(h * self.mask, self.b, preferred_element_type=jnp.float32)
+            a = jax.lax.dynamic_index_in_dim(self.a, self.layer, keepdims=False)
+            b = jax.lax.dynamic_index_in_dim(self.b, self.layer, keepdims=False)
+            h = backend.dot(x, a, "...i,io->...o") * self.mask
+            return backend.dot(h.astype(x.dtype), b, "...i,io->...o")
 
         return jax.lax.cond(self.active, term,
                             lambda x: jnp.zeros(x.shape[:-1] + self.b.shape[-1:], jnp.float32),
@@ -53,7 +57,8 @@ class LoraWeight:
 @flax.struct.dataclass
 class LoraSlots:
     """N adapter slots of rank R on the device: per target field, A [L, in, N*R] and
-    B [L, N*R, out] (float32), and each slot's scale [N] (alpha / r, or alpha / sqrt(r))."""
+    B [L, N*R, out] (in the base weights' float dtype), and each slot's scale [N] (alpha / r,
+    or alpha / sqrt(r); float32)."""
 
     a: dict
     b: dict
@@ -63,12 +68,12 @@ class LoraSlots:
 
     @classmethod
     def zeros(cls, shapes: dict, num_layers: int, num_slots: int, rank: int,
-              xp=np) -> "LoraSlots":
+              dtype=np.float32, xp=np) -> "LoraSlots":
         """Empty slots for targets {field: (in, out)}."""
         width = num_slots * rank
-        return cls(a={f: xp.zeros((num_layers, i, width), np.float32)
+        return cls(a={f: xp.zeros((num_layers, i, width), dtype)
                       for f, (i, o) in shapes.items()},
-                   b={f: xp.zeros((num_layers, width, o), np.float32)
+                   b={f: xp.zeros((num_layers, width, o), dtype)
                       for f, (i, o) in shapes.items()},
                    scale=xp.zeros((num_slots,), np.float32), num_slots=num_slots, rank=rank)
 
@@ -87,8 +92,8 @@ class LoraSlots:
 
     def attach(self, lp, i: int, mask: jax.Array, active: jax.Array):
         """Layer i's params with each adapted weight a LoraWeight."""
-        return lp.replace(**{f: LoraWeight(getattr(lp, f), self.a[f][i], self.b[f][i], mask,
-                                           active) for f in self.a})
+        return lp.replace(**{f: LoraWeight(getattr(lp, f), self.a[f], self.b[f], jnp.int32(i),
+                                           mask, active) for f in self.a})
 
 
 @flax.struct.dataclass
@@ -111,8 +116,10 @@ def write_slot(slots: LoraSlots, n: jax.Array, a: dict, b: dict,
     """slots with slot n [] set to an adapter: a {field: [L, in, R]}, b {field: [L, R, out]}
     (zeros for fields it does not adapt, and past its rank), scale []."""
     R = slots.rank
-    new_a = {f: jax.lax.dynamic_update_slice(slots.a[f], a[f], (0, 0, n * R)) for f in slots.a}
-    new_b = {f: jax.lax.dynamic_update_slice(slots.b[f], b[f], (0, n * R, 0)) for f in slots.b}
+    new_a = {f: jax.lax.dynamic_update_slice(slots.a[f], a[f].astype(slots.a[f].dtype),
+                                             (0, 0, n * R)) for f in slots.a}
+    new_b = {f: jax.lax.dynamic_update_slice(slots.b[f], b[f].astype(slots.b[f].dtype),
+                                             (0, n * R, 0)) for f in slots.b}
     return slots.replace(a=new_a, b=new_b, scale=slots.scale.at[n].set(scale))
 
 
@@ -125,6 +132,3 @@ def base_of(w):
     return w.base if isinstance(w, LoraWeight) else w
 
 
-def lora_term(x: jax.Array, w) -> Optional[jax.Array]:
-    """w's low-rank term for x, or None when w is a plain weight."""
-    return w.delta(x) if isinstance(w, LoraWeight) else None
