@@ -15,6 +15,6 @@ from jaxinfer.llm import LLM, EncodedPrompt
 from jaxinfer.structured import StructuredOutputs
 
 __all__ = ["LLM", "EncodedPrompt", "MeshConfig", "RequestMetrics", "RequestOutput",
-           "SamplingParams", "SpeculativeConfig", "StructuredOutputs", "step", "decode_loop", "admit_rows",
-           "DecodeState", "RowParams", "StepOutput", "TokenBatch"]
+           "SamplingParams", "SpeculativeConfig", "StructuredOutputs", "step", "decode_loop",
+           "admit_rows", "DecodeState", "RowParams", "StepOutput", "TokenBatch"]
 __version__ = "0.1.0"

@@ -100,8 +100,9 @@ def _targets(target_modules: Any, allowed: dict, where: str) -> set:
     for n in names:
         field = TARGETS.get(n)
         if field is None or field not in allowed:
+            names = sorted(k for k, v in TARGETS.items() if v in allowed)
             raise AdapterError(f"{where}: target module {show(n)} is not adaptable in this "
-                               f"model; adaptable: {sorted(k for k, v in TARGETS.items() if v in allowed)}")
+                               f"model; adaptable: {names}")
         fields.add(field)
     return fields
 
@@ -128,8 +129,9 @@ def from_peft_arrays(name: str, tensors: dict, *, r: int, lora_alpha: float,
         layer, module, which = int(m.group(1)), m.group(2), m.group(3)
         field = TARGETS.get(module)
         if field is None or field not in allowed or (fields is not None and field not in fields):
+            why = "among target_modules" if field in allowed else "adaptable in this model"
             raise AdapterError(f"{where}: tensor {show(tname)}: module {show(module)} is not "
-                               f"{'among target_modules' if field in allowed else 'adaptable in this model'}")
+                               f"{why}")
         if not 0 <= layer < L:
             raise AdapterError(f"{where}: tensor {show(tname)}: layer {layer} outside the "
                                f"model's {L} layers")
@@ -159,6 +161,14 @@ def from_peft_arrays(name: str, tensors: dict, *, r: int, lora_alpha: float,
     return Adapter(name=name, rank=r, scale=scale, a=a, b=b, path=path)
 
 
+def _read_json(name: str, path: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise AdapterError(f"adapter {name!r}: cannot read {path}: {e}") from None
+
+
 def read_peft(name: str, path: str, *, family, cfg, max_rank: int) -> Adapter:
     """The adapter `peft` saved in directory `path`, checked against the model."""
     from jaxinfer.loading.safetensors import _SafetensorsFile
@@ -169,11 +179,7 @@ def read_peft(name: str, path: str, *, family, cfg, max_rank: int) -> Adapter:
     for p in (cfg_path, w_path):
         if not os.path.isfile(p):
             raise AdapterError(f"adapter {name!r}: {p} is missing")
-    try:
-        with open(cfg_path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise AdapterError(f"adapter {name!r}: cannot read {cfg_path}: {e}") from None
+    config = _read_json(name, cfg_path)
     r, alpha, rslora, targets = _check_config(config, cfg_path)
     try:
         st = _SafetensorsFile(w_path)
@@ -221,11 +227,7 @@ def read_orbax(name: str, path: str, *, family, cfg, max_rank: int) -> Adapter:
     import orbax.checkpoint as ocp
 
     where = os.path.join(path, ORBAX_META)
-    try:
-        with open(where, encoding="utf-8") as f:
-            meta = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise AdapterError(f"adapter {name!r}: cannot read {where}: {e}") from None
+    meta = _read_json(name, where)
     if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
         raise AdapterError(f"{where}: not a format {FORMAT_VERSION} jaxinfer adapter")
     r, scale, shapes = meta.get("rank"), meta.get("scale"), meta.get("shapes")
