@@ -379,8 +379,8 @@ def lora() -> dict:
         out[name] = {"tokens": [o.token_ids for o in outs],
                      "logprobs": [[lp[t] for lp, t in zip(o.logprobs, o.token_ids)]
                                   for o in outs],
-                     "a_spec": str(getattr(slots.a["wq"].sharding, "spec", None)),
-                     "b_spec": str(getattr(slots.b["wq"].sharding, "spec", None))}
+                     "a_spec": str(getattr(slots.a["wq"][0].sharding, "spec", None)),
+                     "b_spec": str(getattr(slots.b["wq"][0].sharding, "spec", None))}
         del llm
         jax.clear_caches()
     return out

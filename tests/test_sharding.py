@@ -53,7 +53,7 @@ def test_lora_adapters_on_meshes():
         assert got[name]["tokens"] == one["tokens"], name
         np.testing.assert_allclose(got[name]["logprobs"], one["logprobs"], atol=1e-5, rtol=0)
     assert _spec(got["tensor2"]["a_spec"]) == ()  # wq's input (embed) is not split
-    assert _spec(got["tensor2"]["b_spec"]) == (None, None, "tensor")  # its output: q heads
+    assert _spec(got["tensor2"]["b_spec"]) == (None, "tensor")  # its output: q heads
 
 
 def _spec(text: str) -> tuple:

@@ -50,7 +50,7 @@ class ScriptedLLM:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def add_request(self, prompt, params, request_id):
+    def add_request(self, prompt, params, request_id, lora=None):
         if prompt == "bad":
             raise ValueError("prompt is bad")
         if prompt == "bug":

@@ -159,12 +159,12 @@ CASES = [
     ("messages-10000", H, _j(messages=_msgs("hi") * 10_000), 400),
     ("messages-10000-parts", H, _j(messages=_msgs([{"type": "text", "text": "a"}] * 10_000)), 400),
     ("model-int", C, _j(prompt="a", model=42), 400),
-    ("model-100k", C, _j(prompt="a", model="x" * 100_000), 400),
+    ("model-100k", C, _j(prompt="a", model="x" * 100_000), 404),  # no such model
     ("field-name-10k", C, json.dumps({"prompt": "a", "y" * 10_000: 1}).encode(), 400),
     ("unknown-deep-field", C, _j(prompt="a", extra={"a": {"b": {"c": [1, [2, [3]]]}}}), 400),
     ("underflow-and-empty-prompt", C, b'{"prompt": "", "temperature": 1e-400}', 400),
     ("body-over-limit", C, _j(prompt="x" * (1 << 20)), 413),
-] + [(f"model-{k}", C, _j(prompt="a", model=v), 400) for k, v in UNICODE.items()] \
+] + [(f"model-{k}", C, _j(prompt="a", model=v), 404) for k, v in UNICODE.items()] \
   + [(f"prompt-{k}", C, _j(prompt=v, max_tokens=1, temperature=0), 200)
      for k, v in UNICODE.items()] \
   + [(f"chat-{k}", H, _j(messages=_msgs(v), max_tokens=1), 200) for k, v in UNICODE.items()] \

@@ -18,7 +18,6 @@ LONG = {"prompt": "Once upon a time", "max_tokens": 230, "temperature": 0, "igno
 
 BAD = [  # (endpoint, body, param, words the message must hold)
     ("completions", "{not json", None, ["not valid JSON"]),
-    ("completions", {"model": "gpt-4", "prompt": "a"}, "model", ["gpt-4", MODEL]),
     ("completions", {"prompt": "a", "temperature": 3}, "temperature", ["[0.0, 2.0]", "3"]),
     ("completions", {"prompt": "a", "top_p": 0}, "top_p", ["(0.0, 1.0]"]),
     ("completions", {"prompt": "a", "max_tokens": 0}, "max_tokens", ["[1,"]),
@@ -35,6 +34,14 @@ BAD = [  # (endpoint, body, param, words the message must hold)
     ("chat", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
               "top_logprobs": 21}, "top_logprobs", ["[0, 20]"]),
 ]
+
+
+def test_an_unknown_model_is_a_404_as_openai_answers(raw):
+    status, _, reply = raw.request("POST", "/v1/completions", {"model": "gpt-4", "prompt": "a"})
+    assert status == 404, reply
+    err = reply["error"]
+    assert (err["param"], err["code"]) == ("model", "model_not_found")
+    assert "gpt-4" in err["message"] and MODEL in err["message"]
 
 
 @pytest.mark.parametrize("endpoint,body,param,words", BAD,

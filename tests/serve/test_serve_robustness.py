@@ -107,11 +107,11 @@ def test_a_fault_in_one_request_is_a_500_for_it_alone(server, raw, llm, monkeypa
     real_add, real_encode = llm.add_request, llm.encode_prompt
     faults = {"add": 1, "encode": 1}
 
-    def add_request(prompt, params, request_id):
+    def add_request(prompt, params, request_id, lora=None):
         if faults["add"]:
             faults["add"] -= 1
             raise TypeError("secret add detail")
-        return real_add(prompt, params, request_id)
+        return real_add(prompt, params, request_id, lora=lora)
 
     def encode_prompt(prompt):
         if prompt == "boom" and faults["encode"]:
