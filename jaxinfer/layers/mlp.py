@@ -29,9 +29,8 @@ def gated_mlp(x: jax.Array, w_gate, w_up, w_down, activation: str = "silu", *, b
             if out is None:
                 out = GATES[activation](linear(x, base_of(w_gate), backend=backend)) * linear(
                     x, base_of(w_up), backend=backend)
-            return out.astype(unfused_dtype)
+            return out.astype(x.dtype)  # the unfused path's dtype (linear returns x's)
 
-        unfused_dtype = jax.eval_shape(unfused, x).dtype
         active = (w_gate if isinstance(w_gate, LoraWeight) else w_up).active
         hidden = jax.lax.cond(active, unfused, fused, x)
         return product(hidden, w_down, "...i,io->...o", backend).astype(x.dtype)
