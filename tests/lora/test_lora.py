@@ -251,3 +251,33 @@ def test_lora_off_refuses_adapters():
         llm.generate(PROMPTS[0], _sp(), lora="a")
     with pytest.raises(ValueError, match="max_lora_rank must be an int >= 1"):
         ji.LLM(os.path.join(TINY, "llama"), max_loras=1, max_lora_rank=0)
+
+
+def test_default_dtype_matches_merged_weights(tmp_path):
+    """At the defaults users get (bf16 weights, the native kernels on CPU; bf16 slots): the
+    prompt's log-probabilities under an adapter against the merged checkpoint at the same
+    defaults, teacher-forced so no sampled token can diverge. Tolerance 0.05 nats (both round
+    weights to bf16, at different points); the adapter itself moves them far more."""
+    src = os.path.join(TINY, "llama")
+    weights = read_weights(src)
+    tensors = peft_tensors(weights, set(HF_MODULES), r=4, seed=7)
+    from jaxinfer import backends
+
+    dtype = backends.default_dtype()  # what LLM() picks outside the test suite (bfloat16)
+    ref = ji.LLM(write_model(src, str(tmp_path / "merged"), merged(weights, tensors, 2.0)),
+                 dtype=dtype, max_seq_len=64, max_num_seqs=2)
+    llm = ji.LLM(src, dtype=dtype, max_seq_len=64, max_num_seqs=2, max_loras=1,
+                 max_lora_rank=4)
+    llm.load_lora("ad", write_peft(str(tmp_path / "ad"), tensors, 4, 8.0, HF_MODULES))
+    prompt = [1, 17, 40, 99, 3, 250, 61, 8, 8, 130, 77, 5, 201, 33, 12, 90]
+    sp = ji.SamplingParams(max_tokens=1, prompt_logprobs=0)
+
+    def scores(out):
+        return np.array([lp[t] for lp, t in zip(out.prompt_logprobs[1:], prompt[1:])])
+
+    got = scores(llm.generate(prompt, sp, lora="ad")[0])
+    want = scores(ref.generate(prompt, sp)[0])
+    base = scores(llm.generate(prompt, sp)[0])
+    assert llm.dtype == "bfloat16"
+    np.testing.assert_allclose(got, want, atol=0.05, rtol=0)
+    assert np.abs(base - want).max() > 0.5

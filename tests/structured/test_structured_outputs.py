@@ -30,7 +30,11 @@ def llm():
     # Pages of 8 tokens: outputs cross many page boundaries. A pool of 96 pages (768 tokens)
     # cannot hold 8 rows of these prompts and outputs at once, so the schema batch preempts
     # (asserted).
-    llm = ji.LLM(MODEL, max_num_seqs=8, max_seq_len=512, page_size=8, num_pages=96)
+    from jaxinfer import backends
+
+    # The dtype users get (bfloat16; the suite's own default is float32, tests/conftest.py).
+    llm = ji.LLM(MODEL, dtype=backends.default_dtype(), max_num_seqs=8, max_seq_len=512,
+                 page_size=8, num_pages=96)
     llm.warmup()
     return llm
 
@@ -250,11 +254,13 @@ def test_speculation_leaves_constrained_rows_undrafted(llm):
     import jaxinfer as ji
 
     spec = ji.StructuredOutputs(json=SCHEMAS["object_with_array"])
-    llm = ji.LLM(MODEL, max_num_seqs=2, max_seq_len=512,
-                 speculative=ji.SpeculativeConfig(method="ngram", num_draft_tokens=3))
+    # The module's engine but for speculation, so that it is the reference.
+    spec_llm = ji.LLM(MODEL, dtype=llm.dtype, max_num_seqs=8, max_seq_len=512, page_size=8,
+                      num_pages=96,
+                      speculative=ji.SpeculativeConfig(method="ngram", num_draft_tokens=3))
     prompt = _chat(llm, PROMPTS["object_with_array"])
     free = ji.SamplingParams(max_tokens=120, ignore_eos=True)
-    outs = llm.generate([prompt, prompt], [ji.SamplingParams(max_tokens=MAX_TOKENS,
+    outs = spec_llm.generate([prompt, prompt], [ji.SamplingParams(max_tokens=MAX_TOKENS,
                                                              structured_outputs=spec), free])
     assert outs[0].metrics.draft_tokens == 0
     assert outs[1].metrics.draft_tokens > 0
