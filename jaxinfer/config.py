@@ -50,6 +50,9 @@ class ModelConfig:
     experts_per_token: int = 0
     router: Optional[str] = None
     norm_topk_prob: bool = True
+    # Copies of each kv head in the weights (sharding.replicate_kv_heads: a tensor degree above
+    # the model's kv heads); num_kv_heads counts the copies.
+    kv_head_copies: int = 1
 
     def __post_init__(self):
         if self.rope_freq_factors is not None:  # e.g. a list read back from JSON

@@ -54,6 +54,48 @@ def make_mesh(mesh_cfg: MeshConfig, devices: Optional[Sequence[jax.Device]] = No
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
 
 
+def view_mesh(mesh: Mesh, axes: Optional[dict] = None) -> Mesh:
+    """jaxinfer's (data, sequence, tensor) view of a caller's mesh: the same devices, each of
+    jaxinfer's axes spanning the caller's axes mapped to it. axes: {jaxinfer axis: caller axis
+    name or tuple of names}; by default a caller axis named data, sequence or tensor maps to
+    itself. Every caller axis of more than one device must be mapped (ValueError), so the view
+    spans the mesh; a trainer and the engine then share its devices in one process."""
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    names = tuple(mesh.axis_names)
+    if axes is None:
+        axes = {a: a for a in MESH_AXES if a in names}
+    if not isinstance(axes, dict):
+        raise ValueError(f"mesh_axes must be a dict of jaxinfer axis -> mesh axis names, got "
+                         f"{type(axes).__name__}")
+    mapped: dict[str, tuple] = {}
+    used: set = set()
+    for ours, theirs in axes.items():
+        if ours not in MESH_AXES:
+            raise ValueError(f"mesh_axes key {ours!r} is not one of jaxinfer's axes "
+                             f"{MESH_AXES}")
+        theirs = (theirs,) if isinstance(theirs, str) else tuple(theirs)
+        for t in theirs:
+            if t not in names:
+                raise ValueError(f"mesh_axes[{ours!r}] names axis {t!r}; the mesh has "
+                                 f"{names}")
+            if t in used:
+                raise ValueError(f"mesh axis {t!r} is mapped twice in mesh_axes")
+            used.add(t)
+        mapped[ours] = theirs
+    left = [n for n in names if n not in used and mesh.shape[n] > 1]
+    if left:
+        raise ValueError(f"mesh axis {left[0]!r} ({mesh.shape[left[0]]} devices) is not "
+                         f"mapped to any of jaxinfer's axes {MESH_AXES}: pass mesh_axes, e.g. "
+                         f"{{'data': {left[0]!r}}}")
+    order = [n for ours in MESH_AXES for n in mapped.get(ours, ())]
+    order += [n for n in names if n not in order]  # single-device axes, dropped below
+    grid = np.transpose(mesh.devices, [names.index(n) for n in order])
+    size = lambda ours: int(np.prod([mesh.shape[n] for n in mapped.get(ours, ())]))  # noqa
+    return Mesh(grid.reshape([size(a) for a in MESH_AXES]), MESH_AXES,
+                axis_types=(AxisType.Auto,) * 3)
+
+
 def check_divisible(cfg: ModelConfig, mesh_cfg: MeshConfig) -> None:
     """ValueError unless the tensor degree divides the query heads and the FFN width, and
     divides the kv heads or is a multiple of them."""
@@ -91,7 +133,7 @@ def replicate_kv_heads(cfg: ModelConfig, weights: dict, tensor: int,
                 continue
             heads = w.reshape(w.shape[:-1] + (K, H))
             out[name] = xp.repeat(heads, r, axis=-2).reshape(w.shape[:-1] + (K * r * H,))
-    return cfg.replace(num_kv_heads=K * r), out
+    return cfg.replace(num_kv_heads=K * r, kv_head_copies=cfg.kv_head_copies * r), out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -64,6 +64,19 @@ def draw_draft(logits: jax.Array, sp: SamplingArrays, seen: jax.Array, token_ind
     return token, q
 
 
+def per_position(sp: SamplingArrays, seen: jax.Array, drafts: jax.Array):
+    """Each of a row's k + 1 verified positions as a row of its own: (sampling parameters
+    [B * (k+1)], seen [B * (k+1), V], position s marking the drafts before it)."""
+    B, k = drafts.shape
+    S = k + 1
+    sp_rep = jax.tree.map(lambda x: jnp.repeat(x, S, axis=0), sp)
+    t = jnp.arange(k, dtype=jnp.int32)[None, None, :]
+    s = jnp.arange(S, dtype=jnp.int32)[None, :, None]
+    seen_s = mark_seen(jnp.repeat(seen, S, axis=0), jnp.repeat(drafts, S, axis=0),
+                       jnp.broadcast_to(t < s, (B, S, k)).reshape(B * S, k))
+    return sp_rep, seen_s
+
+
 def verify(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array, sp: SamplingArrays,
            seen: jax.Array, token_index: jax.Array, backend=None,
            draft_probs: Optional[jax.Array] = None):
@@ -78,11 +91,7 @@ def verify(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array, sp: Samp
     backend = backend if backend is not None else backends.default()
     B, S, V = logits.shape
     k = S - 1
-    sp_rep = jax.tree.map(lambda x: jnp.repeat(x, S, axis=0), sp)
-    t = jnp.arange(k, dtype=jnp.int32)[None, None, :]
-    s = jnp.arange(S, dtype=jnp.int32)[None, :, None]
-    seen_s = mark_seen(jnp.repeat(seen, S, axis=0), jnp.repeat(drafts, S, axis=0),
-                       jnp.broadcast_to(t < s, (B, S, k)).reshape(B * S, k))
+    sp_rep, seen_s = per_position(sp, seen, drafts)
     flat = logits.reshape(B * S, V).astype(jnp.float32)
     valid = jnp.arange(k, dtype=jnp.int32)[None, :] < num_drafts[:, None]   # [B, k]
 

@@ -17,10 +17,10 @@ from jaxinfer import backends
 from jaxinfer.backends import Backend
 from jaxinfer.backends.tuning import loop_jit
 from jaxinfer.config import ModelConfig
-from jaxinfer.device.drafting import draw_draft, ngram_propose, verify
+from jaxinfer.device.drafting import draw_draft, ngram_propose, per_position, verify
 from jaxinfer.device.kv_cache import PagedKVCache
-from jaxinfer.device.sampling import (ALL_TOKENS, SamplingArrays, mark_seen, maybe_top_logprobs,
-                                     no_logprobs)
+from jaxinfer.device.sampling import (ALL_TOKENS, SamplingArrays, mark_seen,
+                                     maybe_sampled_logprob, maybe_top_logprobs, no_logprobs)
 from jaxinfer.device.state import DecodeState, _put, _take, advance_rows
 from jaxinfer.device.step import lora_step, sample_rows
 from jaxinfer.models import get_model
@@ -111,7 +111,7 @@ def decode_loop(params, state: DecodeState, rows: jax.Array, draft_on: jax.Array
 
     Returns (state, out_tokens [B, W] int32 (row b's: the first num_out[b]; W = num_steps *
     (k + 1)), num_out [B] int32, done [B] bool, logprobs (ids [B, W, K], values [B, W, K],
-    chosen [B, W]), SpecCounts).
+    chosen [B, W], sampled [B, W]: the chosen token's under the sampling law), SpecCounts).
     """
     backend = backend if backend is not None else backends.default()
     B, k, R = state.last_token.shape[0], num_draft, rows.shape[0]
@@ -125,10 +125,12 @@ def decode_loop(params, state: DecodeState, rows: jax.Array, draft_on: jax.Array
     sp = jax.tree.map(lambda x: _take(x, rows), state.rows.sampling)      # [R] parameters
     max_new = _take(state.rows.max_new, rows)
     want_lp_rows = _take(state.rows.logprobs, rows)
+    want_sampled_rows = _take(state.rows.sampled_logprobs, rows)
     real = rows < B
     model = get_model(cfg.architecture)
     zeros_r = jnp.zeros((R,), jnp.int32)
-    none = (jnp.zeros((R, k), jnp.int32), zeros_r, zeros_r, no_logprobs((R, k + 1)))
+    none = (jnp.zeros((R, k), jnp.int32), zeros_r, zeros_r,
+            no_logprobs((R, k + 1)) + (jnp.zeros((R, k + 1), jnp.float32),))
 
     constrained = jnp.bool_(False) if allowed is None else jnp.any(allowed != ALL_TOKENS)
     last_step = jnp.where(constrained, 1, num_steps)
@@ -145,6 +147,7 @@ def decode_loop(params, state: DecodeState, rows: jax.Array, draft_on: jax.Array
         generated = _take(state.num_generated, rows)
         last_token = _take(state.last_token, rows)
         want_lp = want_lp_rows & running
+        want_sampled = want_sampled_rows & running
 
         def plain_step(caches):
             """One token per row; a draft model's cache takes the last token's K/V."""
@@ -159,6 +162,8 @@ def decode_loop(params, state: DecodeState, rows: jax.Array, draft_on: jax.Array
             logits = model.head(params, h[:, 0], backend)                 # [R, V]
             token = sample_rows(logits, state, rows, generated, backend, allowed)
             lp = maybe_top_logprobs(want_lp, lambda x: x, logits, token, backend)
+            lp += (maybe_sampled_logprob(want_sampled, logits, sp, lambda: _take(state.seen, rows),
+                                         token, backend, allowed),)
             lp = jax.tree.map(lambda x: jnp.pad(x[:, None], [(0, 0), (0, k)] +
                                                 [(0, 0)] * (x.ndim - 1)), lp)
             return (cache, draft_cache), (none[0], zeros_r, token, lp)
@@ -192,8 +197,12 @@ def decode_loop(params, state: DecodeState, rows: jax.Array, draft_on: jax.Array
                 logits = model.head(params, h, backend)                   # [R, k+1, V]
                 accepted, token = verify(logits, drafts, num, sp, seen, generated, backend,
                                          draft_probs)
-                lp = maybe_top_logprobs(want_lp, lambda x: x, logits,
-                                        _emitted(drafts, accepted, token), backend)
+                emitted = _emitted(drafts, accepted, token)
+                lp = maybe_top_logprobs(want_lp, lambda x: x, logits, emitted, backend)
+                sp_s, seen_s = per_position(sp, seen, drafts)
+                lp += (maybe_sampled_logprob(
+                    jnp.repeat(want_sampled, k + 1), logits.reshape(R * (k + 1), -1), sp_s,
+                    seen_s, emitted.reshape(-1), backend).reshape(R, k + 1),)
                 return (cache, draft_cache), (drafts, accepted, token, lp)
 
             any_draft = jnp.any(num > 0)
@@ -225,6 +234,6 @@ def decode_loop(params, state: DecodeState, rows: jax.Array, draft_on: jax.Array
                 lp_out, counts)
 
     carry = (jnp.int32(0), state, stopped, jnp.zeros((B, W), jnp.int32), zeros,
-             no_logprobs((B, W)), SpecCounts(steps=zeros, drafted=zeros, accepted=zeros))
+             no_logprobs((B, W)) + (jnp.zeros((B, W), jnp.float32),), SpecCounts(steps=zeros, drafted=zeros, accepted=zeros))
     _, state, stopped, out, num_out, lp_out, counts = jax.lax.while_loop(cond, body, carry)
     return state.constrained(), out, num_out, stopped, lp_out, counts

@@ -308,6 +308,36 @@ def no_logprobs(shape: tuple[int, ...]):
             jnp.zeros(shape + (MAX_LOGPROBS,), jnp.float32), jnp.zeros(shape, jnp.float32))
 
 
+def sampled_logprob(logits: jax.Array, sp: SamplingArrays, seen: Seen, chosen: jax.Array,
+                    backend=None, allowed: jax.Array | None = None) -> jax.Array:
+    """log p(chosen) [N] under the distribution `sample` draws from for logits [N, V]: after
+    the token mask, the repetition penalty, temperature and the top-k / top-p / min-p filters.
+    Greedy rows draw from a one-hot distribution: 0 (or -inf for a token it excludes)."""
+    backend = backend if backend is not None else backends.default()
+    logits = logits.astype(jnp.float32)
+    if allowed is not None:
+        logits = apply_token_mask(logits, allowed)
+    logits = apply_repetition_penalty(logits, seen, sp.repetition_penalty)
+    pick = jnp.maximum(chosen, 0)[:, None]
+    greedy = jnp.where(backend.argmax(logits) == chosen, 0.0, -jnp.inf)
+
+    def stochastic(logits):
+        masked = filtered_logits(logits, sp, backend)
+        lp = jnp.take_along_axis(masked, pick, axis=-1)[:, 0] - logsumexp(masked, backend)
+        return jnp.where(sp.temperature > 0, lp, greedy)
+
+    return jax.lax.cond(jnp.any(sp.temperature > 0), stochastic, lambda _: greedy, logits)
+
+
+def maybe_sampled_logprob(want: jax.Array, logits: jax.Array, sp: SamplingArrays, seen: Seen,
+                          chosen: jax.Array, backend=None,
+                          allowed: jax.Array | None = None) -> jax.Array:
+    """sampled_logprob if any of want [N] is set, else zeros [N]."""
+    return jax.lax.cond(jnp.any(want), lambda x: sampled_logprob(x, sp, seen, chosen, backend,
+                                                                 allowed),
+                        lambda x: jnp.zeros(chosen.shape, jnp.float32), logits)
+
+
 def maybe_top_logprobs(want: jax.Array, logits_fn, operand, chosen: jax.Array, backend=None):
     """top_logprobs(logits_fn(operand), chosen) if any of want [B] is set, else zeros."""
     return jax.lax.cond(jnp.any(want), lambda x: top_logprobs(logits_fn(x), chosen, backend),

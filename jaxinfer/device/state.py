@@ -30,6 +30,7 @@ class RowParams:
     stop_ids: jax.Array   # [B, E] int32: ids that end the row (EOS unless ignore_eos); -1 pads
     logprobs: jax.Array   # [B] bool: return top log-probabilities of generated tokens
     prompt_logprobs: jax.Array  # [B] bool: return them for prompt tokens
+    sampled_logprobs: jax.Array  # [B] bool: also the sampled token's under the sampling law
 
     @classmethod
     def empty(cls, batch: int, num_stop_ids: int) -> "RowParams":
@@ -42,7 +43,7 @@ class RowParams:
                                            repetition_penalty=np.ones(batch, np.float32),
                                            seed=z(np.uint32)),
                    max_new=z(np.int32), stop_ids=np.full((batch, num_stop_ids), -1, np.int32),
-                   logprobs=z(bool), prompt_logprobs=z(bool))
+                   logprobs=z(bool), prompt_logprobs=z(bool), sampled_logprobs=z(bool))
 
 
 @flax.struct.dataclass

@@ -14,7 +14,8 @@ from jaxinfer import backends
 from jaxinfer.backends import Backend
 from jaxinfer.backends.tuning import program_jit
 from jaxinfer.config import ModelConfig
-from jaxinfer.device.sampling import maybe_top_logprobs, no_logprobs, sample
+from jaxinfer.device.sampling import (maybe_sampled_logprob, maybe_top_logprobs, no_logprobs,
+                                     sample)
 from jaxinfer.device.state import DecodeState, _take, advance_rows
 from jaxinfer.device.token_batch import TokenBatch
 from jaxinfer.lora.weights import LoraSlots, LoraStep
@@ -42,7 +43,9 @@ class StepOutput:
     sampled_rows: jax.Array  # [S] int32 rows that sampled a token (B: none), in row order
     tokens: jax.Array        # [S] int32 their tokens
     done: jax.Array          # [S] bool: the row ended (a stop id, or max_new)
-    logprobs: tuple          # (ids [S, k], values [S, k], chosen [S]), filled where wanted
+    logprobs: tuple          # (ids [S, k], values [S, k], chosen [S], sampled [S]), filled
+    #                          where wanted: the raw model's top k and chosen token's
+    #                          log-probabilities, and the chosen token's under the sampling law
     prompt_logprobs: tuple   # (ids [T, k], values [T, k], chosen [T]) of batch.next_tokens
 
 
@@ -80,6 +83,9 @@ def step(params, state: DecodeState, batch: TokenBatch, sampled: jax.Array,
     real = sampled < B
     lp = maybe_top_logprobs(_take(state.rows.logprobs, sampled) & real, lambda x: x, logits,
                             token, backend)
+    sp = jax.tree.map(lambda x: _take(x, sampled), state.rows.sampling)
+    lp += (maybe_sampled_logprob(_take(state.rows.sampled_logprobs, sampled) & real, logits, sp,
+                                 lambda: _take(state.seen, sampled), token, backend, allowed),)
     if next_tokens is None:
         prompt_lp = no_logprobs((batch.num_tokens,))
     else:

@@ -139,7 +139,7 @@ class BeamSearch:
         res = self.runner.step(segments, [r.slot for r in sample], None, want_logprobs=True)
         out = {}
         for req in sample:
-            ids, vals, _ = res.logprobs[req.slot]
+            ids, vals = res.logprobs[req.slot][:2]
             out[req.slot] = (np.asarray(ids), np.asarray(vals, np.float64))
         return out
 

@@ -62,12 +62,17 @@ class SequenceState:
     lora: Optional[str] = None   # the LoRA adapter it runs under (None: the base model)
     lora_slot: int = -1          # that adapter's device slot while the sequence is admitted
     cache_namespace: bytes = b""  # prefix-cache namespace (its adapter's)
+    sampling_lps: Optional[list] = None  # token_logprobs: per token, under the sampling law
+    model_lps: Optional[list] = None     # and under the raw model
+    versions: list = dataclasses.field(default_factory=list)  # [(first token, weight version)]
 
     def __post_init__(self):
         if self.params.logprobs is not None:
             self.logprobs = []
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]
+        if self.params.token_logprobs:
+            self.sampling_lps, self.model_lps = [], []
         if not self.group:
             self.group = [self]
 
@@ -81,10 +86,19 @@ class SequenceState:
         """Prompt tokens sequence 0 prefills before its group forks (all but the last)."""
         return len(self.prompt_ids) - 1
 
+    @property
+    def wants_logprobs(self) -> bool:
+        """Whether its steps fetch log-probabilities (top-k dicts or token_logprobs)."""
+        return self.logprobs is not None or self.sampling_lps is not None
+
     def completion(self) -> CompletionOutput:
+        arrays = lambda x: None if x is None else np.asarray(x, np.float32)  # noqa: E731
         return CompletionOutput(index=self.index, text=self.stream.text,
                                 token_ids=list(self.token_ids), finish_reason=self.finish_reason,
-                                logprobs=None if self.logprobs is None else list(self.logprobs))
+                                logprobs=None if self.logprobs is None else list(self.logprobs),
+                                sampling_logprobs=arrays(self.sampling_lps),
+                                model_logprobs=arrays(self.model_lps),
+                                weight_versions=list(self.versions))
 
     def output(self) -> RequestOutput:
         """The whole request's output (every sequence of the group)."""
@@ -155,6 +169,8 @@ class Engine:
         self.spec_rates = draft_policy.SpeculationRates()
         self.stats_counters = collections.Counter()
         self.start_time = time.perf_counter()
+        # Counts weight updates (LLM.update_weights); outputs record it per token.
+        self.weight_version = 0
 
     # Attributes tests, benchmarks and LLM read.
     params = property(lambda self: self.runner.params)
@@ -268,7 +284,7 @@ class Engine:
                 following = req.prompt_ids[start + 1:start + n + 1]  # prompt tokens only
                 nexts.append(following + [-1] * (n - len(following)))
         sampling = plan.decode + completes
-        want_lp = any(r.logprobs is not None for r in sampling)
+        want_lp = any(r.wants_logprobs for r in sampling)
         guides = {r.slot: r.guide for r in sampling if r.guide is not None}
         t0 = time.perf_counter()
         result = self.runner.step(segments, [r.slot for r in sampling], nexts, want_lp, guides)
@@ -284,7 +300,7 @@ class Engine:
         progressed = []
         for req in sampling:
             try:
-                lp = result.logprobs.get(req.slot) if req.logprobs is not None else None
+                lp = result.logprobs.get(req.slot) if req.wants_logprobs else None
                 self._append(req, [result.tokens[req.slot]], done=result.done[req.slot],
                              lps=None if lp is None else [lp])
                 self._computed(req)
@@ -334,7 +350,7 @@ class Engine:
         if counts is not None:
             self.spec_rates.record(len(decoding), bool(draft_on.any()), int(num_out.sum()),
                                    time.perf_counter() - t0)
-        lp = fetch(lp) if any(r.logprobs is not None for r in decoding) else None
+        lp = fetch(lp) if any(r.wants_logprobs for r in decoding) else None
         for req in decoding:
             b, n = req.slot, int(num_out[req.slot])
             try:
@@ -359,10 +375,15 @@ class Engine:
             if done and i == len(new_ids) - 1 and self._is_stop_id(req, tok):
                 self._finish(req, "stop")
                 return
+            if not req.versions or req.versions[-1][1] != self.weight_version:
+                req.versions.append((len(req.token_ids), self.weight_version))
             req.token_ids.append(tok)
             if req.logprobs is not None and lps is not None:
                 req.logprobs.append(_logprob_dict(req.params.logprobs, *lps[i][:2], tok,
                                                   lps[i][2]))
+            if req.sampling_lps is not None and lps is not None:
+                req.model_lps.append(float(lps[i][2]))
+                req.sampling_lps.append(float(lps[i][3]))
             req.metrics.generated_tokens += 1
             req.metrics.token_times.append(now)
             self.stats_counters["generated_tokens"] += 1
@@ -377,6 +398,45 @@ class Engine:
     def _is_stop_id(self, req: SequenceState, token: int) -> bool:
         """Whether token is among the row's stop ids as runner.admit wrote them."""
         return not req.params.ignore_eos and token in self.eos_ids[:MAX_STOP_IDS]
+
+    # ---- weight updates and memory (LLM.update_weights, sleep, wake_up) ----------------------
+
+    def preempt_running(self, pick) -> int:
+        """Preempts every running sequence for which pick(sequence): its tokens stay, its KV is
+        recomputed when it is admitted again (under the weights then in place)."""
+        chosen = [r for r in self.scheduler.running() if pick(r)]
+        for req in sorted(chosen, key=lambda r: -r.admitted_order):
+            self.scheduler._preempt(req)
+        return len(chosen)
+
+    def drop_prefix_cache(self) -> int:
+        """Forgets the prefix cache's pages (computed under other weights)."""
+        return self.paged.allocator.drop_cache() if self.paged is not None else 0
+
+    def swap_params(self, params) -> None:
+        """Weights of the same structure, shapes, dtypes and shardings (weight_sync.convert),
+        for the next dispatch: the compiled programs take them as they are."""
+        self.runner.params = params
+        self.weight_version += 1
+
+    def sleep(self, level: int, keep_weights: bool) -> None:
+        """Frees the KV page pool and the rows' state (level 1), and the weights too (level 2;
+        copied to the host first when keep_weights). Needs an engine with no unfinished
+        requests."""
+        if self.has_unfinished():
+            raise RuntimeError("sleep() needs an engine with no unfinished requests: let them "
+                               "finish or abort them first")
+        with self.runner.on_mesh():
+            self.drop_prefix_cache()
+            self.runner.release_state()
+            if level == 2:
+                self.runner.release_params(keep_weights)
+
+    def wake_up(self) -> None:
+        """Weights kept on the host back on the devices, and a new (empty) page pool."""
+        with self.runner.on_mesh():
+            self.runner.restore_params()
+            self.runner.ensure_state()
 
     # ---- warmup, sizing and stats ------------------------------------------------------------
 

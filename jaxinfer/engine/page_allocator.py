@@ -119,6 +119,7 @@ class PageAllocator:
         self._page_to_hash: dict[int, bytes] = {}
         self._seqs: dict[object, _Seq] = {}
         self._queries = self._hits = self._evictions = 0
+        self._epoch = 0  # drop_cache calls: part of every root hash
         self._peak_used = 0
 
     # ---- queries -------------------------------------------------------------------------
@@ -315,10 +316,25 @@ class PageAllocator:
             del self._aside_pages[seq.partition][page]
             self._fresh[seq.partition].add(page)
 
-    @staticmethod
-    def _root(partition: int) -> bytes:
-        """The parent hash of a sequence's first page: partitions never share pages."""
-        return _ROOT_HASH if partition == 0 else b"partition %d" % partition
+    def _root(self, partition: int) -> bytes:
+        """The parent hash of a sequence's first page: partitions never share pages, nor do
+        pages computed before and after drop_cache."""
+        root = _ROOT_HASH if partition == 0 else b"partition %d" % partition
+        return root + (b"epoch %d" % self._epoch if self._epoch else b"")
+
+    def drop_cache(self) -> int:
+        """Forgets every cached page (their keys and values came from weights since replaced,
+        or from a pool since freed): evictable pages become fresh, and pages sequences still
+        hold are never matched again. Returns how many cached pages were dropped."""
+        self._epoch += 1
+        dropped = len(self._page_to_hash)
+        for partition, evictable in enumerate(self._evictable):
+            for page in evictable:
+                self._fresh[partition].add(page)
+            evictable.clear()
+        self._hash_to_page.clear()
+        self._page_to_hash.clear()
+        return dropped
 
     def _take(self, n: int, partition: int, seq_id) -> list[int]:
         """n free pages of a partition for seq_id (the caller checked they exist): its own

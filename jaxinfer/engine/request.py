@@ -6,6 +6,8 @@ import dataclasses
 import math
 from typing import Optional, Sequence, Union
 
+import numpy as np
+
 from jaxinfer.structured.grammar import StructuredOutputs
 from jaxinfer.user_input import check_text, show
 
@@ -21,6 +23,9 @@ class SamplingParams:
     log-probabilities per generated / prompt token. n: sequences sampled from the prompt, which
     is prefilled once (sequence i draws with seed + i; see docs/api.md). structured_outputs:
     the output must match a JSON schema, regex, choice or grammar (docs/structured_outputs.md).
+    token_logprobs: each output also carries, as float32 arrays, every sampled token's
+    log-probability under the distribution it was drawn from (sampling_logprobs) and under the
+    raw model at temperature 1 (model_logprobs) (docs/rl.md).
     """
 
     max_tokens: int = 64
@@ -36,6 +41,7 @@ class SamplingParams:
     prompt_logprobs: Optional[int] = None
     n: int = 1
     structured_outputs: Optional[StructuredOutputs] = None
+    token_logprobs: bool = False
 
     def __post_init__(self):
         def number(name, integer=False):
@@ -75,6 +81,8 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
                 raise ValueError(f"{name} must be None or an int >= 0, got {v!r}")
+        if not isinstance(self.token_logprobs, bool):
+            raise ValueError(f"token_logprobs must be a bool, got {self.token_logprobs!r}")
         if self.structured_outputs is not None and \
                 not isinstance(self.structured_outputs, StructuredOutputs):
             raise ValueError("structured_outputs must be None or a ji.StructuredOutputs, got "
@@ -158,6 +166,19 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: Optional[str]  # "stop" | "length" | "abort" | "error" | None while running
     logprobs: Optional[list] = None
+    # With SamplingParams.token_logprobs, per token (float32 [len(token_ids)]): the log-
+    # probability under the distribution it was drawn from, and under the raw model.
+    sampling_logprobs: Optional[np.ndarray] = None
+    model_logprobs: Optional[np.ndarray] = None
+    # The weight version (LLM.weight_version) each run of tokens was sampled under: pairs
+    # (index of the run's first token, version); one pair unless update_weights(mode="keep")
+    # swapped weights under the running sequence.
+    weight_versions: list = dataclasses.field(default_factory=list)
+
+    @property
+    def weight_version(self) -> Optional[int]:
+        """The version its newest token was sampled under (None before the first token)."""
+        return self.weight_versions[-1][1] if self.weight_versions else None
 
 
 @dataclasses.dataclass
@@ -180,3 +201,8 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def weight_version(self) -> Optional[int]:
+        """Sequence 0's CompletionOutput.weight_version."""
+        return self.outputs[0].weight_version if self.outputs else None

@@ -38,13 +38,19 @@ MAX_STOP_IDS = 8
 COMPILE_THREADS = 2
 
 
+def _delete(tree) -> None:
+    for x in jax.tree.leaves(tree):
+        if isinstance(x, jax.Array) and not x.is_deleted():
+            x.delete()
+
+
 @dataclasses.dataclass
 class StepResult:
     """A flat step's outputs on the host."""
 
     tokens: dict          # slot -> sampled token
     done: dict            # slot -> whether the row is done (a stop id, or max_new reached)
-    logprobs: dict        # slot -> (ids, values, chosen), for rows that want them
+    logprobs: dict        # slot -> (ids, values, chosen, sampled), for rows that want them
     prompt_logprobs: Optional[tuple]  # (ids [T, k], values [T, k], chosen [T]) when wanted
 
 
@@ -131,6 +137,15 @@ class Runner:
         L, R = self.cfg.num_layers, self.lora.rank
         a, b = {}, {}
         for field, ((fan_in, fan_out), _) in self.lora_targets.items():
+            if adapter is not None and field in adapter.a and \
+                    isinstance(adapter.a[field], jax.Array):
+                # An adapter on the device (update_weights): padded there, no host copy.
+                pad = R - adapter.rank
+                a[field] = self._replicated(jax.numpy.pad(adapter.a[field],
+                                                          ((0, 0), (0, 0), (0, pad))))
+                b[field] = self._replicated(jax.numpy.pad(adapter.b[field],
+                                                          ((0, 0), (0, pad), (0, 0))))
+                continue
             a[field] = np.zeros((L, fan_in, R), np.float32)
             b[field] = np.zeros((L, R, fan_out), np.float32)
             if adapter is not None and field in adapter.a:
@@ -140,6 +155,15 @@ class Runner:
         with self.on_mesh():
             self.lora = self._dispatch(("lora_write",), (
                 write_slot, (self.lora, np.int32(slot), a, b, scale), {}))
+
+    def _replicated(self, x: jax.Array) -> jax.Array:
+        """A device array as a float32 program input beside the slots: on the mesh, whole on
+        every device."""
+        x = x.astype(np.float32)
+        if self.partitioner is None:
+            return jax.device_put(x, self.device)
+        return jax.device_put(x, jax.sharding.NamedSharding(self.partitioner.mesh,
+                                                            jax.sharding.PartitionSpec()))
 
     def on_mesh(self):
         """The context of every dispatch: the mesh its sharding constraints resolve against."""
@@ -188,6 +212,30 @@ class Runner:
         if self.state is None:
             self.state = self.new_state()
 
+    # ---- weights and memory (LLM.update_weights, sleep, wake_up) ------------------------------
+
+    def release_state(self) -> None:
+        """Frees the device state (the KV page pool and the rows); ensure_state makes a new
+        one, of the same shapes and shardings, so nothing recompiles."""
+        if self.state is not None:
+            _delete(self.state)
+            self.state = None
+
+    def release_params(self, keep: bool) -> None:
+        """Frees the weights' device buffers, first copied to the host when keep."""
+        self._param_shardings = jax.tree.map(lambda x: x.sharding, self.params)
+        self._host_params = jax.device_get(self.params) if keep else None
+        _delete(self.params)
+
+    def restore_params(self) -> None:
+        """Puts weights release_params kept back in their shardings."""
+        if getattr(self, "_host_params", None) is not None:
+            self.params = jax.device_put(self._host_params, self._param_shardings)
+            self._host_params = None
+
+    def params_released(self) -> bool:
+        return any(x.is_deleted() for x in jax.tree.leaves(self.params))
+
     # ---- admission -------------------------------------------------------------------------
 
     def admit(self, admitted: list, tables) -> None:
@@ -209,7 +257,8 @@ class Runner:
             s.temperature[b], s.top_k[b], s.top_p[b] = p.temperature, p.top_k, p.top_p
             s.min_p[b], s.repetition_penalty[b], s.seed[b] = p.min_p, p.repetition_penalty, req.seed
             rows.max_new[b] = req.max_new
-            rows.logprobs[b] = p.logprobs is not None
+            rows.logprobs[b] = p.logprobs is not None or p.token_logprobs
+            rows.sampled_logprobs[b] = p.token_logprobs
             rows.prompt_logprobs[b] = p.prompt_logprobs is not None
             if not p.ignore_eos:
                 ids = self.eos_ids[:MAX_STOP_IDS]

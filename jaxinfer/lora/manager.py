@@ -54,6 +54,18 @@ class LoraManager:
             if holder == name:
                 self.slot_holder[n] = None
 
+    def replace(self, adapter: Adapter) -> None:
+        """Swaps a loaded adapter's weights (LLM.update_weights): a new prefix-cache namespace,
+        and the slot holding it, if any, rewritten now."""
+        if adapter.name not in self.adapters:
+            raise KeyError(adapter.name)
+        self.adapters[adapter.name] = adapter
+        self.versions[adapter.name] = next(self._loads)
+        slot = self.slot_of(adapter.name)
+        if slot is not None:
+            self._write(slot, adapter)
+            self.writes += 1
+
     def salt(self, name: Optional[str]) -> bytes:
         """The prefix-cache namespace of an adapter's sequences (b"": the base model's)."""
         return b"" if name is None else f"lora:{name}:{self.versions[name]}".encode()

@@ -354,16 +354,17 @@ DENSE_QUERY_TILE = 16
 
 def sequence_logits(params: ModelParams, cfg: ModelConfig, tokens: jax.Array,
                     kv_cache_dtype: str | None = None,
-                    backend: Optional[Backend] = None) -> jax.Array:
+                    backend: Optional[Backend] = None, lora=None) -> jax.Array:
     """tokens [B, T] -> logits [B, T, V] float32 from an empty cache: the differentiable
-    scoring forward. kv_cache_dtype "int8" / "fp8": keys and values as such a cache stores them."""
+    scoring forward. kv_cache_dtype "int8" / "fp8": keys and values as such a cache stores them.
+    lora: a jaxinfer.lora.LoraParams applied to every row (differentiable in its arrays)."""
     return _sequence_logits(params, cfg, tokens, kv_cache_dtype,
-                            backend if backend is not None else backends.default())
+                            backend if backend is not None else backends.default(), lora)
 
 
 @functools.partial(program_jit, static_argnums=(1, 3, 4))
 def _sequence_logits(params: ModelParams, cfg: ModelConfig, tokens: jax.Array,
-                     kv_cache_dtype: str | None, backend: Backend) -> jax.Array:
+                     kv_cache_dtype: str | None, backend: Backend, lora=None) -> jax.Array:
     from jaxinfer.device.kv_cache import KV_DTYPES
     from jaxinfer.models import get_model
 
@@ -372,8 +373,12 @@ def _sequence_logits(params: ModelParams, cfg: ModelConfig, tokens: jax.Array,
     dtype = model.activation_dtype(params) if kv_cache_dtype is None else \
         KV_DTYPES[kv_cache_dtype]
     cache = PagedKVCache.ring(cfg.num_layers, B, T, cfg.num_kv_heads, cfg.head_dim, dtype)
+    if lora is not None:  # the slots in the float weights' dtype, as the engine holds them
+        w = getattr(params.layers[0].wq, "dtype", None)
+        lora = lora.step(B, w if w is not None and jnp.issubdtype(w, jnp.floating)
+                         else jnp.float32)
     h, _ = model.forward(params, cfg, tokens, cache, jnp.full((B,), T, jnp.int32),
-                         backend=backend, differentiable=True)
+                         backend=backend, differentiable=True, lora=lora)
     return model.head(params, h, backend)
 
 
