@@ -443,7 +443,8 @@ class LLM:
                         f"them, {len(missing)} are missing (such as {sorted(missing)[0]!r})")
             with engine.runner.on_mesh():
                 params, old = weight_sync.convert(
-                    new, engine.params, kv_heads=cfg.num_kv_heads // copies, repeat=copies,
+                    new, engine.params, dtype=_DTYPES[self.dtype],
+                    kv_heads=cfg.num_kv_heads // copies, repeat=copies,
                     quantization=self.quantization, donate=donate)
         else:
             adapter = self._adapter_from(lora, weights, donate)
@@ -466,6 +467,7 @@ class LLM:
     def _adapter_from(self, name: str, weights, donate: bool):
         """A LoraParams as a LoRA Adapter of device arrays (float32 copies unless donate),
         checked against the model's adaptable fields and max_lora_rank."""
+        from jaxinfer.engine import weight_sync
         from jaxinfer.lora.adapters import Adapter, adaptable
         from jaxinfer.lora.trainable import LoraParams
 
@@ -491,9 +493,10 @@ class LLM:
                 if tuple(x.shape) != want:
                     raise ValueError(f"adapter {name!r}: {field} has shape {tuple(x.shape)}; "
                                      f"the model and rank {r} need {want}")
-                x = jnp.asarray(x)
-                out[field] = x.astype(jnp.float32) if donate or x.dtype != jnp.float32 \
-                    else jnp.copy(x)
+                # On the engine's devices (replicated on its mesh), float32, its own buffer.
+                mine = self._engine.runner.replicated(jnp.asarray(x))
+                out[field] = mine if donate or not weight_sync.shares_buffers(mine, x) \
+                    else jnp.copy(mine)
         return Adapter(name=name, rank=r, scale=float(weights.scale), a=a, b=b)
 
     def _settle(self, mode: str, affected) -> list[RequestOutput]:

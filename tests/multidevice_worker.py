@@ -386,8 +386,95 @@ def lora() -> dict:
     return out
 
 
+def rl() -> dict:
+    """update_weights on meshes the caller built (jax.sharding.Mesh with its own axis names):
+    the tiny Llama (4 heads, 2 kv heads) on (tensor 2), (data 2) and (tensor 4, kv heads
+    repeated) views, fed a perturbed float32 tree sharded by the caller on other devices and
+    on the engine's own; greedy tokens against a fresh LLM of the new weights on the same mesh,
+    compiles after the first update, and a LoRA update from LoraParams on (tensor 2)."""
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    import jaxinfer as ji
+    from jaxinfer.loading import load_model
+    from jaxinfer.loading.checkpoint import save_checkpoint
+    from jaxinfer.lora.trainable import LoraParams
+    from jaxinfer.models import sequence_logits
+
+    path = os.path.join(ROOT, "tests", "data", "tiny_models", "llama")
+    source = load_model(path, dtype=jnp.float32)
+    key = jax.random.key(3)
+    leaves, treedef = jax.tree.flatten(source.params)
+    tree = jax.tree.unflatten(treedef, [
+        x + 0.5 * jnp.std(x) * jax.random.normal(jax.random.fold_in(key, i), x.shape)
+        if x.ndim == 2 else x for i, x in enumerate(leaves)])
+    prompts = [[1, 5, 9, 30, 41], [2, 7, 100], [3, 3, 3, 8, 120, 64, 9], [4, 50]]
+    sp = ji.SamplingParams(max_tokens=10, ignore_eos=True)
+    devs = jax.devices()
+    trainer = Mesh(np.array(devs[4:8]).reshape(2, 2), ("fsdp", "model"))
+
+    def trainer_sharded(t, mesh, axis):
+        return jax.tree.map(lambda x: jax.device_put(x, NamedSharding(
+            mesh, P(axis) if x.shape[0] % mesh.shape[axis] == 0 else P())), t)
+
+    out = {}
+    views = {"tensor2": ((1, 2), ("replica", "tp"), {"data": "replica", "tensor": "tp"}),
+             "data2": ((2, 1), ("dp", "tp"), {"data": "dp", "tensor": "tp"}),
+             "tensor4": ((4,), ("tensor",), None)}
+    with tempfile.TemporaryDirectory() as tmp:
+        save_checkpoint(os.path.join(tmp, "new"), source.config, tree)
+        for name, (shape, names, axes) in views.items():
+            mesh = Mesh(np.array(devs[:int(np.prod(shape))]).reshape(shape), names)
+            kw = dict(dtype="float32", max_seq_len=64, max_num_seqs=4, mesh=mesh,
+                      mesh_axes=axes, max_loras=1 if name == "tensor2" else 0, max_lora_rank=4)
+            llm = ji.LLM(path, **kw)
+            before = [o.token_ids for o in llm.generate(prompts, sp)]
+            llm.update_weights(trainer_sharded(tree, trainer, "fsdp"))  # other devices
+            rec = Compiles()
+            logging.getLogger("jax").addHandler(rec)
+            jax.config.update("jax_log_compiles", True)
+            after = [o.token_ids for o in llm.generate(prompts, sp)]
+            llm.update_weights(trainer_sharded(tree, trainer, "fsdp"))  # a layout seen before
+            again = [o.token_ids for o in llm.generate(prompts, sp)]
+            jax.config.update("jax_log_compiles", False)
+            logging.getLogger("jax").removeHandler(rec)
+            # The engine's own devices in another layout: a mesh shared with a trainer.
+            llm.update_weights(trainer_sharded(source.params, mesh, names[0]))
+            llm.update_weights(trainer_sharded(tree, mesh, names[0]))
+            shared = [o.token_ids for o in llm.generate(prompts, sp)]
+            fresh = ji.LLM(os.path.join(tmp, "new"), **kw)
+            want = [o.token_ids for o in fresh.generate(prompts, sp)]
+            wk = llm.params.layers[0].wk
+            out[name] = {"before": before, "after": after, "again": again, "want": want,
+                         "shared": shared,
+                         "compiles": rec.seen, "version": llm.weight_version,
+                         "kv_heads": llm.model_config.num_kv_heads,
+                         "wk_spec": str(wk.sharding.spec),
+                         "wk_devices": sorted(d.id for d in wk.sharding.device_set)}
+            if name == "tensor2":
+                lp = LoraParams.init(jax.random.key(0), llm.model_config, 4,
+                                     ("q_proj", "v_proj", "down_proj"), alpha=8)
+                lp = lp.replace(b={f: 0.3 * jax.random.normal(jax.random.key(i), x.shape)
+                                   for i, (f, x) in enumerate(sorted(lp.b.items()))})
+                llm.update_weights(trainer_sharded(lp, trainer, "fsdp"), lora="p")
+                got = llm.generate(prompts[:1], ji.SamplingParams(
+                    max_tokens=10, ignore_eos=True, token_logprobs=True), lora="p")[0]
+                ids = jnp.asarray([prompts[0] + got.token_ids], jnp.int32)
+                ref = np.asarray(sequence_logits(jax.device_get(tree), source.config, ids,
+                                                 lora=jax.device_get(lp)))[0]
+                ref = ref[len(prompts[0]) - 1:-1]
+                ref = ref - np.log(np.exp(ref - ref.max(-1, keepdims=True)).sum(-1))[:, None] \
+                    - ref.max(-1, keepdims=True)
+                out[name]["lora_logprob_error"] = float(np.abs(
+                    ref[np.arange(10), got.token_ids] - got.outputs[0].model_logprobs).max())
+            del llm, fresh
+            jax.clear_caches()
+    return out
+
+
 if __name__ == "__main__":
     sys.path.insert(0, ROOT)
     result = {"meshes": meshes, "kvrep": kvrep, "kernels": kernels, "big": big,
-              "context": context, "hybrid": hybrid, "lora": lora}[sys.argv[1]]()
+              "context": context, "hybrid": hybrid, "lora": lora,
+              "rl": rl}[sys.argv[1]]()
     print(json.dumps(result))

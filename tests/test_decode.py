@@ -101,8 +101,9 @@ def _rows(B, max_new, temperature=0.0, seed=0, stop=-1):
                         min_p=np.zeros(B, np.float32), repetition_penalty=np.ones(B, np.float32),
                         seed=np.full(B, seed, np.uint32))
     return device_state.RowParams(sampling=sp, max_new=np.full(B, max_new, np.int32),
-                            stop_ids=np.full((B, 2), stop, np.int32),
-                            logprobs=np.zeros(B, bool), prompt_logprobs=np.zeros(B, bool))
+                                  stop_ids=np.full((B, 2), stop, np.int32),
+                                  logprobs=np.zeros(B, bool), prompt_logprobs=np.zeros(B, bool),
+                                  sampled_logprobs=np.zeros(B, bool))
 
 
 def _started(cfg, params, rows, prompts, capacity=64):

@@ -56,6 +56,44 @@ def test_lora_adapters_on_meshes():
     assert _spec(got["tensor2"]["b_spec"]) == (None, "tensor")  # its output: q heads
 
 
+def test_weight_updates_on_a_callers_meshes():
+    """LLM(mesh=<the caller's jax Mesh>, mesh_axes=) on (tensor 2), (data 2) and (tensor 4:
+    kv heads repeated) views of 8 simulated devices; update_weights from a float32 tree the
+    caller sharded on other devices, and on the engine's own in another layout: greedy tokens
+    equal a fresh LLM of the new weights on the same mesh, nothing compiles after the first
+    update of a layout; a LoRA update's log-probs equal sequence_logits(lora=) (1e-4)."""
+    got = run_worker("rl")
+    for name, r in got.items():
+        assert r["before"] != r["want"], name
+        assert r["after"] == r["again"] == r["shared"] == r["want"], name
+        assert r["compiles"] == [], (name, r["compiles"])
+        assert r["version"] == 4, name
+    assert got["tensor2"]["wk_devices"] == [0, 1] and _spec(got["tensor2"]["wk_spec"]) == (
+        None, "tensor")
+    assert _spec(got["data2"]["wk_spec"]) == ()
+    assert got["tensor4"]["kv_heads"] == 4 and got["tensor4"]["wk_devices"] == [0, 1, 2, 3]
+    assert got["tensor2"]["lora_logprob_error"] < 1e-4
+
+
+def test_a_callers_mesh_is_viewed_under_jaxinfers_axes():
+    from jax.sharding import Mesh
+
+    from jaxinfer import sharding
+    dev = np.array(jax.devices()[:1])
+    view = sharding.view_mesh(Mesh(dev.reshape(1, 1), ("fsdp", "model")),
+                              {"data": "fsdp", "tensor": "model"})
+    assert view.axis_names == sharding.MESH_AXES and dict(view.shape) == {
+        "data": 1, "sequence": 1, "tensor": 1}
+    for axes, msg in (({"pipeline": "fsdp"}, "not one of jaxinfer's axes"),
+                      ({"data": "batch"}, "names axis 'batch'"),
+                      ({"data": "fsdp", "tensor": "fsdp"}, "mapped twice"),
+                      ([("data", "fsdp")], "must be a dict")):
+        with pytest.raises(ValueError, match=msg):
+            sharding.view_mesh(Mesh(dev.reshape(1, 1), ("fsdp", "model")), axes)
+    with pytest.raises(ValueError, match="mesh_axes maps the axes of a jax.sharding.Mesh"):
+        ji.LLM("smollm2-135m", mesh_axes={"data": "fsdp"})
+
+
 def _spec(text: str) -> tuple:
     """A printed PartitionSpec as a tuple without trailing Nones: jit outputs print their
     specs trimmed (P(None, 'data')), placed arrays in full (P(None, 'data', None))."""

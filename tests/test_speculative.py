@@ -47,11 +47,12 @@ def _sampling(B, temperature=0.0, top_k=0, seed=None):
                               np.uint32))
 
 
-def _rows(B, max_new, stop=-1, **sampling):
+def _rows(B, max_new, stop=-1, logprobs=False, **sampling):
     return device_state.RowParams(sampling=_sampling(B, **sampling),
-                            max_new=np.full(B, max_new, np.int32),
-                            stop_ids=np.full((B, 2), stop, np.int32),
-                            logprobs=np.zeros(B, bool), prompt_logprobs=np.zeros(B, bool))
+                                  max_new=np.full(B, max_new, np.int32),
+                                  stop_ids=np.full((B, 2), stop, np.int32),
+                                  logprobs=np.full(B, logprobs), prompt_logprobs=np.zeros(B, bool),
+                                  sampled_logprobs=np.full(B, logprobs))
 
 
 # ---- n-gram lookup ------------------------------------------------------------------------------
@@ -208,12 +209,13 @@ def _prefill(cfg, params, prompts, cache, rows, draft=None, chunk=None, draft_ca
 
 
 def _generate(cfg, params, prompts, cache, rows, spec, draft_on=None, steps=4, k=4, draft=None,
-              chunk=None):
+              chunk=None, lps=None):
     """Every row to its end through decode_loop, with drafts or without (n-gram drafts from the
     history the device keeps in the state, or draft = (params, cfg) of a draft model). Each
     dispatch lists the rows not yet done (padded with B to a fixed length, as the engine
     does). Checks that the device's history ends as each row's prompt and output. Returns
-    (tokens per row, summed SpecCounts, final state)."""
+    (tokens per row, summed SpecCounts, final state). lps: a list that receives per row the
+    (raw, sampling-law) log-probabilities of the emitted tokens (rows that want them)."""
     state, out_ids = _prefill(cfg, params, prompts, cache, rows, draft, chunk)
     draft_params, draft_cfg = draft or (None, None)
     B = len(prompts)
@@ -222,17 +224,22 @@ def _generate(cfg, params, prompts, cache, rows, spec, draft_on=None, steps=4, k
     for _ in range(100):
         if spec:
             on = np.ones(B, bool) if draft_on is None else draft_on
-            state, out, num, done, _, c = decode_loop(
+            state, out, num, done, lp, c = decode_loop(
                 params, state, listed, on, cfg=cfg, num_steps=steps, num_draft=k,
                 ngram_max=3, ngram_min=1, draft_params=draft_params, draft_cfg=draft_cfg)
             counts += np.stack([np.asarray(c.steps), np.asarray(c.drafted),
                                 np.asarray(c.accepted)])
         else:
-            state, out, num, done, _, _ = decode_loop(params, state, listed, cfg=cfg,
-                                                      num_steps=steps)
+            state, out, num, done, lp, _ = decode_loop(params, state, listed, cfg=cfg,
+                                                       num_steps=steps)
         out, num, done = np.asarray(out), np.asarray(num), np.asarray(done)
+        if lps is not None and not lps:
+            lps.extend(([], []) for _ in range(B))
         for b in range(B):
             out_ids[b] += out[b, :num[b]].tolist()
+            if lps is not None:
+                lps[b][0].extend(np.asarray(lp[2])[b, :num[b]].tolist())
+                lps[b][1].extend(np.asarray(lp[3])[b, :num[b]].tolist())
         if done.all():
             hist = np.asarray(state.history)
             for b in range(B):
@@ -391,13 +398,20 @@ def test_ngram_speculation_samples_the_tokens_of_decode_loop(drafting):
     params = llama.LLAMA.init_params(cfg, jax.random.key(6))
     prompts = _loop_prompts(np.random.default_rng(6), cfg.vocab_size)
     B = len(prompts)
-    rows = _rows(B, max_new=30, temperature=0.8, top_k=20)
+    rows = _rows(B, max_new=30, temperature=0.8, top_k=20, logprobs=True)
     make = lambda: PagedKVCache.ring(cfg.num_layers, B, 128, cfg.num_kv_heads,  # noqa: E731
                                      cfg.head_dim)
-    plain, _, _ = _generate(cfg, params, prompts, make(), rows, spec=False)
+    lp_plain, lp_spec = [], []
+    plain, _, _ = _generate(cfg, params, prompts, make(), rows, spec=False, lps=lp_plain)
     spec, counts, _ = _generate(cfg, params, prompts, make(), rows, spec=True,
-                                draft_on=np.full(B, drafting))
+                                draft_on=np.full(B, drafting), lps=lp_spec)
     assert spec == plain
+    # Verified tokens report the log-probabilities plain decoding does: the raw model's and
+    # the sampling law's (top-k 20 at temperature 0.8, so the two differ).
+    for (raw_p, law_p), (raw_s, law_s) in zip(lp_plain, lp_spec):
+        np.testing.assert_allclose(raw_s, raw_p, atol=1e-4)
+        np.testing.assert_allclose(law_s, law_p, atol=1e-4)
+        assert np.all(np.asarray(law_p) >= np.asarray(raw_p) - 1e-5)
     assert (counts[2].sum() > 0) if drafting else (counts.sum() == 0)
 
 

@@ -141,10 +141,10 @@ class Runner:
                     isinstance(adapter.a[field], jax.Array):
                 # An adapter on the device (update_weights): padded there, no host copy.
                 pad = R - adapter.rank
-                a[field] = self._replicated(jax.numpy.pad(adapter.a[field],
-                                                          ((0, 0), (0, 0), (0, pad))))
-                b[field] = self._replicated(jax.numpy.pad(adapter.b[field],
-                                                          ((0, 0), (0, pad), (0, 0))))
+                a[field] = jax.numpy.pad(self.replicated(adapter.a[field]),
+                                         ((0, 0), (0, 0), (0, pad)))
+                b[field] = jax.numpy.pad(self.replicated(adapter.b[field]),
+                                         ((0, 0), (0, pad), (0, 0)))
                 continue
             a[field] = np.zeros((L, fan_in, R), np.float32)
             b[field] = np.zeros((L, R, fan_out), np.float32)
@@ -156,9 +156,9 @@ class Runner:
             self.lora = self._dispatch(("lora_write",), (
                 write_slot, (self.lora, np.int32(slot), a, b, scale), {}))
 
-    def _replicated(self, x: jax.Array) -> jax.Array:
-        """A device array as a float32 program input beside the slots: on the mesh, whole on
-        every device."""
+    def replicated(self, x: jax.Array) -> jax.Array:
+        """A device array (from any devices) as a float32 program input beside the slots: on
+        the engine's device, or whole on every device of its mesh."""
         x = x.astype(np.float32)
         if self.partitioner is None:
             return jax.device_put(x, self.device)

@@ -93,7 +93,7 @@ def _repeat_kv(name: str, x, kv_heads: int, repeat: int, xp):
     return xp.repeat(heads, repeat, axis=-2).reshape(x.shape[:-1] + (-1,))
 
 
-def _shares_buffers(a, b) -> bool:
+def shares_buffers(a, b) -> bool:
     """Whether device arrays a and b hold a buffer in common (device_put may hand back the
     caller's buffers when they already sit where asked)."""
     if not isinstance(a, jax.Array) or not isinstance(b, jax.Array):
@@ -102,20 +102,26 @@ def _shares_buffers(a, b) -> bool:
     return any(s.data.unsafe_buffer_pointer() in mine for s in b.addressable_shards)
 
 
-def _place(x, like: jax.Array, donate: bool) -> jax.Array:
-    """x in like's sharding and dtype, a buffer the caller does not hold unless donate."""
+def _place(x, like: jax.Array, dtype, donate: bool) -> jax.Array:
+    """x in like's sharding and dtype, a buffer the caller does not hold unless donate. A
+    float32 leaf of a 16-bit engine (norms, biases with float32 activations) is rounded to the
+    engine's dtype first, as loading the weights rounds it."""
     moved = jax.device_put(x, like.sharding)
+    if jnp.dtype(dtype).itemsize < jnp.dtype(like.dtype).itemsize and moved.dtype != dtype:
+        moved = moved.astype(dtype)
     if moved.dtype != like.dtype:
         return moved.astype(like.dtype)
-    if not donate and _shares_buffers(moved, x):
+    if not donate and shares_buffers(moved, x):
         return jnp.copy(moved)
     return moved
 
 
-def convert(new: dict, current, *, kv_heads: int, repeat: int, quantization: Optional[str],
-            group_size: Optional[int] = None, donate: bool = False):
+def convert(new: dict, current, *, dtype, kv_heads: int, repeat: int,
+            quantization: Optional[str], group_size: Optional[int] = None,
+            donate: bool = False):
     """The engine's params with the weights in `new` (incoming's output) made into what it
-    holds in their places. Returns (params, replaced leaves of the old params)."""
+    holds in their places (dtype: the engine's weight dtype). Returns (params, the replaced
+    leaves of the old params)."""
     from jaxinfer import quant
 
     old = named_leaves(current)
@@ -132,7 +138,7 @@ def convert(new: dict, current, *, kv_heads: int, repeat: int, quantization: Opt
                 whole = jax.sharding.NamedSharding(like.sharding.mesh,
                                                    jax.sharding.PartitionSpec())
                 x = _repeat_kv(name, jax.device_put(x, whole), kv_heads, repeat, jnp)
-            made[name] = _place(x, like, donate)
+            made[name] = _place(x, like, dtype, donate)
 
     def pick(path, leaf):
         return made.get(_name(path), leaf)
