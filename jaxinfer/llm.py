@@ -431,6 +431,10 @@ class LLM:
             raise ValueError("mode='keep' recomputes KV in the paged cache; this model runs on "
                              "the ring-buffer cache: use 'wait', 'abort' or 'restart'")
         if lora is None:
+            if self.quantization == "int4-awq":
+                raise ValueError("update_weights: int4-awq weights need activation-aware "
+                                 "calibration (minutes); serve with quantization='int4', "
+                                 "'int8', 'fp8' or None to take a trainer's weights")
             cfg = self.model_config
             copies = cfg.kv_head_copies
             new = weight_sync.incoming(weights, get_model(cfg.architecture), cfg,

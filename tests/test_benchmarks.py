@@ -122,3 +122,16 @@ def test_structured_and_lora_benchmarks_run_end_to_end():
     assert r["adapters_vs_off"] == r["tok_per_s"]["adapters"] / r["tok_per_s"]["off"]
     assert r["base_vs_off"] == r["tok_per_s"]["base"] / r["tok_per_s"]["off"]
     assert r["load_lora_s"] > 0 and r["slot_write_s"] > 0
+
+
+def test_weight_sync_benchmark_runs_end_to_end():
+    """benchmarks/weight_sync.py on the tiny Llama: every row timed, sleep frees at least the
+    weights at level 2 beyond level 1's pool."""
+    import weight_sync
+
+    tiny = os.path.join(ROOT, "tests", "data", "tiny_models", "llama")
+    r = weight_sync.main(["--model", tiny, "--rounds", "1", "--rank", "4", "--tokens", "4"])
+    assert set(r["seconds"]) == {"full", "subset", "lora", "sleep1", "sleep2"}
+    assert all(v["median"] > 0 for v in r["seconds"].values())
+    assert r["freed_bytes"]["level2"] >= r["freed_bytes"]["level1"] + r["parameter_bytes"]
+    assert r["tokens_per_s_after_update_over_before"] > 0
