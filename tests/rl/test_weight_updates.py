@@ -218,3 +218,16 @@ def test_sleep_frees_memory_and_wake_up_restores_it(new_weights, compile_recorde
     with pytest.raises(RuntimeError, match="no unfinished requests"):
         llm.sleep()
     _drain(llm)
+
+
+def test_a_quantized_engine_quantizes_the_update(new_weights, tmp_path):
+    """int8 weights: the update is quantized as loading quantizes (on the host), so the engine
+    equals a fresh int8 engine of the new weights."""
+    tree, _ = new_weights
+    kw = dict(KW, quantization="int8")
+    llm = ji.LLM(TINY, **kw)
+    llm.update_weights(tree)
+    path = str(tmp_path / "new")
+    save_checkpoint(path, load_model(TINY).config, tree)
+    assert tokens(llm.generate(PROMPTS, GREEDY)) == tokens(ji.LLM(path, **kw).generate(
+        PROMPTS, GREEDY))
