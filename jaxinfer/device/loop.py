@@ -162,8 +162,9 @@ def decode_loop(params, state: DecodeState, rows: jax.Array, draft_on: jax.Array
             logits = model.head(params, h[:, 0], backend)                 # [R, V]
             token = sample_rows(logits, state, rows, generated, backend, allowed)
             lp = maybe_top_logprobs(want_lp, lambda x: x, logits, token, backend)
-            lp += (maybe_sampled_logprob(want_sampled, logits, sp, lambda: _take(state.seen, rows),
-                                         token, backend, allowed),)
+            lp += (maybe_sampled_logprob(want_sampled, logits, sp,
+                                         lambda: _take(state.seen, rows), token, backend,
+                                         allowed),)
             lp = jax.tree.map(lambda x: jnp.pad(x[:, None], [(0, 0), (0, k)] +
                                                 [(0, 0)] * (x.ndim - 1)), lp)
             return (cache, draft_cache), (none[0], zeros_r, token, lp)
@@ -234,6 +235,7 @@ def decode_loop(params, state: DecodeState, rows: jax.Array, draft_on: jax.Array
                 lp_out, counts)
 
     carry = (jnp.int32(0), state, stopped, jnp.zeros((B, W), jnp.int32), zeros,
-             no_logprobs((B, W)) + (jnp.zeros((B, W), jnp.float32),), SpecCounts(steps=zeros, drafted=zeros, accepted=zeros))
+             no_logprobs((B, W)) + (jnp.zeros((B, W), jnp.float32),),
+             SpecCounts(steps=zeros, drafted=zeros, accepted=zeros))
     _, state, stopped, out, num_out, lp_out, counts = jax.lax.while_loop(cond, body, carry)
     return state.constrained(), out, num_out, stopped, lp_out, counts

@@ -23,20 +23,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.loading.checkpoint import _is_quantized, _name
 from jaxinfer.user_input import show
 
 MODES = ("wait", "abort", "keep", "restart")
 _KV_FIELDS = ("wk", "wv", "bk", "bv")
-
-
-def _name(path) -> str:
-    return ".".join(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k))))
-                    for k in path)
-
-
-def _is_quantized(x) -> bool:
-    from jaxinfer.quant import QuantizedWeight
-    return isinstance(x, QuantizedWeight)
 
 
 def named_leaves(params) -> dict:
