@@ -101,8 +101,7 @@ def group_advantages(rewards: np.ndarray, eps: float = 1e-4) -> np.ndarray:
 class Batch(NamedTuple):
     """Fixed-shape training rows: tokens [B, T] (prompt + completion, right-padded), mask
     [B, T] (1 where the token at t+1 is a completion token: the logits at t predict it),
-    old_logp [B, T] (the sampler's log-probability of token t+1, aligned with mask; NaN for an
-    appended end-of-sequence token, which the sampler reports no log-probability for) and
+    old_logp [B, T] (the sampler's log-probability of token t+1, aligned with mask) and
     advantages [B]."""
 
     tokens: np.ndarray
@@ -124,16 +123,14 @@ def build_batch(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Se
                 buckets: Sequence[int], rows: Optional[int] = None, pad_id: int = 0,
                 stop_ids: Optional[Sequence[Optional[int]]] = None) -> Batch:
     """Right-pads prompt + completion rows to the smallest bucket length that fits them all,
-    and to `rows` rows (padding rows have an all-zero mask). stop_ids: per row, the end-of-
-    sequence token that ended the completion (the engine leaves it out of token_ids), or None;
-    it is appended so the loss also trains when to stop."""
+    and to `rows` rows (padding rows have an all-zero mask). stop_ids: per row, the stop id
+    that ended the completion (CompletionOutput.stop_token_id: token_ids leave it out, the
+    log-probability arrays end with it), or None; it is appended so the loss also trains when
+    to stop."""
     n = len(prompt_ids)
     if stop_ids is not None:
         completion_ids = [list(c) + ([e] if e is not None else [])
                           for c, e in zip(completion_ids, stop_ids)]
-        old_logprobs = [np.concatenate([np.asarray(lp, np.float32),
-                                        [np.nan] * (e is not None)]).astype(np.float32)
-                        for lp, e in zip(old_logprobs, stop_ids)]
     rows = n if rows is None else rows
     if rows < n:
         raise ValueError(f"{n} sequences do not fit in {rows} rows")
@@ -169,8 +166,7 @@ def grpo_loss(lora: LoraParams, params, cfg, batch: Batch, clip_eps: float = 0.2
     then over sequences. Returns (loss, aux) with aux the mean |logp - old_logp| and the mean
     ratio over completion tokens."""
     logp = token_logprobs(params, cfg, lora, batch.tokens)
-    known = ~jnp.isnan(batch.old_logp)  # an appended EOS: ratio 1 (the plain policy gradient)
-    old = jnp.where(known, batch.old_logp, jax.lax.stop_gradient(logp))
+    old = batch.old_logp
     ratio = jnp.exp(logp - old)
     adv = batch.advantages[:, None]
     unclipped = ratio * adv
@@ -180,29 +176,29 @@ def grpo_loss(lora: LoraParams, params, cfg, batch: Batch, clip_eps: float = 0.2
     live = (lengths > 0).astype(jnp.float32)
     per_seq = per_token.sum(axis=1) / jnp.maximum(lengths, 1.0)
     loss = (per_seq * live).sum() / jnp.maximum(live.sum(), 1.0)
-    sampled = batch.mask * known
-    ntok = jnp.maximum(sampled.sum(), 1.0)
-    aux = {"logp_gap": (jnp.abs(logp - old) * sampled).sum() / ntok,
-           "ratio": (ratio * sampled).sum() / ntok}
+    ntok = jnp.maximum(batch.mask.sum(), 1.0)
+    aux = {"logp_gap": (jnp.abs(logp - old) * batch.mask).sum() / ntok,
+           "ratio": (ratio * batch.mask).sum() / ntok}
     return loss, aux
 
 
 def make_train_step(params, cfg, optimizer: optax.GradientTransformation,
                     clip_eps: float = 0.2):
-    """A jitted (lora, opt_state, batch) -> (lora, opt_state, loss, aux); the frozen base
-    weights are closed over, so they are constants of the program, not arguments."""
+    """A (lora, opt_state, *batch) -> (lora, opt_state, loss, aux) step, jitted. The frozen
+    base weights go in as an argument, not closed over: a closed-over array would be embedded
+    in the program as a constant (a slow compile, and a cache key the size of the model)."""
 
     @jax.jit
-    def step(lora, opt_state, tokens, mask, old_logp, advantages):
+    def step(lora, opt_state, params, tokens, mask, old_logp, advantages):
         batch = Batch(tokens, mask, old_logp, advantages)
         (loss, aux), grads = jax.value_and_grad(grpo_loss, has_aux=True)(
             lora, params, cfg, batch, clip_eps)
         updates, opt_state = optimizer.update(grads, opt_state, lora)
         lora = optax.apply_updates(lora, updates)
-        aux["grad_norm"] = optax.global_norm(grads)
+        aux["grad_norm"] = optax.tree.norm(grads)
         return lora, opt_state, loss, aux
 
-    return step
+    return lambda lora, opt_state, *batch: step(lora, opt_state, params, *batch)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,10 +211,12 @@ class Trainer:
                  targets: Sequence[str] = ("q_proj", "v_proj"), lr: float = 2e-3,
                  prompts_per_step: int = 2, group_size: int = 8, max_tokens: int = 16,
                  buckets: Sequence[int] = (64, 96), clip_eps: float = 0.2, seed: int = 0,
-                 train_dtype: Optional[str] = None, adapter: str = "policy"):
+                 train_dtype: Optional[str] = None, adapter: str = "policy",
+                 reward_fn=None):
         self.llm, self.cfg = llm, llm.model_config
         self.P, self.G, self.max_tokens = prompts_per_step, group_size, max_tokens
         self.buckets, self.seed, self.adapter = tuple(buckets), seed, adapter
+        self.reward_fn = reward if reward_fn is None else reward_fn  # (text, answer, reason)
         params = llm.params
         if train_dtype is not None:  # e.g. a float32 copy of the (bf16) engine weights
             dt = jnp.dtype(train_dtype)
@@ -229,10 +227,12 @@ class Trainer:
                                     alpha=alpha)
         self.optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(lr))
         self.opt_state = self.optimizer.init(self.lora)
+        # Committed to the weights' device, as the step's outputs are: the second step then
+        # finds the first step's program instead of compiling another for uncommitted inputs.
+        device = next(iter(params.final_norm.devices()))
+        self.lora, self.opt_state = jax.device_put((self.lora, self.opt_state), device)
         self._step = make_train_step(params, self.cfg, self.optimizer, clip_eps)
         self.step_index = 0
-        eos = self.cfg.eos_token_id
-        self.eos_id = eos[0] if isinstance(eos, (list, tuple)) else eos
         llm.update_weights(self.lora, lora=adapter)  # loads the adapter (identity at init)
 
     def sample(self, problems: Sequence[Problem], step: int):
@@ -252,15 +252,15 @@ class Trainer:
         _, outs = self.sample(problems, self.step_index)
         t_sample = time.perf_counter() - t0
 
-        rewards = np.array([[reward(c.text, p.answer, c.finish_reason) for c in o.outputs]
-                            for p, o in zip(problems, outs)], np.float32)
+        rewards = np.array([[self.reward_fn(c.text, p.answer, c.finish_reason)
+                             for c in o.outputs] for p, o in zip(problems, outs)], np.float32)
         adv = group_advantages(rewards)
         prompt_ids, comp_ids, stops, old, advs, versions = [], [], [], [], [], set()
         for o, a in zip(outs, adv):
             for c, ai in zip(o.outputs, a):
                 prompt_ids.append(o.prompt_token_ids)
                 comp_ids.append(c.token_ids)
-                stops.append(self.eos_id if c.finish_reason == "stop" else None)
+                stops.append(c.stop_token_id)
                 old.append(c.sampling_logprobs)
                 advs.append(ai)
                 versions.add(c.weight_version)

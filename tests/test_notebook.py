@@ -61,3 +61,24 @@ def test_quickstart_runs(tmp_path, monkeypatch):
                if o.output_type in ("display_data", "execute_result"))
     stats = [o for o in outputs if o.output_type == "execute_result"][-1]
     assert "generated_tokens" in stats.data["text/plain"]
+
+
+@pytest.mark.slow
+def test_grpo_notebook_runs(tmp_path, monkeypatch):
+    """notebooks/grpo.ipynb: a short GRPO run through examples/grpo.py plotted, and the stored
+    run (benchmarks/results/grpo_curve.json) plotted."""
+    workdir = tmp_path / "cwd"
+    workdir.mkdir()
+    monkeypatch.chdir(workdir)
+    nb = nbformat.read(os.path.join(os.path.dirname(NOTEBOOK), "grpo.ipynb"), as_version=4)
+    client = nbclient.NotebookClient(nb, timeout=900, kernel_name=_kernel_name(tmp_path,
+                                                                               monkeypatch),
+                                     resources={"metadata": {"path": str(workdir)}})
+    client.execute()
+    outputs = [out for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+    assert "step   7" in text and "mean reward, first 5 steps" in text
+    images = [o for o in outputs if o.output_type in ("display_data", "execute_result")
+              and "image/png" in o.get("data", {})]
+    assert len(images) == 2  # the short run's curve and the stored run's

@@ -65,6 +65,7 @@ class SequenceState:
     sampling_lps: Optional[list] = None  # token_logprobs: per token, under the sampling law
     model_lps: Optional[list] = None     # and under the raw model
     versions: list = dataclasses.field(default_factory=list)  # [(first token, weight version)]
+    stop_token_id: Optional[int] = None  # the stop id that ended it (not in token_ids)
 
     def __post_init__(self):
         if self.params.logprobs is not None:
@@ -98,7 +99,8 @@ class SequenceState:
                                 logprobs=None if self.logprobs is None else list(self.logprobs),
                                 sampling_logprobs=arrays(self.sampling_lps),
                                 model_logprobs=arrays(self.model_lps),
-                                weight_versions=list(self.versions))
+                                weight_versions=list(self.versions),
+                                stop_token_id=self.stop_token_id)
 
     def output(self) -> RequestOutput:
         """The whole request's output (every sequence of the group)."""
@@ -372,18 +374,20 @@ class Engine:
         if req.metrics.first_token_time is None and new_ids:
             req.metrics.first_token_time = now
         for i, tok in enumerate(new_ids):
-            if done and i == len(new_ids) - 1 and self._is_stop_id(req, tok):
-                self._finish(req, "stop")
-                return
             if not req.versions or req.versions[-1][1] != self.weight_version:
                 req.versions.append((len(req.token_ids), self.weight_version))
+            if req.sampling_lps is not None and lps is not None:
+                # Every sampled token's, the stop id that ends the output included.
+                req.model_lps.append(float(lps[i][2]))
+                req.sampling_lps.append(float(lps[i][3]))
+            if done and i == len(new_ids) - 1 and self._is_stop_id(req, tok):
+                req.stop_token_id = tok
+                self._finish(req, "stop")
+                return
             req.token_ids.append(tok)
             if req.logprobs is not None and lps is not None:
                 req.logprobs.append(_logprob_dict(req.params.logprobs, *lps[i][:2], tok,
                                                   lps[i][2]))
-            if req.sampling_lps is not None and lps is not None:
-                req.model_lps.append(float(lps[i][2]))
-                req.sampling_lps.append(float(lps[i][3]))
             req.metrics.generated_tokens += 1
             req.metrics.token_times.append(now)
             self.stats_counters["generated_tokens"] += 1

@@ -166,8 +166,13 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: Optional[str]  # "stop" | "length" | "abort" | "error" | None while running
     logprobs: Optional[list] = None
-    # With SamplingParams.token_logprobs, per token (float32 [len(token_ids)]): the log-
-    # probability under the distribution it was drawn from, and under the raw model.
+    # The stop id (EOS) that ended the output, which token_ids and text leave out; None when
+    # something else ended it (a stop string, max_tokens) or while running.
+    stop_token_id: Optional[int] = None
+    # With SamplingParams.token_logprobs, per sampled token (float32): the log-probability
+    # under the distribution it was drawn from, and under the raw model. They cover
+    # token_ids + [stop_token_id] (one more entry than token_ids when a stop id ended it): a
+    # trainer learns when to stop from that last token.
     sampling_logprobs: Optional[np.ndarray] = None
     model_logprobs: Optional[np.ndarray] = None
     # The weight version (LLM.weight_version) each run of tokens was sampled under: pairs

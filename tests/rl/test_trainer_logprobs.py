@@ -31,11 +31,13 @@ def log_softmax(x):
 
 def reference(llm, out, lora=None):
     """(raw log-probs, the logits) of out's tokens from sequence_logits, float64."""
-    ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+    c = out.outputs[0]
+    sampled = list(c.token_ids) + ([] if c.stop_token_id is None else [c.stop_token_id])
+    ids = list(out.prompt_token_ids) + sampled
     logits = np.asarray(sequence_logits(llm.params, llm.model_config,
                                         jnp.asarray([ids], jnp.int32), lora=lora),
                         np.float64)[0]
-    P, toks = len(out.prompt_token_ids), np.asarray(out.outputs[0].token_ids)
+    P, toks = len(out.prompt_token_ids), np.asarray(sampled)
     logits = logits[P - 1:len(ids) - 1]
     return log_softmax(logits)[np.arange(len(toks)), toks], logits
 
@@ -81,6 +83,15 @@ def test_token_logprobs_equal_the_trainers_forward(model, dtype):
             else:
                 check(c.sampling_logprobs, law(logits, c.token_ids, 0.8, 0.9), dtype)
                 assert (c.sampling_logprobs > c.model_logprobs - 1e-6).mean() > 0.5
+    if model != TINY:
+        # An output that EOS ends: the arrays cover the stop id too (not in token_ids).
+        chat = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Say hi."}],
+                                                 add_generation_prompt=True)
+        out = llm.generate(chat, ji.SamplingParams(max_tokens=48, token_logprobs=True))[0]
+        c = out.outputs[0]
+        assert c.finish_reason == "stop" and c.stop_token_id in llm._engine.eos_ids
+        assert c.model_logprobs.shape == (len(c.token_ids) + 1,)
+        check(c.model_logprobs, reference(llm, out)[0], dtype)
 
 
 def test_lora_updates_from_a_trainer(compile_recorder):
