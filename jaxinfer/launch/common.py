@@ -99,7 +99,7 @@ NGRAM_MAX = flags.DEFINE_integer("ngram_max", _SPEC_DEFAULTS["ngram_max"],
                                  "Longest suffix n-gram matched for --speculative=ngram.")
 # Sampling (SamplingParams kwargs).
 SAMPLING_FLAGS = ("n", "max_tokens", "temperature", "top_k", "top_p", "min_p",
-                  "repetition_penalty", "seed", "stop", "ignore_eos")
+                  "repetition_penalty", "seed", "stop", "ignore_eos", "token_logprobs")
 flags.DEFINE_integer("n", SP_DEFAULTS["n"], "Sequences per prompt (sequence i: seed + i).")
 flags.DEFINE_integer("max_tokens", SP_DEFAULTS["max_tokens"], "Most tokens to generate.")
 flags.DEFINE_float("temperature", SP_DEFAULTS["temperature"], "Sampling temperature; 0 = greedy.")
@@ -112,6 +112,8 @@ flags.DEFINE_integer("seed", SP_DEFAULTS["seed"], "Seed for reproducible samplin
 flags.DEFINE_multi_string("stop", SP_DEFAULTS["stop"],
                           "A string that ends generation (repeat the flag for several).")
 flags.DEFINE_bool("ignore_eos", SP_DEFAULTS["ignore_eos"], "Keep generating past EOS.")
+flags.DEFINE_bool("token_logprobs", SP_DEFAULTS["token_logprobs"],
+                  "Print each answer's summed token log-probabilities.")
 
 FLAGS = flags.FLAGS
 

@@ -73,11 +73,14 @@ def report(prompts: list[str], outputs, wall_s: float) -> str:
     """The answers, a per-request metrics table and an aggregate line."""
     lines = []
     for i, (prompt, out) in enumerate(zip(prompts, outputs)):
-        if len(out.outputs) > 1:  # SamplingParams(n > 1): every sequence, in index order
-            for seq in out.outputs:
-                lines += [f"=== [{i}.{seq.index}] {prompt}", seq.text, ""]
-        else:
-            lines += [f"=== [{i}] {prompt}", out.text, ""]
+        for seq in out.outputs:  # SamplingParams(n > 1): every sequence, in index order
+            name = f"{i}.{seq.index}" if len(out.outputs) > 1 else f"{i}"
+            lines += [f"=== [{name}] {prompt}", seq.text]
+            if seq.sampling_logprobs is not None:  # --token_logprobs
+                lines.append(f"--- logprob: sampled {float(seq.sampling_logprobs.sum()):.4f}, "
+                             f"model {float(seq.model_logprobs.sum()):.4f} over "
+                             f"{len(seq.sampling_logprobs)} tokens")
+            lines.append("")
     lines.append(f"{'req':>3}  {'prompt_tok':>10}  {'gen_tok':>7}  {'ttft_ms':>8}  {'itl_ms':>7}  "
                  f"{'tok/s':>7}  finish")
     for i, out in enumerate(outputs):

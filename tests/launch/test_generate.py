@@ -173,6 +173,13 @@ def test_report_lists_every_sequence_of_n():
     for seq in out.outputs:
         assert f"=== [0.{seq.index}] {PROMPTS[0]}\n{seq.text}\n\n" in text
     assert rows(text) == [(0, out.metrics.prompt_tokens, 8, "length")]
+    # --token_logprobs: each sequence's summed log-probabilities follow its text.
+    (lp,) = llm.generate([PROMPTS[0]], dataclasses.replace(params, n=1, token_logprobs=True))
+    seq = lp.outputs[0]
+    assert (f"=== [0] {PROMPTS[0]}\n{seq.text}\n--- logprob: sampled "
+            f"{float(seq.sampling_logprobs.sum()):.4f}, model "
+            f"{float(seq.model_logprobs.sum()):.4f} over 4 tokens\n") in report([PROMPTS[0]],
+                                                                              [lp], 1.0)
 
 
 @pytest.mark.slow
