@@ -1,6 +1,6 @@
 """examples/grpo.py: the reward / advantage / batch bookkeeping, one GRPO step through the real
-engine (adapter updated, weight version advanced, later samples carrying it), and, as a slow
-test, the documented configuration's reward rising."""
+engine on a tiny model (adapter updated, weight version advanced, later samples carrying it),
+and, as a slow test, the documented configuration's reward rising on SmolLM2."""
 
 import os
 import sys
@@ -55,9 +55,27 @@ def test_build_batch_alignment():
 
 
 @pytest.fixture(scope="module")
-def llm():
-    return ji.LLM("smollm2-135m", dtype="bfloat16", max_seq_len=128, max_num_seqs=4,
-                  max_loras=1, max_lora_rank=4)
+def llm(tmp_path_factory):
+    """A tiny random Llama (2 layers of width 64) with SmolLM2's vocabulary, tokenizer and chat
+    template, bf16: the example's whole path at a size whose gradient compiles in seconds (the
+    slow test below runs SmolLM2 itself)."""
+    import jax.numpy as jnp
+
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.loading import load_model
+    from jaxinfer.loading.checkpoint import save_checkpoint
+    from jaxinfer.models import llama
+
+    tokenizer = load_model("smollm2-135m").tokenizer
+    cfg = ModelConfig(architecture="llama", vocab_size=49152, d_model=64, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, ffn_dim=128,
+                      tie_word_embeddings=True, max_position_embeddings=512, bos_token_id=1,
+                      eos_token_id=2)
+    path = str(tmp_path_factory.mktemp("tiny") / "smollm2-vocab")
+    save_checkpoint(path, cfg, llama.LLAMA.init_params(cfg, jax.random.key(0), jnp.float32),
+                    tokenizer)
+    return ji.LLM(path, dtype="bfloat16", max_seq_len=128, max_num_seqs=4, max_loras=1,
+                  max_lora_rank=4)
 
 
 def test_grpo_steps_update_the_sampler(llm):

@@ -56,6 +56,7 @@ def test_lora_adapters_on_meshes():
     assert _spec(got["tensor2"]["b_spec"]) == (None, "tensor")  # its output: q heads
 
 
+@pytest.mark.slow
 def test_weight_updates_on_a_callers_meshes():
     """LLM(mesh=<the caller's jax Mesh>, mesh_axes=) on (tensor 2), (data 2) and (tensor 4:
     kv heads repeated) views of 8 simulated devices; update_weights from a float32 tree the
