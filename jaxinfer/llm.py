@@ -456,7 +456,6 @@ class LLM:
         if lora is None:
             engine.swap_params(params)
             weight_sync.delete(old)
-            engine.runner._host_params = None  # a copy sleep(level=2) kept is stale now
             engine.drop_prefix_cache()
             self._weights_dropped = False
         else:

@@ -421,6 +421,7 @@ class Engine:
         """Weights of the same structure, shapes, dtypes and shardings (weight_sync.convert),
         for the next dispatch: the compiled programs take them as they are."""
         self.runner.params = params
+        self.runner.drop_host_params()  # a copy sleep(level=2) kept is stale now
         self.weight_version += 1
 
     def sleep(self, level: int, keep_weights: bool) -> None:

@@ -70,6 +70,7 @@ class Runner:
         # jit keys its compiled programs on whether each argument is.
         self.device = jax.local_devices()[0]
         self.params = self._place_params(params, cfg)
+        self._host_params = None  # the weights sleep(level=2) kept on the host
         self.draft_kw = {"draft_params": self._place_params(*draft) if draft else None,
                          "draft_cfg": draft[1] if draft else None}
         self.num_slots, self.capacity = num_slots, capacity
@@ -229,9 +230,13 @@ class Runner:
 
     def restore_params(self) -> None:
         """Puts weights release_params kept back in their shardings."""
-        if getattr(self, "_host_params", None) is not None:
+        if self._host_params is not None:
             self.params = jax.device_put(self._host_params, self._param_shardings)
             self._host_params = None
+
+    def drop_host_params(self) -> None:
+        """Forgets weights release_params kept on the host (new ones replaced them)."""
+        self._host_params = None
 
     def params_released(self) -> bool:
         return any(x.is_deleted() for x in jax.tree.leaves(self.params))
