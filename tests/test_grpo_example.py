@@ -115,11 +115,12 @@ def test_grpo_steps_update_the_sampler(llm):
 
 @pytest.mark.slow
 def test_grpo_reward_rises():
-    """The documented run (python examples/grpo.py --steps 30): the mean reward of the last 5
-    steps beats the first 5 by at least 0.15 (reward in [0, 1])."""
+    """The first 20 steps of the documented run (python examples/grpo.py --steps 30 --seed
+    0): the mean reward of steps 15-19 beats steps 0-4 by at least 0.15 (reward in [0, 1];
+    the documented run measured 0.425 against 0.064)."""
     llm = ji.LLM("smollm2-135m", dtype="bfloat16", max_seq_len=128, max_num_seqs=16,
                  max_loras=1, max_lora_rank=8)
-    records = grpo.run(llm, 30, log=None, rank=8, lr=2e-3, prompts_per_step=2, group_size=8,
+    records = grpo.run(llm, 20, log=None, rank=8, lr=2e-3, prompts_per_step=2, group_size=8,
                        max_tokens=16, buckets=(64, 96), seed=0)
     rewards = [r["mean_reward"] for r in records]
     first, last = np.mean(rewards[:5]), np.mean(rewards[-5:])
