@@ -27,6 +27,8 @@ from jaxinfer.device.kv_cache import KV_DTYPES, ring_capacity
 from jaxinfer.models import get_model
 from jaxinfer.device.sampling import MAX_LOGPROBS
 from jaxinfer.structured import Grammars
+from jaxinfer.lora.llm_api import LoraAPI
+from jaxinfer.trainer_sampler import TrainerSampler
 from jaxinfer.user_input import check_text
 
 
@@ -64,7 +66,7 @@ def enable_compilation_cache() -> Optional[str]:
     return path
 
 
-class LLM:
+class LLM(LoraAPI, TrainerSampler):
     """A model ready to generate. See the README for the arguments; each is checked here."""
 
     def __init__(self, model: str = "smollm2-135m", *, dtype: Optional[str] = None,
@@ -229,42 +231,14 @@ class LLM:
                                   max_loras=max_loras, max_lora_rank=max_lora_rank,
                                   max_cpu_loras=max_cpu_loras))
         if memory_left:
-            self._engine.set_num_pages(self._pages_from_memory(memory_left, page_size))
+            self._engine.set_num_pages(memory.pages_from_memory(
+                self._engine, memory_left, max_num_seqs, max_seq_len, page_size))
         self._data_degree = data
         self.quantization = quantization
-        self._sleep_level = 0          # sleep(): 0 awake, else the level
-        self._weights_dropped = False  # sleep(level=2, keep_weights=False) until update_weights
         self._grammars: Optional[Grammars] = None
         self._grammars_lock = threading.Lock()
         self._ids = itertools.count()
         self._requests: dict[str, SequenceState] = {}
-
-    def _pages_from_memory(self, memory_left: tuple[int, int], page_size: int) -> int:
-        """num_pages=None on a device that reports memory: what the weights and the largest
-        step's scratch leave; ValueError when that cannot hold one max_seq_len request."""
-        limit, in_use = memory_left
-        step = self._engine.step_scratch_bytes()
-        # Per device: each holds 1/(data*sequence) of the pool's pages, 1/tensor of kv heads.
-        partitioner = self._engine.partitioner
-        mesh = partitioner.mesh_config if partitioner is not None else MeshConfig()
-        cfg, kv_dtype, split = self.model_config, self._engine.kv_dtype, \
-            mesh.data * mesh.sequence * mesh.tensor
-        ring = self._engine.runner.ring_capacity
-        global_layers = cfg.num_layers - cfg.num_local_layers if ring else None
-        page = memory.kv_page_bytes(cfg, page_size, kv_dtype, global_layers) // split
-        # A hybrid cache's ring of local layers is a fixed size: it comes off the top.
-        if ring:
-            step += memory.ring_bytes(cfg, self.max_num_seqs, ring, page_size, kv_dtype) // split
-        pages = memory.pages_for_memory(limit, in_use, step, page)
-        pages -= pages % (mesh.data * mesh.sequence)
-        need = (-(-self.max_seq_len // page_size) + 1) * mesh.data  # one request per replica
-        if pages < need:
-            raise ValueError(
-                f"the KV cache does not fit: of {memory.UTILIZATION:.0%} of {limit} device bytes, "
-                f"{in_use} are in use (weights) and the largest step needs {step} more, leaving "
-                f"{pages} pages of {page} bytes; one max_seq_len ({self.max_seq_len}) request "
-                f"needs {need} (lower max_seq_len or max_num_seqs, or pass num_pages)")
-        return pages
 
     @property
     def max_n(self) -> int:
@@ -325,247 +299,6 @@ class LLM:
         if params.structured_outputs is None:
             return None
         return self.grammars.compile(params.structured_outputs)
-
-    # ---- LoRA adapters ------------------------------------------------------------------------
-
-    def load_lora(self, name: str, path: str) -> None:
-        """Loads the adapter saved in directory `path` under `name`: a PEFT adapter
-        (adapter_config.json and adapter_model.safetensors) or one save_lora wrote, checked
-        against the model (shapes, target modules, rank <= max_lora_rank): a ValueError names
-        what does not fit. It takes a device slot when a request first uses it
-        (docs/lora.md)."""
-        from jaxinfer.lora import adapters
-
-        self._check_lora_name(name)
-        if name in self._engine.loras.adapters:
-            raise ValueError(f"a LoRA adapter named {name!r} is already loaded; unload it first")
-        read = adapters.read_orbax if adapters.is_orbax_adapter(path) else adapters.read_peft
-        adapter = read(name, path, family=get_model(self.model_config.architecture),
-                       cfg=self.model_config, max_rank=self._engine.loras.max_rank)
-        self._engine.loras.add(adapter)
-
-    def save_lora(self, name: str, path: str) -> None:
-        """Writes loaded adapter `name` to directory `path` in jaxinfer's form (orbax arrays
-        and jaxinfer_lora.json), which load_lora reads back."""
-        from jaxinfer.lora.adapters import save_adapter
-
-        if name not in self._loras().adapters:
-            raise ValueError(f"no LoRA adapter named {name!r} is loaded")
-        save_adapter(self._engine.loras.adapters[name], path)
-
-    def add_lora(self, adapter) -> None:
-        """Loads an adapter already read (jaxinfer.lora.adapters.Adapter, e.g. from
-        adapters.from_peft_arrays)."""
-        self._check_lora_name(adapter.name)
-        if adapter.rank > self._engine.loras.max_rank:
-            raise ValueError(f"adapter {adapter.name!r} has rank {adapter.rank}; max_lora_rank "
-                             f"is {self._engine.loras.max_rank}")
-        self._engine.loras.add(adapter)
-
-    def unload_lora(self, name: str) -> None:
-        """Drops a loaded adapter (ValueError while running requests use it)."""
-        self._loras()
-        if name not in self._engine.loras.adapters:
-            raise ValueError(f"no LoRA adapter named {name!r} is loaded")
-        users = [r for r in list(self._engine.waiting) + self._engine.slots
-                 if r is not None and r.lora == name]
-        if users:
-            raise ValueError(f"LoRA adapter {name!r} is in use by {len(users)} unfinished "
-                             "sequences; unload it when they finish")
-        self._engine.loras.remove(name)
-
-    def list_loras(self) -> list[dict]:
-        """The loaded adapters: name, rank, scale, path and device slot (None: host only)."""
-        if self._engine.loras is None:
-            return []
-        m = self._engine.loras
-        return [{"name": a.name, "rank": a.rank, "scale": a.scale, "path": a.path,
-                 "slot": m.slot_of(a.name)} for a in m.adapters.values()]
-
-    def _loras(self):
-        if self._engine.loras is None:
-            raise ValueError("LoRA adapters need LLM(..., max_loras=N) (N device slots)")
-        return self._engine.loras
-
-    def _check_lora_name(self, name) -> None:
-        self._loras()
-        if not isinstance(name, str) or not name or len(name) > 256:
-            raise ValueError(f"a LoRA adapter's name must be a non-empty string of at most 256 "
-                             f"characters, got {name!r}")
-        check_text(name, "lora name")
-
-    # ---- a trainer's sampler: weight updates, sleep and wake (docs/rl.md) ----------------------
-
-    @property
-    def weight_version(self) -> int:
-        """How many weight updates (update_weights) the engine has taken; every output records
-        the version its tokens were sampled under (CompletionOutput.weight_versions)."""
-        return self._engine.weight_version
-
-    def update_weights(self, weights, *, lora: Optional[str] = None, mode: str = "wait",
-                       donate: bool = False) -> list[RequestOutput]:
-        """Swaps in new weights between steps, with no recompilation (docs/rl.md).
-
-        weights: the model's params pytree (jaxinfer.models.ModelParams, as sequence_logits
-        takes it) or a mapping of weight names ("embed", "layers.3.wq", ...) to arrays, a
-        subset allowed, any float dtype, on any devices and shardings; with lora=name, a
-        jaxinfer.lora.LoraParams for adapter `name` (loaded if new). Checked before anything
-        changes; converted to the engine's dtype, kv-head layout and quantization and resharded
-        onto its mesh, on the devices (a quantized engine quantizes on the host). The engine
-        owns the result: the caller's arrays are copied unless donate=True.
-
-        mode, for unfinished requests (a LoRA update: those under that adapter): "wait" runs
-        them to the end on the old weights first; "abort" ends them (finish_reason "abort");
-        "keep" keeps their tokens and recomputes their KV under the new weights, then goes on;
-        "restart" starts them over on the new weights (same id and seed). The prefix cache
-        forgets what the old weights computed. Returns the outputs of the steps "wait" ran, or
-        of the requests "abort" ended."""
-        from jaxinfer.engine import weight_sync
-
-        if mode not in weight_sync.MODES:
-            raise ValueError(f"mode must be one of {weight_sync.MODES}, got {mode!r}")
-        if not isinstance(donate, bool):
-            raise ValueError(f"donate must be a bool, got {donate!r}")
-        engine = self._engine
-        if mode == "keep" and engine.paged is None:
-            raise ValueError("mode='keep' recomputes KV in the paged cache; this model runs on "
-                             "the ring-buffer cache: use 'wait', 'abort' or 'restart'")
-        if lora is None:
-            if self.quantization == "int4-awq":
-                raise ValueError("update_weights: int4-awq weights need activation-aware "
-                                 "calibration (minutes); serve with quantization='int4', "
-                                 "'int8', 'fp8' or None to take a trainer's weights")
-            cfg = self.model_config
-            copies = cfg.kv_head_copies
-            new = weight_sync.incoming(weights, get_model(cfg.architecture), cfg,
-                                       cfg.num_kv_heads // copies)
-            if engine.runner.params_released():
-                missing = set(weight_sync.named_leaves(engine.params)) - set(new)
-                if missing:
-                    raise ValueError(
-                        f"the weights were freed by sleep(level=2): update_weights needs all of "
-                        f"them, {len(missing)} are missing (such as {sorted(missing)[0]!r})")
-            with engine.runner.on_mesh():
-                params, old = weight_sync.convert(
-                    new, engine.params, dtype=_DTYPES[self.dtype],
-                    kv_heads=cfg.num_kv_heads // copies, repeat=copies,
-                    quantization=self.quantization, donate=donate)
-        else:
-            adapter = self._adapter_from(lora, weights, donate)
-        outs = self._settle(mode, lambda r: lora is None or r.lora == lora)
-        if lora is None:
-            engine.swap_params(params)
-            weight_sync.delete(old)
-            engine.drop_prefix_cache()
-            self._weights_dropped = False
-        else:
-            loras = engine.loras
-            (loras.replace if lora in loras.adapters else loras.add)(adapter)
-            engine.weight_version += 1
-            for r in list(engine.waiting) + engine.slots:
-                if r is not None and r.lora == lora:
-                    r.cache_namespace = loras.salt(lora)
-        return outs
-
-    def _adapter_from(self, name: str, weights, donate: bool):
-        """A LoraParams as a LoRA Adapter of device arrays (float32 copies unless donate),
-        checked against the model's adaptable fields and max_lora_rank."""
-        from jaxinfer.engine import weight_sync
-        from jaxinfer.lora.adapters import Adapter, adaptable
-        from jaxinfer.lora.trainable import LoraParams
-
-        self._check_lora_name(name)
-        if not isinstance(weights, LoraParams):
-            raise ValueError(f"a LoRA update takes a jaxinfer.lora.LoraParams, got "
-                             f"{type(weights).__name__}")
-        allowed = adaptable(get_model(self.model_config.architecture), self.model_config)
-        L, r = self.model_config.num_layers, weights.rank
-        if r > self._engine.loras.max_rank:
-            raise ValueError(f"adapter {name!r} has rank {r}; max_lora_rank is "
-                             f"{self._engine.loras.max_rank}")
-        if set(weights.a) != set(weights.b) or not weights.a:
-            raise ValueError(f"adapter {name!r}: a and b must name the same fields")
-        a, b = {}, {}
-        for field in weights.a:
-            if field not in allowed:
-                raise ValueError(f"adapter {name!r}: field {field!r} is not adaptable in this "
-                                 f"model; adaptable: {sorted(allowed)}")
-            (fan_in, fan_out), _ = allowed[field]
-            for x, want, out in ((weights.a[field], (L, fan_in, r), a),
-                                 (weights.b[field], (L, r, fan_out), b)):
-                if tuple(x.shape) != want:
-                    raise ValueError(f"adapter {name!r}: {field} has shape {tuple(x.shape)}; "
-                                     f"the model and rank {r} need {want}")
-                # On the engine's devices (replicated on its mesh), float32, its own buffer.
-                mine = self._engine.runner.replicated(jnp.asarray(x))
-                out[field] = mine if donate or not weight_sync.shares_buffers(mine, x) \
-                    else jnp.copy(mine)
-        return Adapter(name=name, rank=r, scale=float(weights.scale), a=a, b=b)
-
-    def _settle(self, mode: str, affected) -> list[RequestOutput]:
-        """Unfinished requests that `affected` picks, dealt with per update_weights' mode."""
-        engine = self._engine
-        groups = {r.request_id: r.group[0] for r in list(engine.waiting) + engine.slots
-                  if r is not None and r.finish_reason is None and affected(r)}
-        if not groups:
-            return []
-        if mode == "wait":
-            outs = []
-            # Bounded: every step advances some sequence; each has at most max_seq_len tokens.
-            for _ in range(sum(len(g.group) for g in groups.values()) * self.max_seq_len + 1):
-                if all(q.finish_reason is not None for g in groups.values() for q in g.group):
-                    break
-                outs += self.step()
-            return outs
-        if mode == "abort":
-            for rid in groups:
-                self.abort(rid)
-            return [g.output() for g in groups.values()]
-        if mode == "keep":
-            engine.preempt_running(lambda r: r.request_id in groups)
-            return []
-        for rid, g in groups.items():  # restart
-            self.abort(rid)
-            req = self._make_request(EncodedPrompt(g.prompt, tuple(g.prompt_ids)), g.params,
-                                     rid, g.lora, seed=g.seed)
-            self._requests[rid] = req
-            engine.add(req)
-        return []
-
-    def sleep(self, level: int = 1, keep_weights: bool = True) -> None:
-        """Frees device memory for a trainer: level 1 the KV page pool (and the prefix cache
-        with it), level 2 the weights too, copied to the host first when keep_weights (else
-        dropped: update_weights must bring a whole tree). Needs no unfinished requests; while
-        asleep new requests are refused (RuntimeError) until wake_up()."""
-        if level not in (1, 2):
-            raise ValueError(f"level must be 1 or 2, got {level!r}")
-        if not isinstance(keep_weights, bool):
-            raise ValueError(f"keep_weights must be a bool, got {keep_weights!r}")
-        if self._sleep_level:
-            raise RuntimeError(f"the engine is already asleep (level {self._sleep_level})")
-        self._engine.sleep(level, keep_weights)
-        self._sleep_level = level
-        self._weights_dropped = level == 2 and not keep_weights
-
-    def wake_up(self) -> None:
-        """Restores what sleep() freed: the weights kept on the host and an empty page pool;
-        the compiled programs serve as before."""
-        if not self._sleep_level:
-            return
-        self._engine.wake_up()
-        self._sleep_level = 0
-
-    @property
-    def is_sleeping(self) -> bool:
-        return bool(self._sleep_level)
-
-    def _check_awake(self) -> None:
-        if self._sleep_level:
-            raise RuntimeError(f"the engine is asleep (sleep level {self._sleep_level}): call "
-                               "wake_up() before submitting requests")
-        if self._weights_dropped:
-            raise RuntimeError("the weights were dropped by sleep(level=2, keep_weights=False): "
-                               "call update_weights(params) before submitting requests")
 
     def _make_request(self, prompt: Prompt, params: SamplingParams,
                       request_id: Optional[str] = None,

@@ -10,7 +10,7 @@ from typing import Optional
 import jax
 import numpy as np
 
-from jaxinfer.config import ModelConfig
+from jaxinfer.config import MeshConfig, ModelConfig
 from jaxinfer.device.kv_cache import ring_capacity
 
 UTILIZATION = 0.9  # fraction of device memory the engine may use, as vLLM's default
@@ -61,3 +61,33 @@ def ring_bytes(cfg: ModelConfig, num_slots: int, slots: int, page_size: int, dty
     every sliding-window layer."""
     pages = -(-slots // page_size) * num_slots
     return kv_page_bytes(cfg, page_size, dtype, num_layers=cfg.num_local_layers) * pages
+
+
+def pages_from_memory(engine, memory_left: tuple[int, int], max_num_seqs: int,
+                      max_seq_len: int, page_size: int) -> int:
+    """num_pages=None on a device that reports memory: the pages that what the weights and
+    the engine's largest step's scratch leave can hold; ValueError when that cannot hold one
+    max_seq_len request."""
+    limit, in_use = memory_left
+    step = engine.step_scratch_bytes()
+    # Per device: each holds 1/(data*sequence) of the pool's pages, 1/tensor of kv heads.
+    partitioner = engine.partitioner
+    mesh = partitioner.mesh_config if partitioner is not None else MeshConfig()
+    cfg, kv_dtype = engine.runner.cfg, engine.kv_dtype
+    split = mesh.data * mesh.sequence * mesh.tensor
+    ring = engine.runner.ring_capacity
+    global_layers = cfg.num_layers - cfg.num_local_layers if ring else None
+    page = kv_page_bytes(cfg, page_size, kv_dtype, global_layers) // split
+    # A hybrid cache's ring of local layers is a fixed size: it comes off the top.
+    if ring:
+        step += ring_bytes(cfg, max_num_seqs, ring, page_size, kv_dtype) // split
+    pages = pages_for_memory(limit, in_use, step, page)
+    pages -= pages % (mesh.data * mesh.sequence)
+    need = (-(-max_seq_len // page_size) + 1) * mesh.data  # one request per replica
+    if pages < need:
+        raise ValueError(
+            f"the KV cache does not fit: of {UTILIZATION:.0%} of {limit} device bytes, "
+            f"{in_use} are in use (weights) and the largest step needs {step} more, leaving "
+            f"{pages} pages of {page} bytes; one max_seq_len ({max_seq_len}) request "
+            f"needs {need} (lower max_seq_len or max_num_seqs, or pass num_pages)")
+    return pages

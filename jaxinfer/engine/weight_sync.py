@@ -23,25 +23,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.loading.checkpoint import _is_quantized, _name
+from jaxinfer.loading.checkpoint import _is_quantized, _name, named_leaves
+from jaxinfer.sharding import replicate_kv_heads
 from jaxinfer.user_input import show
 
 MODES = ("wait", "abort", "keep", "restart")
-_KV_FIELDS = ("wk", "wv", "bk", "bv")
 
 
-def named_leaves(params) -> dict:
-    """{name: leaf} of a params pytree, a QuantizedWeight as one leaf; a tied model's absent
-    lm_head is left out."""
-    leaves = jax.tree_util.tree_leaves_with_path(params, is_leaf=_is_quantized)
-    return {_name(path): leaf for path, leaf in leaves}
+def _as_stored(cfg):
+    """The model's config as its checkpoints have it: each kv head once."""
+    return cfg.replace(num_kv_heads=cfg.num_kv_heads // cfg.kv_head_copies, kv_head_copies=1)
 
 
-def incoming(weights, family, cfg, kv_heads: int) -> dict:
-    """The new weights as {name: array}, checked against the model's names and shapes (cfg:
-    the model's own config, kv_heads: as the checkpoint has them); ValueError names the weight
-    and what it should be."""
-    from jaxinfer.models import ModelParams
+def incoming(weights, cfg) -> dict:
+    """The new weights as {name: array}, checked against the model's names and shapes as a
+    checkpoint has them (cfg: the engine's config; its repeated kv heads counted once);
+    ValueError names the weight and what it should be."""
+    from jaxinfer.models import ModelParams, get_model
 
     if isinstance(weights, ModelParams):
         named = named_leaves(weights)
@@ -53,7 +51,7 @@ def incoming(weights, family, cfg, kv_heads: int) -> dict:
                          f"{type(weights).__name__}")
     if not named:
         raise ValueError("weights is empty: nothing to update")
-    specs = dict(family.expanded_specs(cfg.replace(num_kv_heads=kv_heads)))
+    specs = dict(get_model(cfg.architecture).expanded_specs(_as_stored(cfg)))
     out = {}
     for name, x in named.items():
         if not isinstance(name, str) or name not in specs:
@@ -73,15 +71,6 @@ def incoming(weights, family, cfg, kv_heads: int) -> dict:
             raise ValueError(f"weight {name!r} has dtype {x.dtype}; a float dtype is needed")
         out[name] = x
     return out
-
-
-def _repeat_kv(name: str, x, kv_heads: int, repeat: int, xp):
-    """wk / wv / bk / bv with each of kv_heads heads repeated `repeat` times along the last
-    axis (the engine's layout where the tensor degree exceeds the kv heads)."""
-    if repeat == 1 or name.split(".")[-1] not in _KV_FIELDS:
-        return x
-    heads = x.reshape(x.shape[:-1] + (kv_heads, -1))
-    return xp.repeat(heads, repeat, axis=-2).reshape(x.shape[:-1] + (-1,))
 
 
 def shares_buffers(a, b) -> bool:
@@ -107,28 +96,32 @@ def _place(x, like: jax.Array, dtype, donate: bool) -> jax.Array:
     return moved
 
 
-def convert(new: dict, current, *, dtype, kv_heads: int, repeat: int,
-            quantization: Optional[str], group_size: Optional[int] = None,
-            donate: bool = False):
+def convert(new: dict, current, cfg, *, dtype, quantization: Optional[str],
+            group_size: Optional[int] = None, donate: bool = False):
     """The engine's params with the weights in `new` (incoming's output) made into what it
-    holds in their places (dtype: the engine's weight dtype). Returns (params, the replaced
-    leaves of the old params)."""
+    holds in their places (cfg: the engine's model config, its kv heads repeated
+    cfg.kv_head_copies times; dtype: the engine's weight dtype). Returns (params, the
+    replaced leaves of the old params)."""
     from jaxinfer import quant
+
+    copies, source = cfg.kv_head_copies, _as_stored(cfg)
+
+    def repeated(name, x, xp):  # wk / wv / bk / bv in the engine's kv-head layout
+        return replicate_kv_heads(source, {name: x}, cfg.num_kv_heads, xp)[1][name]
 
     old = named_leaves(current)
     made = {}
     for name, x in new.items():
         like = old[name]
         if _is_quantized(like):
-            host = np.asarray(jax.device_get(x), np.float32)
-            host = _repeat_kv(name, host, kv_heads, repeat, np)
+            host = repeated(name, np.asarray(jax.device_get(x), np.float32), np)
             q = quant.quantize_weights({name: host}, quantization, group_size)[name]
             made[name] = jax.tree.map(lambda part, o: jax.device_put(part, o.sharding), q, like)
         else:
-            if repeat > 1 and name.split(".")[-1] in _KV_FIELDS:
+            if copies > 1:  # repeated whole on every device, then laid out as the old leaf
                 whole = jax.sharding.NamedSharding(like.sharding.mesh,
                                                    jax.sharding.PartitionSpec())
-                x = _repeat_kv(name, jax.device_put(x, whole), kv_heads, repeat, jnp)
+                x = repeated(name, jax.device_put(x, whole), jnp)
             made[name] = _place(x, like, dtype, donate)
 
     def pick(path, leaf):

@@ -70,13 +70,18 @@ def _is_quantized(x) -> bool:
     return isinstance(x, QuantizedWeight)
 
 
-def named_weights(params) -> dict:
+def named_leaves(params) -> dict:
     """A params pytree as {name: array or QuantizedWeight} in params_from_weights' names
-    ("embed", "layers.3.wq", ...), every array on the host (numpy)."""
+    ("embed", "layers.3.wq", ...), the leaves as they are (a tied model has no lm_head)."""
+    leaves = jax.tree_util.tree_leaves_with_path(params, is_leaf=_is_quantized)
+    return {_name(path): leaf for path, leaf in leaves}
+
+
+def named_weights(params) -> dict:
+    """named_leaves with every array on the host (numpy)."""
     import numpy as np
 
-    leaves = jax.tree_util.tree_leaves_with_path(params, is_leaf=_is_quantized)
-    return {_name(path): jax.tree.map(np.asarray, leaf) for path, leaf in leaves}
+    return {name: jax.tree.map(np.asarray, leaf) for name, leaf in named_leaves(params).items()}
 
 
 def save_checkpoint(path: str, cfg: ModelConfig, params, tokenizer=None, *,
